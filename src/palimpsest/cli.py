@@ -1,0 +1,202 @@
+"""The `palimpsest` command line.
+
+    palimpsest import FILE                      trajectories (JSONL) into the ledger, enriched
+    palimpsest render --session ID --policy P --budget N [--at T]
+    palimpsest glimpse --session ID STEP_ID     the raw text of one step
+    palimpsest audit --session ID               every audited turn of a session
+    palimpsest policies                         names and default configs
+    palimpsest demo                             PACE and ACE side by side on a real trajectory
+
+The ledger is ``--ledger PATH``, else ``$PALIMPSEST_LEDGER``, else ``.palimpsest/ledger.db``.
+Every refused input ends with one line on stderr naming the problem and exit status 2.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from palimpsest.platform import Ledger, Runtime
+from palimpsest.platform.compiler import validate_budget
+from palimpsest.platform.policies import default_configs, load_policy_file, parse_policy_config
+from palimpsest.platform.types import PalimpsestError, Resolution
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, help="Palimpsest: compress the view, never the source.")
+out = Console()
+err = Console(stderr=True)
+
+DEFAULT_LEDGER = ".palimpsest/ledger.db"
+
+
+def shared_dev_file() -> Path:
+    """The dev trajectories of the shared folder beside the project ($PALIMPSEST_SHARED overrides)."""
+    rel = Path("data") / "trajectories" / "dev.jsonl"
+    roots = [os.environ.get("PALIMPSEST_SHARED"), Path.cwd().parent / "shared",
+             Path(__file__).resolve().parents[2].parent / "shared"]
+    for root in roots:
+        if root and (Path(root) / rel).is_file():
+            return Path(root) / rel
+    return Path.cwd().parent / "shared" / rel
+
+
+LedgerOpt = typer.Option(None, "--ledger", help="ledger file (default $PALIMPSEST_LEDGER or .palimpsest/ledger.db)")
+
+
+def _ledger_path(path: Optional[Path]) -> Path:
+    return Path(path or os.environ.get("PALIMPSEST_LEDGER") or DEFAULT_LEDGER)
+
+
+def _fail(message: str) -> None:
+    err.print(f"[bold red]error:[/] {message}", highlight=False)
+    sys.exit(2)
+
+
+def _policy_config(policy: str, config_file: Optional[Path]):
+    cfg = load_policy_file(config_file) if config_file else parse_policy_config(policy)
+    if cfg.type != policy:
+        raise PalimpsestError(f"--policy {policy} does not match the type {cfg.type!r} in {config_file}")
+    return cfg
+
+
+@app.command("import")
+def import_cmd(
+    file: Path = typer.Argument(..., help="trajectories, one JSON object per line"),
+    ledger: Optional[Path] = LedgerOpt,
+    enrich: bool = typer.Option(True, help="write summaries and keys now (otherwise on first use)"),
+) -> None:
+    """Import agent trajectories into the ledger (each becomes a session named by its id)."""
+    from rich.progress import Progress
+
+    from palimpsest.pipelines.trajectories import import_file
+
+    with Ledger(_ledger_path(ledger)) as led:
+        rt = Runtime(led)
+        with Progress(console=err, transient=True) as bar:
+            task = bar.add_task("importing", total=None)
+
+            def done(traj) -> None:
+                if enrich and led.count(traj.id):
+                    rt.enrich(traj.id)
+                bar.advance(task)
+
+            report = import_file(led, file, on_trajectory=done)
+        table = Table("session", "steps", title=f"imported into {led.path}")
+        for sid, n in report.imported:
+            table.add_row(sid, str(n))
+        out.print(table)
+    for e in report.errors:
+        err.print(f"[red]refused:[/] {e}", highlight=False)
+    if report.errors:
+        raise typer.Exit(1 if report.imported else 2)
+
+
+@app.command()
+def render(
+    session: str = typer.Option(..., "--session", help="session id"),
+    policy: str = typer.Option(..., "--policy", help="policy name (see `palimpsest policies`)"),
+    budget: int = typer.Option(..., "--budget", help="token budget of the compiled context"),
+    at: Optional[int] = typer.Option(None, "--at", help="compile the context before step T (default: next step)"),
+    policy_config: Optional[Path] = typer.Option(None, "--policy-config", help="YAML config of the policy"),
+    show_prompt: bool = typer.Option(True, "--prompt/--no-prompt", help="print the compiled context"),
+    ledger: Optional[Path] = LedgerOpt,
+) -> None:
+    """Compile one turn's context and show it with its plan."""
+    validate_budget(budget)
+    if at is not None and at < 0:
+        raise PalimpsestError(f"--at must be >= 0, got {at}")
+    cfg = _policy_config(policy, policy_config)
+    with Ledger(_ledger_path(ledger)) as led:
+        rt = Runtime(led)
+        led.session(session)  # unknown session -> a clear error before any work
+        rt.enrich(session)
+        turn = rt.turn(session, cfg, budget, at=at, record=False)
+    table = Table("t", "step", "resolution", "score", "reason", title=f"{policy} plan at t={turn.t}")
+    for e in turn.plan.entries():
+        table.add_row(str(e.t), f"#{e.step_id}", e.resolution.label, f"{e.score:.3g}", e.reason)
+    out.print(table)
+    if turn.plan.degradations:
+        out.print(f"degraded to fit the budget: {len(turn.plan.degradations)} level steps")
+    if show_prompt:
+        out.rule("compiled context")
+        out.print(turn.prompt.text, markup=False, highlight=False)
+    out.print(f"tokens: {turn.prompt.tokens} / budget {budget} (prefix {turn.prompt.prefix_tokens}); "
+              + ", ".join(f"{k} {v}" for k, v in turn.plan.counts().items()))
+
+
+@app.command()
+def glimpse(
+    step_id: str = typer.Argument(..., help="the step id a placeholder shows, e.g. 42 or #42"),
+    session: str = typer.Option(..., "--session"),
+    ledger: Optional[Path] = LedgerOpt,
+) -> None:
+    """Print the raw text of one step of a session (counts against the turn's glimpse limit)."""
+    with Ledger(_ledger_path(ledger)) as led:
+        out.print(Runtime(led).glimpse(session, step_id), markup=False, highlight=False)
+
+
+@app.command()
+def audit(session: str = typer.Option(..., "--session"), ledger: Optional[Path] = LedgerOpt) -> None:
+    """Show every audited turn of a session."""
+    with Ledger(_ledger_path(ledger)) as led:
+        rows = led.audit(session)
+    table = Table("t", "policy", "config", "budget", "tokens", "prompt hash", "resolutions", "degraded")
+    for r in rows:
+        table.add_row(str(r["t"]), r["policy"], r["config_hash"], str(r["budget"]), str(r["tokens"]),
+                      r["prompt_hash"][:12], " ".join(f"{k}={v}" for k, v in r["counts"].items() if v),
+                      str(len(r["degradations"])))
+    out.print(table)
+
+
+@app.command()
+def policies() -> None:
+    """List the policies and their default configs."""
+    for name, cfg in default_configs().items():
+        out.rule(name)
+        out.print((cfg.__doc__ or "").strip(), highlight=False)
+        out.print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False).rstrip(), markup=False)
+
+
+@app.command()
+def demo(
+    data: Optional[Path] = typer.Option(None, help="trajectories (default: ../shared/data/trajectories/dev.jsonl)"),
+    trajectory: Optional[str] = typer.Option(None, help="trajectory id (default: the longest)"),
+    budget: int = typer.Option(8000, help="token budget"),
+    ledger: Optional[Path] = typer.Option(None, help="ledger file (default: a fresh one under .palimpsest/)"),
+) -> None:
+    """Import the dev trajectories and show PACE and ACE side by side on one of them."""
+    from palimpsest.pipelines.demo import run_demo
+
+    path = data or shared_dev_file()
+    if not path.is_file():
+        raise PalimpsestError(f"no trajectories at {path}; pass --data FILE")
+    run_demo(out, path, trajectory, validate_budget(budget), ledger or Path(".palimpsest/demo.db"))
+
+
+def main() -> None:
+    try:
+        rc = app(standalone_mode=False)  # returns the exit code of typer.Exit instead of raising
+    except PalimpsestError as e:
+        _fail(str(e))
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except (typer.Abort, KeyboardInterrupt):
+        sys.exit(130)
+    except Exception as e:  # click usage errors carry their own message and exit code
+        import click
+
+        if isinstance(e, click.ClickException):
+            e.show()
+            sys.exit(e.exit_code)
+        raise
+    sys.exit(rc if isinstance(rc, int) else 0)
+
+
+if __name__ == "__main__":
+    main()

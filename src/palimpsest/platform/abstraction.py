@@ -1,0 +1,218 @@
+"""The deterministic abstraction writer (ACE's message-maintenance layer, in pure Python).
+
+From one raw step it extracts a structured :class:`Abstraction` (outcome, summary, critical facts,
+identifiers, paths, URLs, numbers, error lines, failed actions with reasons, follow-ups) and
+renders the ``detailed`` and ``brief`` texts from it. It is the default summariser and the
+fallback whenever an LLM summariser is slow or down, so it must never fail on any input.
+
+Content that came from the environment stays inside an untrusted block in every text rendered
+here (see :func:`palimpsest.platform.render.authority_block`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+
+from palimpsest.platform.render import authority_block, gist
+from palimpsest.platform.types import Authority, StepRecord
+
+WRITER_NAME = "rule-abstraction"
+WRITER_VERSION = "1"
+
+_URL = re.compile(r"https?://[^\s'\"<>)\]}`]+")
+_PATH = re.compile(
+    r"(?<![\w/.-])(?:\.{0,2}/)?(?:[\w.-]+/)+[\w.-]*\w"
+    r"|\b[\w-]+\.(?:py|pyi|js|ts|tsx|jsx|md|rst|txt|json|ya?ml|toml|cfg|ini|c|h|cc|cpp|hpp|java|go|rs|rb|sh"
+    r"|html|css|csv|sql|xml|lock|log|ipynb)\b"
+)
+_HASH = re.compile(r"\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b")
+_ID = re.compile(r"\b(?=\w*\d)(?=\w*[A-Za-z])\w{5,}\b")
+_NUMBER = re.compile(r"(?<![\w.])\d{3,}(?![\w.])")
+_DOTTED = re.compile(r"\b[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+\b")
+_WORD = re.compile(r"\b[A-Za-z_]\w{5,}\b")
+_STRING = re.compile(r"'([^'\n]{8,100})'|\"([^\"\n]{8,100})\"")
+# An error line starts like one (a listing of source code that merely mentions `except FooError:`
+# is not a failure), or carries one of the shell's unmistakable messages anywhere.
+_ERROR_LINE = re.compile(
+    r"^\s*(?:Traceback \(most recent call last\)|[A-Z]\w*(?:Error|Exception|Exit)\b(?::|$)|E\s{2,}\S|FAILED\b|FAIL:"
+    r"|ERROR\b|fatal:|error:|Segmentation fault)"
+    r"|No such file or directory|command not found|Permission denied|exit code [1-9]\d*\]"
+)
+_FOLLOW_UP = re.compile(r"\b(next|then|need to|needs to|should|TODO|let me|let's|I will|I'll|plan)\b", re.I)
+_RETURNCODE = re.compile(r"<returncode>\s*(-?\d+)\s*</returncode>|exit code (-?\d+)")
+
+_IDS_DETAILED = 48
+_IDS_BRIEF = 6
+_FACT_LINES = 8
+_LINE_CHARS = 200
+
+
+def _is_identifier(w: str) -> bool:
+    return "_" in w or re.search(r"[a-z][A-Z]", w) is not None or sum(c.isupper() for c in w) >= 2
+
+
+def _uniq(items, limit: int) -> list[str]:
+    seen: dict[str, None] = {}
+    for it in items:
+        if it and it not in seen:
+            seen[it] = None
+            if len(seen) >= limit:
+                break
+    return list(seen)
+
+
+@dataclass(frozen=True)
+class Abstraction:
+    t: int
+    kind: str
+    tool: str | None
+    authority: str
+    outcome: str  # ok | error | empty | unknown
+    summary: str
+    critical_facts: list[str] = field(default_factory=list)
+    identifiers: list[str] = field(default_factory=list)
+    paths: list[str] = field(default_factory=list)
+    urls: list[str] = field(default_factory=list)
+    numbers: list[str] = field(default_factory=list)
+    error_lines: list[str] = field(default_factory=list)
+    failed_actions: list[dict[str, str]] = field(default_factory=list)
+    follow_ups: list[str] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), ensure_ascii=False, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, s: str) -> "Abstraction":
+        return cls(**json.loads(s))
+
+    def salient(self) -> frozenset[str]:
+        """The tokens a step is about: what the rule elasticizer matches against."""
+        return frozenset(self.identifiers) | frozenset(self.paths) | frozenset(self.urls)
+
+
+def extract_salient(text: str, limit: int = 256) -> tuple[list[str], list[str], list[str], list[str]]:
+    """(identifiers, paths, urls, numbers) of a text, in order of first occurrence."""
+    urls = _uniq(_URL.findall(text), limit)
+    rest = _URL.sub(" ", text)
+    paths = _uniq((p for p in _PATH.findall(rest) if "/" in p or "." in p), limit)
+    rest = _PATH.sub(" ", rest)
+    ids: list[str] = []
+    ids += _DOTTED.findall(rest)
+    ids += _HASH.findall(rest)
+    ids += _ID.findall(rest)
+    ids += [w for w in _WORD.findall(rest) if _is_identifier(w)]
+    ids += [a or b for a, b in _STRING.findall(rest)]
+    numbers = _uniq(_NUMBER.findall(rest), limit)
+    return _uniq(ids, limit), paths, urls, numbers
+
+
+def _outcome(obs: str | None, errors: list[str]) -> str:
+    if obs is None:
+        return "unknown"
+    m = _RETURNCODE.search(obs)
+    if m:
+        code = int(m.group(1) or m.group(2))
+        if code != 0:
+            return "error"
+    if errors:
+        return "error"
+    body = re.sub(r"</?(returncode|output)>|\d+", "", obs).strip()
+    return "ok" if body else "empty"
+
+
+def _fact_lines(obs: str, identifiers: list[str], errors: list[str]) -> list[str]:
+    """Lines worth keeping verbatim: errors first, then the lines densest in identifiers."""
+    wanted = set(identifiers[:_IDS_DETAILED])
+    scored = []
+    for i, line in enumerate(obs.splitlines()):
+        s = line.strip()
+        if not s or s in errors:
+            continue
+        hits = sum(1 for w in re.findall(r"[\w.]+", s) if w in wanted)
+        if hits:
+            scored.append((-hits, i, s[:_LINE_CHARS]))
+    scored.sort()
+    keep = sorted(scored[: _FACT_LINES], key=lambda x: x[1])
+    return errors[:3] + [s for _, _, s in keep]
+
+
+def abstract_step(step: StepRecord) -> Abstraction:
+    """The structured abstraction of one raw step. Pure and deterministic."""
+    obs = step.observation or ""
+    errors = _uniq((ln.strip()[:_LINE_CHARS] for ln in obs.splitlines() if _ERROR_LINE.search(ln)), 6)
+    ids, paths, urls, numbers = extract_salient(obs)
+    outcome = _outcome(step.observation, errors)
+    summary = gist(step.action or step.thought or step.kind, 160)
+    failed = [{"action": gist(step.action, 120), "reason": errors[0] if errors else "non-zero exit"}] if outcome == "error" else []
+    follow = _uniq(
+        (s.strip()[:_LINE_CHARS] for s in re.split(r"(?<=[.!?])\s+|\n", step.thought or "") if _FOLLOW_UP.search(s)), 2
+    )
+    return Abstraction(
+        t=step.t,
+        kind=step.kind,
+        tool=step.tool,
+        authority=step.authority.value,
+        outcome=outcome,
+        summary=summary,
+        critical_facts=_fact_lines(obs, ids, errors),
+        identifiers=ids[: _IDS_DETAILED * 2],
+        paths=paths[:24],
+        urls=urls[:12],
+        numbers=numbers[:16],
+        error_lines=errors,
+        failed_actions=failed,
+        follow_ups=follow,
+    )
+
+
+def render_detailed(a: Abstraction) -> str:
+    lines = [f"action: {a.summary}", f"outcome: {a.outcome}"]
+    for f in a.failed_actions:
+        lines.append(f"failed: {f['reason']}")
+    for fu in a.follow_ups:
+        lines.append(f"next: {fu}")
+    facts = []
+    if a.critical_facts:
+        facts.append("facts:\n" + "\n".join(f"- {x}" for x in a.critical_facts))
+    for label, items in (("paths", a.paths[:16]), ("ids", a.identifiers[:_IDS_DETAILED]), ("urls", a.urls[:8]),
+                         ("numbers", a.numbers[:12])):
+        if items:
+            facts.append(f"{label}: " + ", ".join(items))
+    text = "\n".join(lines)
+    if facts:
+        text += "\n" + authority_block("\n".join(facts), a.authority)
+    return text
+
+
+def render_brief(a: Abstraction) -> str:
+    head = f"{a.summary[:100]} -> {a.outcome}"
+    if a.failed_actions:
+        head += f" ({gist(a.failed_actions[0]['reason'], 60)})"
+    seen = _uniq(a.paths[:2] + a.identifiers[:_IDS_BRIEF] + a.urls[:1], _IDS_BRIEF + 2)
+    if seen:
+        head += " " + authority_block(", ".join(seen), a.authority, inline=True)
+    return head
+
+
+@dataclass(frozen=True)
+class Summaries:
+    abstraction: Abstraction
+    detailed: str
+    brief: str
+
+
+class RuleSummarizer:
+    """The default summariser: deterministic, instant, never fails."""
+
+    name = WRITER_NAME
+    version = WRITER_VERSION
+
+    def summarize(self, step: StepRecord) -> Summaries:
+        a = abstract_step(step)
+        return Summaries(a, render_detailed(a), render_brief(a))
+
+
+def is_untrusted(authority: str | Authority) -> bool:
+    return not Authority(authority).trusted

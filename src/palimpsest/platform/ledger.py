@@ -1,0 +1,506 @@
+"""The step ledger: an append-only store of every step, its representations, keys and audits.
+
+SQLite in WAL mode with ``synchronous=FULL`` is the embedded default: a step is committed (and
+fsynced) before :meth:`Ledger.append` returns. Triggers make every table append-only, so raw
+text can never be updated or deleted by any code path, this module's included.
+
+Reads go through :meth:`Ledger.snapshot`, one read transaction that returns an immutable
+:class:`SessionSnapshot` (columns as numpy arrays), the only input a policy ever sees. Every
+read and every write names its session; a step id of another session is "unknown" here.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sqlite3
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from palimpsest.platform.abstraction import Abstraction, Summaries
+from palimpsest.platform.render import render_full_body, render_placeholder_body, render_prefix, render_segment
+from palimpsest.platform.tokens import Tokenizer, get_tokenizer
+from palimpsest.platform.types import (
+    Authority,
+    CompiledTurn,
+    Fold,
+    LedgerError,
+    Resolution,
+    Session,
+    Step,
+    StepRecord,
+    UnknownSessionError,
+    UnknownStepError,
+)
+
+SCHEMA_VERSION = 1
+_SESSION_ID = re.compile(r"^[\w.:/@+-]{1,200}$")
+_KIND = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS sessions (
+    id TEXT PRIMARY KEY, task TEXT NOT NULL, system TEXT NOT NULL, tools TEXT,
+    meta TEXT NOT NULL, created REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS steps (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    session_id TEXT NOT NULL REFERENCES sessions(id),
+    t INTEGER NOT NULL, kind TEXT NOT NULL, thought TEXT NOT NULL, action TEXT NOT NULL,
+    observation TEXT, authority TEXT NOT NULL, tool TEXT, sha256 TEXT NOT NULL,
+    tok_thought INTEGER NOT NULL, tok_action INTEGER NOT NULL, tok_observation INTEGER NOT NULL,
+    tok_full INTEGER NOT NULL, created REAL NOT NULL,
+    UNIQUE (session_id, t));
+CREATE TABLE IF NOT EXISTS representations (
+    step_id INTEGER NOT NULL REFERENCES steps(id), resolution TEXT NOT NULL, text TEXT NOT NULL,
+    tokens INTEGER NOT NULL, producer TEXT NOT NULL, producer_version TEXT NOT NULL, created REAL NOT NULL,
+    PRIMARY KEY (step_id, resolution, producer));
+CREATE TABLE IF NOT EXISTS abstractions (
+    step_id INTEGER NOT NULL REFERENCES steps(id), producer TEXT NOT NULL, producer_version TEXT NOT NULL,
+    body TEXT NOT NULL, created REAL NOT NULL, PRIMARY KEY (step_id, producer));
+CREATE TABLE IF NOT EXISTS keys (
+    step_id INTEGER NOT NULL REFERENCES steps(id), model TEXT NOT NULL, dim INTEGER NOT NULL,
+    vector BLOB NOT NULL, created REAL NOT NULL, PRIMARY KEY (step_id, model));
+CREATE TABLE IF NOT EXISTS folds (
+    session_id TEXT NOT NULL REFERENCES sessions(id), policy_key TEXT NOT NULL, upto INTEGER NOT NULL,
+    text TEXT NOT NULL, tokens INTEGER NOT NULL, producer TEXT NOT NULL, created REAL NOT NULL,
+    PRIMARY KEY (session_id, policy_key, upto));
+CREATE TABLE IF NOT EXISTS audit (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, session_id TEXT NOT NULL REFERENCES sessions(id),
+    t INTEGER NOT NULL, policy TEXT NOT NULL, config_hash TEXT NOT NULL, budget INTEGER NOT NULL,
+    prompt_hash TEXT NOT NULL, prefix_hash TEXT NOT NULL, tokens INTEGER NOT NULL, prefix_tokens INTEGER NOT NULL,
+    counts TEXT NOT NULL, plan BLOB NOT NULL, degradations TEXT NOT NULL, created REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS audit_session ON audit (session_id, t);
+CREATE TABLE IF NOT EXISTS glimpses (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, session_id TEXT NOT NULL, t INTEGER NOT NULL,
+    step_id INTEGER NOT NULL, created REAL NOT NULL);
+"""
+
+# Every table but meta is append-only: no code path may rewrite or delete what was stored.
+_APPEND_ONLY = ("sessions", "steps", "representations", "abstractions", "keys", "folds", "audit", "glimpses")
+_TRIGGERS = "\n".join(
+    f"CREATE TRIGGER IF NOT EXISTS {t}_no_{op} BEFORE {op.upper()} ON {t} "
+    f"BEGIN SELECT RAISE(ABORT, '{t} is append-only'); END;"
+    for t in _APPEND_ONLY
+    for op in ("update", "delete")
+)
+
+_REPR_ORDER = (Resolution.DETAILED, Resolution.BRIEF, Resolution.PLACEHOLDER)
+
+
+@dataclass(frozen=True)
+class SessionSnapshot:
+    """Everything a policy may read about one session, as of one consistent point in time.
+
+    Columns are aligned with ``steps`` (index i is step t=i). ``tokens[i, r]`` is the token count
+    of step i rendered at resolution r (FULL, DETAILED, BRIEF, PLACEHOLDER), -1 where that
+    representation does not exist yet. ``keys`` rows are zero where ``has_key`` is False.
+    """
+
+    session: Session
+    steps: tuple[Step, ...]
+    step_ids: np.ndarray  # (M,) int64
+    tokens: np.ndarray  # (M, 4) int64
+    bodies: tuple[tuple[str | None, ...], ...]  # per resolution DETAILED, BRIEF, PLACEHOLDER: (M,) texts
+    key_model: str | None
+    keys: np.ndarray  # (M, d) float32, L2-normalised
+    has_key: np.ndarray  # (M,) bool
+    abstractions: tuple[str | None, ...]  # (M,) JSON of the structured abstraction
+    folds: Mapping[str, Fold] = field(default_factory=dict)  # policy key -> latest fold
+    last_context_tokens: Mapping[str, int] = field(default_factory=dict)  # policy -> |C_{t-1}|
+    tokenizer: str = "approx-v1"
+    prefix_tokens: int = 0  # system + tools + task, as the compiler renders them
+
+    @property
+    def t(self) -> int:
+        """The index of the step about to be taken (= number of steps in the snapshot)."""
+        return len(self.steps)
+
+    def body(self, i: int, res: Resolution) -> str | None:
+        if res is Resolution.FULL:
+            return render_full_body(self.steps[i])
+        if res is Resolution.DROP:
+            return None
+        return self.bodies[_REPR_ORDER.index(res)][i]
+
+    def abstraction(self, i: int) -> Abstraction | None:
+        s = self.abstractions[i]
+        return Abstraction.from_json(s) if s else None
+
+
+class Ledger:
+    """Append-only step ledger on SQLite (WAL). Thread-safe; several processes may share the file."""
+
+    def __init__(self, path: str | Path = ":memory:", tokenizer: Tokenizer | str | None = None, *,
+                 synchronous: str = "FULL", timeout_s: float = 30.0):
+        self.path = str(path)
+        if self.path != ":memory:":
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.RLock()
+        try:
+            self._db = sqlite3.connect(self.path, timeout=timeout_s, isolation_level=None, check_same_thread=False)
+        except sqlite3.Error as e:
+            raise LedgerError(f"cannot open ledger {self.path}: {e}") from e
+        if synchronous.upper() not in ("FULL", "NORMAL", "EXTRA"):
+            raise LedgerError(f"synchronous must be FULL, NORMAL or EXTRA, got {synchronous!r}")
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute(f"PRAGMA synchronous={synchronous.upper()}")
+        self._db.execute("PRAGMA foreign_keys=ON")
+        with self._tx():
+            for stmt in (_SCHEMA + _TRIGGERS).split(";\n"):
+                if stmt.strip():
+                    self._db.execute(stmt)
+            self._db.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+        self.tokenizer = self._bind_tokenizer(tokenizer)
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    def _tx(self, immediate: bool = True):
+        ledger = self
+
+        class _Tx:
+            def __enter__(self_inner):
+                ledger._lock.acquire()
+                ledger._db.execute("BEGIN IMMEDIATE" if immediate else "BEGIN")
+                return ledger._db
+
+            def __exit__(self_inner, exc_type, exc, tb):
+                try:
+                    ledger._db.execute("ROLLBACK" if exc_type else "COMMIT")
+                finally:
+                    ledger._lock.release()
+                return False
+
+        return _Tx()
+
+    def _bind_tokenizer(self, tokenizer: Tokenizer | str | None) -> Tokenizer:
+        """Token counts are stored, so one ledger counts with one tokenizer for its whole life."""
+        row = self._db.execute("SELECT value FROM meta WHERE key='tokenizer'").fetchone()
+        if tokenizer is None:
+            tok = get_tokenizer(json.loads(row[0])["spec"] if row else None)
+        elif isinstance(tokenizer, str):
+            tok = get_tokenizer(tokenizer)
+        else:
+            tok = tokenizer
+        spec = getattr(tok, "spec", None) or (tokenizer if isinstance(tokenizer, str) else None)
+        if row is None:
+            with self._tx():
+                self._db.execute("INSERT OR IGNORE INTO meta VALUES ('tokenizer', ?)",
+                                 (json.dumps({"name": tok.name, "spec": spec}),))
+        elif json.loads(row[0])["name"] != tok.name:
+            raise LedgerError(
+                f"ledger {self.path} counts tokens with {json.loads(row[0])['name']!r}; "
+                f"it cannot be opened with {tok.name!r}"
+            )
+        return tok
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def __enter__(self) -> "Ledger":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- sessions ---------------------------------------------------------------------------
+
+    def create_session(self, session_id: str, task: str, system: str = "", tools: str | None = None,
+                       meta: Mapping | None = None) -> Session:
+        """Create a session; creating it again with the same task/system/tools is a no-op."""
+        if not isinstance(session_id, str) or not _SESSION_ID.match(session_id):
+            raise LedgerError(f"invalid session id {session_id!r}: 1-200 characters of letters, digits and ._:/@+-")
+        if not isinstance(task, str) or not task.strip():
+            raise LedgerError(f"session {session_id!r}: the task must be a non-empty string")
+        with self._tx() as db:
+            row = db.execute("SELECT task, system, tools FROM sessions WHERE id=?", (session_id,)).fetchone()
+            if row is not None:
+                if tuple(row) != (task, system or "", tools):
+                    raise LedgerError(f"session {session_id!r} already exists with a different task, system or tools")
+            else:
+                db.execute("INSERT INTO sessions VALUES (?,?,?,?,?,?)",
+                           (session_id, task, system or "", tools, json.dumps(dict(meta or {})), time.time()))
+        return self.session(session_id)
+
+    def session(self, session_id: str) -> Session:
+        row = self._db.execute("SELECT id, task, system, tools, meta, created FROM sessions WHERE id=?",
+                               (session_id,)).fetchone()
+        if row is None:
+            raise UnknownSessionError(f"unknown session {session_id!r}")
+        return Session(id=row[0], task=row[1], system=row[2], tools=row[3], meta=json.loads(row[4]), created=row[5])
+
+    def sessions(self) -> list[str]:
+        return [r[0] for r in self._db.execute("SELECT id FROM sessions ORDER BY created, id")]
+
+    # -- steps ------------------------------------------------------------------------------
+
+    def append(self, session_id: str, record: StepRecord) -> Step:
+        """Store one raw step durably; returns only after the commit. Idempotent for identical content."""
+        return self.append_many(session_id, [record])[0]
+
+    def append_many(self, session_id: str, records: Sequence[StepRecord]) -> list[Step]:
+        """Store several steps in one transaction (all or nothing)."""
+        for r in records:
+            _validate_record(session_id, r)
+        out: list[int] = []
+        with self._tx() as db:
+            if db.execute("SELECT 1 FROM sessions WHERE id=?", (session_id,)).fetchone() is None:
+                raise UnknownSessionError(f"unknown session {session_id!r}")
+            (next_t,) = db.execute("SELECT COUNT(*) FROM steps WHERE session_id=?", (session_id,)).fetchone()
+            for r in records:
+                digest = r.sha256()
+                row = db.execute("SELECT id, sha256 FROM steps WHERE session_id=? AND t=?",
+                                 (session_id, r.t)).fetchone()
+                if row is not None:
+                    if row[1] != digest:
+                        raise LedgerError(
+                            f"session {session_id!r} step t={r.t} already exists with different content "
+                            f"(stored sha256 {row[1][:12]}, new {digest[:12]}); raw steps are immutable"
+                        )
+                    out.append(row[0])
+                    continue
+                if r.t != next_t:
+                    raise LedgerError(f"session {session_id!r}: expected step t={next_t}, got t={r.t} (steps are appended in order)")
+                # We hold the write lock, so the next id is known before the insert; the full segment's
+                # size (its header names the id) is then stored with the row, which is never updated.
+                (sid,) = db.execute("SELECT COALESCE(MAX(id), 0) + 1 FROM steps").fetchone()
+                ph_body = render_placeholder_body(r, sid)
+                n_th, n_act, n_obs, n_full, n_ph = self.tokenizer.count_batch([
+                    r.thought, r.action, r.observation or "",
+                    render_segment(r, sid, Resolution.FULL, render_full_body(r)),
+                    render_segment(r, sid, Resolution.PLACEHOLDER, ph_body),
+                ])
+                db.execute(
+                    "INSERT INTO steps (id, session_id, t, kind, thought, action, observation, authority, tool, sha256,"
+                    " tok_thought, tok_action, tok_observation, tok_full, created) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                    (sid, session_id, r.t, r.kind, r.thought, r.action, r.observation, r.authority.value, r.tool,
+                     digest, n_th, n_act, n_obs, n_full, time.time()),
+                )
+                db.execute("INSERT INTO representations VALUES (?,?,?,?,?,?,?)",
+                           (sid, "placeholder", ph_body, n_ph, "ledger", "1", time.time()))
+                out.append(sid)
+                next_t += 1
+        return [self.step(session_id, sid) for sid in out]
+
+    def step(self, session_id: str, step_id: int) -> Step:
+        """One raw step, looked up by id within its session. Another session's id is unknown here."""
+        try:
+            sid = int(str(step_id).lstrip("#"))
+        except (TypeError, ValueError):
+            raise UnknownStepError(f"invalid step id {step_id!r}") from None
+        row = self._db.execute(f"SELECT {_STEP_COLS} FROM steps WHERE id=? AND session_id=?",
+                               (sid, session_id)).fetchone()
+        if row is None:
+            raise UnknownStepError(f"no step #{sid} in session {session_id!r}")
+        return _step_from_row(row)
+
+    def step_at(self, session_id: str, t: int) -> Step:
+        row = self._db.execute(f"SELECT {_STEP_COLS} FROM steps WHERE session_id=? AND t=?",
+                               (session_id, t)).fetchone()
+        if row is None:
+            raise UnknownStepError(f"no step t={t} in session {session_id!r}")
+        return _step_from_row(row)
+
+    def count(self, session_id: str) -> int:
+        return self._db.execute("SELECT COUNT(*) FROM steps WHERE session_id=?", (session_id,)).fetchone()[0]
+
+    # -- enrichment (added later, never replacing raw) --------------------------------------
+
+    def add_summaries(self, session_id: str, step_id: int, s: Summaries, producer: str, version: str) -> None:
+        step = self.step(session_id, step_id)
+        texts = [render_segment(step, step.id, Resolution.DETAILED, s.detailed),
+                 render_segment(step, step.id, Resolution.BRIEF, s.brief)]
+        n_det, n_brief = self.tokenizer.count_batch(texts)
+        now = time.time()
+        with self._tx() as db:
+            db.execute("INSERT OR IGNORE INTO abstractions VALUES (?,?,?,?,?)",
+                       (step.id, producer, version, s.abstraction.to_json(), now))
+            db.executemany("INSERT OR IGNORE INTO representations VALUES (?,?,?,?,?,?,?)",
+                           [(step.id, "detailed", s.detailed, n_det, producer, version, now),
+                            (step.id, "brief", s.brief, n_brief, producer, version, now)])
+
+    def add_keys(self, session_id: str, step_ids: Sequence[int], model: str, vectors: np.ndarray) -> None:
+        vectors = np.asarray(vectors, dtype=np.float32)
+        if vectors.ndim != 2 or vectors.shape[0] != len(step_ids):
+            raise LedgerError(f"expected ({len(step_ids)}, d) key vectors, got shape {vectors.shape}")
+        if not np.isfinite(vectors).all():
+            raise LedgerError("key vectors must be finite")
+        for sid in step_ids:
+            self.step(session_id, sid)  # ownership check
+        now = time.time()
+        with self._tx() as db:
+            db.executemany("INSERT OR IGNORE INTO keys VALUES (?,?,?,?,?)",
+                           [(int(sid), model, vectors.shape[1], vectors[i].tobytes(), now)
+                            for i, sid in enumerate(step_ids)])
+
+    def pending(self, session_id: str, key_model: str | None) -> tuple[list[Step], list[Step]]:
+        """(steps without a summary, steps without a key for ``key_model``), in order."""
+        cols = ", ".join(f"s.{c.strip()}" for c in _STEP_COLS.split(","))
+        no_sum = self._db.execute(
+            f"SELECT {cols} FROM steps s WHERE s.session_id=? AND NOT EXISTS "
+            "(SELECT 1 FROM abstractions a WHERE a.step_id=s.id) ORDER BY s.t", (session_id,)).fetchall()
+        no_key = [] if key_model is None else self._db.execute(
+            f"SELECT {cols} FROM steps s WHERE s.session_id=? AND NOT EXISTS "
+            "(SELECT 1 FROM keys k WHERE k.step_id=s.id AND k.model=?) ORDER BY s.t", (session_id, key_model)).fetchall()
+        return [_step_from_row(r) for r in no_sum], [_step_from_row(r) for r in no_key]
+
+    def add_fold(self, session_id: str, policy_key: str, fold: Fold) -> None:
+        with self._tx() as db:
+            db.execute("INSERT OR IGNORE INTO folds VALUES (?,?,?,?,?,?,?)",
+                       (session_id, policy_key, fold.upto, fold.text, fold.tokens, fold.producer, time.time()))
+
+    # -- audit ------------------------------------------------------------------------------
+
+    def record_turn(self, turn: CompiledTurn) -> None:
+        p = turn.plan
+        blob = zlib.compress(
+            np.stack([p.t, p.step_id, p.resolution.astype(np.int64), p.reason_code.astype(np.int64)]).tobytes()
+            + p.score.astype(np.float64).tobytes()
+        )
+        plan_blob = json.dumps({"n": len(p), "reasons": p.reasons}).encode() + b"\0" + blob
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO audit (session_id, t, policy, config_hash, budget, prompt_hash, prefix_hash, tokens,"
+                " prefix_tokens, counts, plan, degradations, created) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                (turn.session_id, turn.t, p.policy, p.config_hash, turn.budget, turn.prompt.prompt_hash,
+                 turn.prompt.prefix_hash, turn.prompt.tokens, turn.prompt.prefix_tokens, json.dumps(p.counts()),
+                 plan_blob, json.dumps([[t, Resolution(b).label, Resolution(a).label] for t, b, a in p.degraded.tolist()]), time.time()),
+            )
+
+    def audit(self, session_id: str) -> list[dict]:
+        """Every recorded turn of a session, oldest first, with its full plan decoded."""
+        self.session(session_id)
+        rows = self._db.execute(
+            "SELECT t, policy, config_hash, budget, prompt_hash, prefix_hash, tokens, prefix_tokens, counts, plan,"
+            " degradations, created FROM audit WHERE session_id=? ORDER BY id", (session_id,)).fetchall()
+        out = []
+        for r in rows:
+            head, blob = r[9].split(b"\0", 1)
+            meta = json.loads(head)
+            n = meta["n"]
+            raw = zlib.decompress(blob)
+            ints = np.frombuffer(raw[: 4 * n * 8], dtype=np.int64).reshape(4, n)
+            scores = np.frombuffer(raw[4 * n * 8:], dtype=np.float64)
+            plan = [{"t": int(ints[0, i]), "step_id": int(ints[1, i]), "resolution": Resolution(int(ints[2, i])).label,
+                     "reason": meta["reasons"][int(ints[3, i])], "score": float(scores[i])} for i in range(n)]
+            out.append({"t": r[0], "policy": r[1], "config_hash": r[2], "budget": r[3], "prompt_hash": r[4],
+                        "prefix_hash": r[5], "tokens": r[6], "prefix_tokens": r[7], "counts": json.loads(r[8]),
+                        "plan": plan, "degradations": json.loads(r[10]), "created": r[11]})
+        return out
+
+    def record_glimpse(self, session_id: str, step_id: int, limit: int) -> bool:
+        """Count a glimpse against the current turn (t = steps so far); False once ``limit`` are used."""
+        with self._tx() as db:
+            (t,) = db.execute("SELECT COUNT(*) FROM steps WHERE session_id=?", (session_id,)).fetchone()
+            (used,) = db.execute("SELECT COUNT(*) FROM glimpses WHERE session_id=? AND t=?", (session_id, t)).fetchone()
+            if used >= limit:
+                return False
+            db.execute("INSERT INTO glimpses (session_id, t, step_id, created) VALUES (?,?,?,?)",
+                       (session_id, t, step_id, time.time()))
+            return True
+
+    # -- snapshot ---------------------------------------------------------------------------
+
+    def snapshot(self, session_id: str, upto: int | None = None, key_model: str | None = None) -> SessionSnapshot:
+        """A consistent, immutable view of the steps with t < upto (all steps when None)."""
+        with self._tx(immediate=False) as db:
+            session = self.session(session_id)
+            lim = upto if upto is not None else 1 << 62
+            if lim < 0:
+                raise LedgerError(f"upto must be >= 0, got {upto}")
+            rows = db.execute(f"SELECT {_STEP_COLS} FROM steps WHERE session_id=? AND t<? ORDER BY t",
+                              (session_id, lim)).fetchall()
+            steps = tuple(_step_from_row(r) for r in rows)
+            m = len(steps)
+            ids = np.fromiter((s.id for s in steps), dtype=np.int64, count=m)
+            index = {int(sid): i for i, sid in enumerate(ids)}
+            tokens = np.full((m, 4), -1, dtype=np.int64)
+            tokens[:, Resolution.FULL] = [s.tokens["full"] for s in steps]
+            bodies: list[list[str | None]] = [[None] * m for _ in _REPR_ORDER]
+            # Latest producer wins per resolution (an LLM summary written after the rule fallback).
+            for sid, res, text, ntok in db.execute(
+                "SELECT r.step_id, r.resolution, r.text, r.tokens FROM representations r JOIN steps s ON s.id=r.step_id"
+                " WHERE s.session_id=? AND s.t<? ORDER BY r.created, r.rowid", (session_id, lim)):
+                i = index[sid]
+                level = Resolution.parse(res)
+                tokens[i, level] = ntok
+                if level is not Resolution.FULL:
+                    bodies[_REPR_ORDER.index(level)][i] = text
+            abstractions: list[str | None] = [None] * m
+            for sid, body in db.execute(
+                "SELECT a.step_id, a.body FROM abstractions a JOIN steps s ON s.id=a.step_id"
+                " WHERE s.session_id=? AND s.t<? ORDER BY a.created, a.rowid", (session_id, lim)):
+                abstractions[index[sid]] = body
+            has_key = np.zeros(m, dtype=bool)
+            keys = np.zeros((m, 0), dtype=np.float32)
+            if key_model is not None:
+                krows = db.execute(
+                    "SELECT k.step_id, k.dim, k.vector FROM keys k JOIN steps s ON s.id=k.step_id"
+                    " WHERE s.session_id=? AND s.t<? AND k.model=?", (session_id, lim, key_model)).fetchall()
+                if krows:
+                    keys = np.zeros((m, krows[0][1]), dtype=np.float32)
+                    for sid, dim, vec in krows:
+                        keys[index[sid]] = np.frombuffer(vec, dtype=np.float32)
+                        has_key[index[sid]] = True
+            folds = {}
+            for key, f_upto, text, ntok, producer in db.execute(
+                "SELECT policy_key, upto, text, tokens, producer FROM folds WHERE session_id=? AND upto<=?"
+                " ORDER BY upto", (session_id, lim)):
+                folds[key] = Fold(upto=f_upto, text=text, tokens=ntok, producer=producer)
+            last = {}
+            for policy, ntok in db.execute(
+                "SELECT policy, tokens FROM audit WHERE session_id=? AND t<? ORDER BY id", (session_id, lim)):
+                last[policy] = ntok
+        return SessionSnapshot(
+            session=session, steps=steps, step_ids=ids, tokens=tokens, bodies=tuple(tuple(b) for b in bodies),
+            key_model=key_model, keys=keys, has_key=has_key, abstractions=tuple(abstractions), folds=folds,
+            last_context_tokens=last, tokenizer=self.tokenizer.name,
+            prefix_tokens=sum(self.tokenizer.count_batch([text for _, _, text in render_prefix(session)])),
+        )
+
+    def verify(self, session_id: str) -> int:
+        """Recompute every stored hash of a session; returns the number of steps checked."""
+        n = 0
+        for row in self._db.execute(f"SELECT {_STEP_COLS} FROM steps WHERE session_id=? ORDER BY t", (session_id,)):
+            step = _step_from_row(row)
+            if step.record().sha256() != step.sha256:
+                raise LedgerError(f"session {session_id!r} step t={step.t}: stored hash does not match its content")
+            n += 1
+        return n
+
+
+_STEP_COLS = ("id, session_id, t, kind, thought, action, observation, authority, tool, sha256, tok_thought,"
+              " tok_action, tok_observation, tok_full, created")
+
+
+def _step_from_row(row) -> Step:
+    return Step(
+        id=row[0], session_id=row[1], t=row[2], kind=row[3], thought=row[4], action=row[5], observation=row[6],
+        authority=Authority(row[7]), tool=row[8], sha256=row[9],
+        tokens={"thought": row[10], "action": row[11], "observation": row[12], "full": row[13]},
+        created=row[14],
+    )
+
+
+def _validate_record(session_id: str, r: StepRecord) -> None:
+    where = f"session {session_id!r} step t={getattr(r, 't', '?')}"
+    if not isinstance(r, StepRecord):
+        raise LedgerError(f"{where}: expected a StepRecord, got {type(r).__name__}")
+    if not isinstance(r.t, int) or isinstance(r.t, bool) or r.t < 0:
+        raise LedgerError(f"{where}: t must be a non-negative integer")
+    if not isinstance(r.kind, str) or not _KIND.match(r.kind):
+        raise LedgerError(f"{where}: invalid kind {r.kind!r}")
+    for name in ("thought", "action"):
+        if not isinstance(getattr(r, name), str):
+            raise LedgerError(f"{where}: {name} must be a string")
+    if r.observation is not None and not isinstance(r.observation, str):
+        raise LedgerError(f"{where}: observation must be a string or null")
+    if not isinstance(r.authority, Authority):
+        raise LedgerError(f"{where}: authority must be one of {[a.value for a in Authority]}")
+

@@ -1,0 +1,148 @@
+"""`ace`: the Adaptive Context Elasticizer. The latest step is always raw; an elasticizer reads the
+task and every older step's structured abstraction and renders each one raw, abstract or drop.
+
+Drop is not deletion: the ledger keeps the raw step and ``glimpse`` restores it. The elasticizer is
+a small protocol so an LLM elasticizer (served with the actor) can replace the deterministic rule
+one shipped here; both return the same columns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
+
+import numpy as np
+from pydantic import Field
+
+from palimpsest.platform.abstraction import Abstraction, extract_salient
+from palimpsest.platform.policies.base import (
+    PolicyConfigBase,
+    PolicyDeps,
+    Reasons,
+    fallback_missing,
+    new_plan,
+)
+from palimpsest.platform.types import RenderPlan, Resolution
+
+if TYPE_CHECKING:
+    from palimpsest.platform.ledger import SessionSnapshot
+
+RAW, ABSTRACT, DROP = 0, 1, 2
+_TO_RESOLUTION = {RAW: Resolution.FULL, ABSTRACT: Resolution.DETAILED}
+
+
+@dataclass(frozen=True)
+class ElasticDecision:
+    """Per old step: RAW / ABSTRACT / DROP, a reason index, and a score (higher = keep longer)."""
+
+    decision: np.ndarray  # (M,) int8
+    reason_code: np.ndarray  # (M,) int16 into reasons
+    reasons: list[str]
+    score: np.ndarray  # (M,) float64
+
+
+class Elasticizer(Protocol):
+    name: str
+
+    def decide(self, snap: "SessionSnapshot", old: np.ndarray) -> ElasticDecision:
+        """Decide for the steps ``old`` (indices into the snapshot; all have an abstraction)."""
+        ...
+
+
+@lru_cache(maxsize=262_144)
+def _step_facts(step_id: int, abstraction_json: str, action: str) -> tuple[frozenset[str], bool, bool]:
+    """(salient tokens, failed?, has follow-ups?) of one step; cached, since steps never change."""
+    a = Abstraction.from_json(abstraction_json)
+    ids, paths, urls, _ = extract_salient(action, limit=64)
+    salient = a.salient() | frozenset(ids) | frozenset(paths) | frozenset(urls)
+    return salient, a.outcome == "error" or bool(a.failed_actions), bool(a.follow_ups)
+
+
+class RuleElasticizer:
+    """Identifier, path or URL overlap with the task and the latest step -> raw; failures and
+    decisions -> abstract; the rest -> drop."""
+
+    name = "rule-elasticizer-v1"
+
+    def __init__(self, raw_min_overlap: int = 2, abstract_recent: int = 3):
+        self.raw_min_overlap = raw_min_overlap
+        self.abstract_recent = abstract_recent
+
+    def decide(self, snap: "SessionSnapshot", old: np.ndarray) -> ElasticDecision:
+        m = snap.t
+        latest = snap.body(m - 1, Resolution.FULL) if m else ""
+        ids, paths, urls, _ = extract_salient(snap.session.task + "\n" + (latest or ""))
+        query = frozenset(ids) | frozenset(paths) | frozenset(urls)
+        reasons = Reasons()
+        n = old.size
+        decision = np.full(n, DROP, dtype=np.int8)
+        codes = np.full(n, reasons("no overlap with the task or the latest step"), dtype=np.int16)
+        score = np.zeros(n, dtype=np.float64)
+        for j, i in enumerate(old.tolist()):
+            step = snap.steps[i]
+            salient, failed, plans = _step_facts(step.id, snap.abstractions[i], step.action)
+            overlap = len(salient & query)
+            score[j] = overlap + (i + 1) / (m + 1)  # ties broken by recency
+            if overlap >= self.raw_min_overlap:
+                decision[j], codes[j] = RAW, reasons(f"shares >= {self.raw_min_overlap} identifiers with the task/latest step")
+                continue
+            if failed:
+                decision[j], codes[j] = ABSTRACT, reasons("a failure: keep what failed and why")
+            elif step.kind in ("respond", "message") or plans:
+                decision[j], codes[j] = ABSTRACT, reasons("a decision or a plan")
+            elif overlap:
+                decision[j], codes[j] = ABSTRACT, reasons("shares an identifier with the task/latest step")
+            elif i >= m - 1 - self.abstract_recent:
+                decision[j], codes[j] = ABSTRACT, reasons(f"within the last {self.abstract_recent + 1} steps")
+        return ElasticDecision(decision, codes, reasons.items, score)
+
+
+class AceConfig(PolicyConfigBase):
+    """ACE with the deterministic rule elasticizer."""
+
+    type: Literal["ace"] = "ace"
+    name: ClassVar[str] = "ace"
+    raw_min_overlap: int = Field(2, ge=1, description="shared identifiers/paths/URLs for an old step to stay raw")
+    abstract_recent: int = Field(3, ge=0, description="steps just before the latest one are at least abstract")
+    drop_as: Literal["drop", "placeholder"] = Field(
+        "drop", description="render a dropped step as nothing (paper) or as a one-line placeholder")
+
+    def build(self, deps: PolicyDeps | None = None) -> "AcePolicy":
+        return AcePolicy(self, RuleElasticizer(self.raw_min_overlap, self.abstract_recent))
+
+
+class AcePolicy:
+    name = "ace"
+
+    def __init__(self, cfg: AceConfig, elasticizer: Elasticizer):
+        self.cfg = cfg
+        self.elasticizer = elasticizer
+        self.config_hash = cfg.config_hash()
+
+    def plan(self, snap: "SessionSnapshot", budget: int) -> RenderPlan:
+        m = snap.t
+        drop = Resolution.DROP if self.cfg.drop_as == "drop" else Resolution.PLACEHOLDER
+        reasons = Reasons()
+        res = np.full(m, drop, dtype=np.int8)
+        score = np.zeros(m, dtype=np.float64)
+        codes = np.zeros(m, dtype=np.int16)
+        if m:
+            res[m - 1], score[m - 1], codes[m - 1] = Resolution.FULL, 1e9, reasons("the latest step is always raw")
+        ready = np.array([a is not None for a in snap.abstractions[: max(0, m - 1)]], dtype=bool)
+        old = np.flatnonzero(ready)
+        if old.size:
+            d = self.elasticizer.decide(snap, old)
+            res[old] = np.where(d.decision == RAW, Resolution.FULL,
+                                np.where(d.decision == ABSTRACT, Resolution.DETAILED, drop))
+            score[old] = d.score
+            remap = np.array([reasons(r) for r in d.reasons], dtype=np.int16)
+            codes[old] = remap[d.reason_code]
+        pending = np.flatnonzero(~ready)
+        if pending.size:
+            # No abstraction yet: raw if the budget allows, else drop. Never wait for the summariser.
+            res[pending] = Resolution.DETAILED  # marks them "summary missing" for the shared fallback
+            score[pending] = (pending + 1) / (m + 1)
+        fallback_missing(snap, budget, res, score, codes, reasons, drop)
+        return new_plan(self.name, self.config_hash, snap, res, score, codes, reasons,
+                        info={"elasticizer": self.elasticizer.name})

@@ -1,0 +1,117 @@
+"""The policy interface: one method, ``plan(snapshot, budget) -> RenderPlan``.
+
+A policy is built from its pydantic config (``config.build(deps)``) and is a pure function of
+(session snapshot, budget, config): the same input gives the same plan. Embeddings and token
+counts reach it through :class:`PolicyDeps`, never through I/O of its own.
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar, Protocol
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict
+
+from palimpsest.platform.embedding import Embedder, HashingEmbedder
+from palimpsest.platform.tokens import ApproxTokenizer, Tokenizer
+from palimpsest.platform.types import Fold, RenderPlan, Resolution
+
+if TYPE_CHECKING:
+    from palimpsest.platform.ledger import SessionSnapshot
+
+
+class ContextPolicy(Protocol):
+    name: str
+    config_hash: str
+
+    def plan(self, snap: "SessionSnapshot", budget: int) -> RenderPlan: ...
+
+
+@dataclass
+class PolicyDeps:
+    """What a policy may use besides the snapshot: the key embedder and the actor's tokenizer."""
+
+    embedder: Embedder = field(default_factory=HashingEmbedder)
+    tokenizer: Tokenizer = field(default_factory=ApproxTokenizer)
+
+
+class PolicyConfigBase(BaseModel):
+    """Every policy config: strict (unknown keys are errors), hashable, and able to build its policy."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: ClassVar[str]
+
+    def config_hash(self) -> str:
+        blob = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    @abc.abstractmethod
+    def build(self, deps: PolicyDeps | None = None) -> ContextPolicy:
+        """The policy this config describes."""
+
+
+class Reasons:
+    """Interns reason strings so a plan stores one small int per step."""
+
+    def __init__(self) -> None:
+        self.items: list[str] = []
+        self._index: dict[str, int] = {}
+
+    def __call__(self, reason: str) -> int:
+        if reason not in self._index:
+            self._index[reason] = len(self.items)
+            self.items.append(reason)
+        return self._index[reason]
+
+
+def new_plan(policy: str, config_hash: str, snap: "SessionSnapshot", resolution: np.ndarray, score: np.ndarray,
+             reason_code: np.ndarray, reasons: Reasons, *, pin_last: int = 1, fold: Fold | None = None,
+             new_fold: bool = False, info: dict | None = None) -> RenderPlan:
+    m = snap.t
+    pinned = np.zeros(m, dtype=bool)
+    if m and pin_last:
+        pinned[max(0, m - pin_last):] = True
+    return RenderPlan(
+        policy=policy, config_hash=config_hash, t=np.arange(m, dtype=np.int64), step_id=snap.step_ids.copy(),
+        resolution=resolution.astype(np.int8), score=score.astype(np.float64),
+        reason_code=reason_code.astype(np.int16), reasons=reasons.items, pinned=pinned, fold=fold,
+        new_fold=new_fold, info=info or {},
+    )
+
+
+def recency(m: int) -> np.ndarray:
+    """Scores in (0, 1] rising with t: the fallback order for degrading (oldest first)."""
+    return (np.arange(m, dtype=np.float64) + 1.0) / max(m, 1)
+
+
+def fallback_missing(snap: "SessionSnapshot", budget: int, res: np.ndarray, score: np.ndarray,
+                     codes: np.ndarray, reasons: Reasons, cheap: Resolution) -> None:
+    """Steps planned at a summary that is not written yet: full if the budget allows, else ``cheap``.
+
+    Never waits for a summary (PACE, section 3.4). Runs in place, highest score first, and only
+    loops over the steps whose summary is missing (normally the last one or two).
+    """
+    m = snap.t
+    if m == 0:
+        return
+    idx = np.arange(m)
+    lvl = res.astype(np.int64)
+    stored = lvl < Resolution.DROP
+    cost = np.where(stored, snap.tokens[idx, np.minimum(lvl, Resolution.PLACEHOLDER)], 0)
+    missing = stored & (cost < 0)
+    if not missing.any():
+        return
+    used = snap.prefix_tokens + int(cost[~missing].sum())
+    for i in sorted(np.flatnonzero(missing).tolist(), key=lambda j: -score[j]):
+        full = int(snap.tokens[i, Resolution.FULL])
+        if used + full <= budget:
+            res[i], used = Resolution.FULL, used + full
+            codes[i] = reasons(f"{Resolution(lvl[i]).label} summary not ready; full fits the budget")
+        else:
+            res[i] = cheap
+            used += max(int(snap.tokens[i, cheap]), 0) if cheap < Resolution.DROP else 0
+            codes[i] = reasons(f"{Resolution(lvl[i]).label} summary not ready; {cheap.label} to stay in budget")

@@ -1,0 +1,38 @@
+"""`full`: every step raw, as ReAct shows it. The baseline every compression is measured against."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar, Literal
+
+import numpy as np
+
+from palimpsest.platform.policies.base import PolicyConfigBase, PolicyDeps, Reasons, new_plan, recency
+from palimpsest.platform.types import RenderPlan, Resolution
+
+if TYPE_CHECKING:
+    from palimpsest.platform.ledger import SessionSnapshot
+
+
+class FullConfig(PolicyConfigBase):
+    """Every step at full resolution (ReAct). Over budget, the compiler degrades the oldest first."""
+
+    type: Literal["full"] = "full"
+    name: ClassVar[str] = "full"
+
+    def build(self, deps: PolicyDeps | None = None) -> "FullPolicy":
+        return FullPolicy(self)
+
+
+class FullPolicy:
+    name = "full"
+
+    def __init__(self, cfg: FullConfig):
+        self.cfg = cfg
+        self.config_hash = cfg.config_hash()
+
+    def plan(self, snap: "SessionSnapshot", budget: int) -> RenderPlan:
+        m = snap.t
+        reasons = Reasons()
+        codes = np.full(m, reasons("full history"), dtype=np.int16)
+        res = np.full(m, Resolution.FULL, dtype=np.int8)
+        return new_plan(self.name, self.config_hash, snap, res, recency(m), codes, reasons)

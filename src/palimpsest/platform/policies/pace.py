@@ -1,0 +1,123 @@
+"""`pace`: Predictive Adaptive Context Extraction, as the paper states it.
+
+Per turn (all numpy over the cached key matrix, O(M)):
+
+    q_t   = Enc(Truncate(task ⊕ R_full(t-N..t-1), L_max))        the embedder truncates to L_max
+    s_i   = cos(q_t, k_i)                                          keys: full text, cached at enrichment
+    w_i   = softmax(s_i / tau);  w~_i = M · w_i                    mean 1 over the M old steps
+    P_t   = max(t / T_max, |C_{t-1}| / B_max)                      pressure
+    (α, β, γ) = (0.4, 0.8, 1.5) · (1 + λ · P_t)
+    w~ > γ: full;  β < w~ ≤ γ: detailed;  α < w~ ≤ β: brief;  else placeholder
+
+The last N steps are always full. A summary that is not written yet falls back to full if the
+budget allows, else to placeholder, without waiting. B_max defaults to the turn's budget (the paper
+runs with a 128K budget and B_max = 128K); T_max is the 95th percentile of task length.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar, Literal
+
+import numpy as np
+from pydantic import Field, model_validator
+
+from palimpsest.platform.policies.base import (
+    PolicyConfigBase,
+    PolicyDeps,
+    Reasons,
+    fallback_missing,
+    new_plan,
+)
+from palimpsest.platform.render import key_text
+from palimpsest.platform.types import ConfigError, RenderPlan, Resolution
+
+if TYPE_CHECKING:
+    from palimpsest.platform.ledger import SessionSnapshot
+
+
+class PaceConfig(PolicyConfigBase):
+    """PACE, paper-exact defaults."""
+
+    type: Literal["pace"] = "pace"
+    name: ClassVar[str] = "pace"
+    recent: int = Field(2, ge=1, le=64, description="N: the most recent steps, always full")
+    tau: float = Field(0.3, gt=0.0, le=10.0, description="softmax temperature over cosine scores")
+    alpha: float = Field(0.4, gt=0.0, description="brief threshold on the relative weight M*w")
+    beta: float = Field(0.8, gt=0.0, description="detailed threshold")
+    gamma: float = Field(1.5, gt=0.0, description="full threshold")
+    lam: float = Field(0.5, ge=0.0, le=10.0, description="lambda: how strongly pressure raises the thresholds")
+    t_max: int = Field(150, ge=1, description="T_max: the 95th percentile of task length, in steps")
+    b_max: int | None = Field(None, ge=1, description="B_max in tokens; None = the turn's budget")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "PaceConfig":
+        if not self.alpha < self.beta < self.gamma:
+            raise ValueError(f"thresholds must satisfy alpha < beta < gamma, got {self.alpha}, {self.beta}, {self.gamma}")
+        return self
+
+    def build(self, deps: PolicyDeps | None = None) -> "PacePolicy":
+        return PacePolicy(self, deps or PolicyDeps())
+
+
+class PacePolicy:
+    name = "pace"
+
+    def __init__(self, cfg: PaceConfig, deps: PolicyDeps):
+        self.cfg = cfg
+        self.deps = deps
+        self.config_hash = cfg.config_hash()
+
+    def pressure(self, snap: "SessionSnapshot", budget: int) -> float:
+        b_max = self.cfg.b_max or budget
+        last = snap.last_context_tokens.get(self.name, 0)
+        return max(snap.t / self.cfg.t_max, last / b_max)
+
+    def thresholds(self, pressure: float) -> tuple[float, float, float]:
+        scale = 1.0 + self.cfg.lam * pressure
+        return self.cfg.alpha * scale, self.cfg.beta * scale, self.cfg.gamma * scale
+
+    def query_text(self, snap: "SessionSnapshot") -> str:
+        recent = range(max(0, snap.t - self.cfg.recent), snap.t)
+        return "\n".join([snap.session.task] + [key_text(snap.steps[i]) for i in recent])
+
+    def relative_weights(self, snap: "SessionSnapshot", old: np.ndarray) -> np.ndarray:
+        """w~ = M · softmax(cos(q, k) / tau) over the old steps that have a key."""
+        q = self.deps.embedder.embed([self.query_text(snap)])[0]  # (d,)
+        s = (snap.keys @ q)[old]  # (M,) cosine; keys are L2-normalised. Index after the product: no (M, d) copy
+        z = s / self.cfg.tau
+        w = np.exp(z - z.max())
+        w /= w.sum()
+        return len(old) * w
+
+    def plan(self, snap: "SessionSnapshot", budget: int) -> RenderPlan:
+        m, n = snap.t, self.cfg.recent
+        if m and snap.key_model != self.deps.embedder.name:
+            raise ConfigError(f"pace needs keys of {self.deps.embedder.name!r}; the snapshot holds {snap.key_model!r}")
+        reasons = Reasons()
+        res = np.full(m, Resolution.PLACEHOLDER, dtype=np.int8)
+        score = np.zeros(m, dtype=np.float64)
+        codes = np.full(m, reasons("no key yet: placeholder"), dtype=np.int16)
+
+        recent = np.arange(max(0, m - n), m)
+        res[recent] = Resolution.FULL
+        score[recent] = 1e9 + recent  # degraded last, oldest of them first
+        codes[recent] = reasons(f"one of the last {n} steps")
+
+        p = self.pressure(snap, budget)
+        alpha, beta, gamma = self.thresholds(p)
+        old = np.flatnonzero(snap.has_key[: max(0, m - n)])
+        if old.size:
+            wt = self.relative_weights(snap, old)
+            score[old] = wt
+            level = np.full(old.size, Resolution.PLACEHOLDER, dtype=np.int8)
+            level[wt > alpha] = Resolution.BRIEF
+            level[wt > beta] = Resolution.DETAILED
+            level[wt > gamma] = Resolution.FULL
+            res[old] = level
+            names = {Resolution.FULL: f"w~ > gamma={gamma:.3f}", Resolution.DETAILED: f"beta={beta:.3f} < w~ <= gamma",
+                     Resolution.BRIEF: f"alpha={alpha:.3f} < w~ <= beta", Resolution.PLACEHOLDER: f"w~ <= alpha={alpha:.3f}"}
+            for r, text in names.items():
+                codes[old[level == r]] = reasons(text)
+        fallback_missing(snap, budget, res, score, codes, reasons, Resolution.PLACEHOLDER)
+        return new_plan(self.name, self.config_hash, snap, res, score, codes, reasons,
+                        info={"pressure": p, "thresholds": [alpha, beta, gamma], "scored": int(old.size)})

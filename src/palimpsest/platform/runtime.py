@@ -1,0 +1,99 @@
+"""One turn: append -> (enrich) -> plan -> compile -> audit, plus ``glimpse``.
+
+The replay harness, the training-data builder and the serving ingress all drive turns through
+this class, so what replay measures is what production serves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from palimpsest.platform.abstraction import RuleSummarizer, Summaries
+from palimpsest.platform.compiler import compile_plan, validate_budget
+from palimpsest.platform.embedding import Embedder, HashingEmbedder
+from palimpsest.platform.ledger import Ledger, SessionSnapshot
+from palimpsest.platform.policies import PolicyConfigBase, PolicyDeps, build_policy
+from palimpsest.platform.policies.base import ContextPolicy
+from palimpsest.platform.render import key_text, render_full_body
+from palimpsest.platform.types import CompiledTurn, GlimpseLimitError, Step, StepRecord
+
+
+class Summarizer(Protocol):
+    name: str
+    version: str
+
+    def summarize(self, step: StepRecord) -> Summaries: ...
+
+
+@dataclass(frozen=True)
+class EnrichResult:
+    summaries: int
+    keys: int
+
+
+class Runtime:
+    """Drives turns of any number of sessions over one ledger."""
+
+    def __init__(self, ledger: Ledger, embedder: Embedder | None = None, summarizer: Summarizer | None = None,
+                 glimpse_limit: int = 3):
+        self.ledger = ledger
+        self.embedder = embedder or HashingEmbedder()
+        self.summarizer = summarizer or RuleSummarizer()
+        self.glimpse_limit = glimpse_limit
+        self.deps = PolicyDeps(embedder=self.embedder, tokenizer=ledger.tokenizer)
+
+    def policy(self, config: PolicyConfigBase | dict | str) -> ContextPolicy:
+        return build_policy(config, self.deps)
+
+    # -- writes -----------------------------------------------------------------------------
+
+    def append(self, session_id: str, record: StepRecord, enrich: bool = True) -> Step:
+        """Durable before it returns; enrichment (summaries, key) follows unless ``enrich=False``
+        (serving enriches in the background and a turn never waits for it)."""
+        step = self.ledger.append(session_id, record)
+        if enrich:
+            self.enrich(session_id)
+        return step
+
+    def enrich(self, session_id: str, batch: int = 64) -> EnrichResult:
+        """Write every missing summary and key of a session. Safe to repeat; never touches raw steps."""
+        no_sum, no_key = self.ledger.pending(session_id, self.embedder.name)
+        for step in no_sum:
+            self.ledger.add_summaries(session_id, step.id, self.summarizer.summarize(step.record()),
+                                      self.summarizer.name, self.summarizer.version)
+        for i in range(0, len(no_key), batch):
+            chunk = no_key[i: i + batch]
+            vectors = self.embedder.embed([key_text(s) for s in chunk])
+            self.ledger.add_keys(session_id, [s.id for s in chunk], self.embedder.name, vectors)
+        return EnrichResult(len(no_sum), len(no_key))
+
+    # -- turns ------------------------------------------------------------------------------
+
+    def snapshot(self, session_id: str, at: int | None = None) -> SessionSnapshot:
+        return self.ledger.snapshot(session_id, upto=at, key_model=self.embedder.name)
+
+    def compile(self, snap: SessionSnapshot, policy: ContextPolicy, budget: int) -> CompiledTurn:
+        """Plan and compile over a snapshot, with no side effect (the pure part of a turn)."""
+        budget = validate_budget(budget)
+        plan = policy.plan(snap, budget)
+        prompt = compile_plan(snap, plan, budget, self.ledger.tokenizer)
+        return CompiledTurn(session_id=snap.session.id, t=snap.t, budget=budget, plan=plan, prompt=prompt)
+
+    def turn(self, session_id: str, policy: ContextPolicy | PolicyConfigBase | dict | str, budget: int,
+             at: int | None = None, record: bool = True) -> CompiledTurn:
+        """Compile the context for the next step (or for step ``at``) and audit it."""
+        pol = policy if hasattr(policy, "plan") else self.policy(policy)  # type: ignore[arg-type]
+        turn = self.compile(self.snapshot(session_id, at), pol, budget)
+        if turn.plan.new_fold and turn.plan.fold is not None:
+            self.ledger.add_fold(session_id, turn.plan.config_hash, turn.plan.fold)
+        if record:
+            self.ledger.record_turn(turn)
+        return turn
+
+    def glimpse(self, session_id: str, step_id: int | str) -> str:
+        """The raw text of a step of this session; at most ``glimpse_limit`` per turn."""
+        step = self.ledger.step(session_id, step_id)  # unknown or another session's id -> UnknownStepError
+        if not self.ledger.record_glimpse(session_id, step.id, self.glimpse_limit):
+            raise GlimpseLimitError(f"session {session_id!r}: glimpse limit reached ({self.glimpse_limit} per turn)")
+        return render_full_body(step)

@@ -1,0 +1,271 @@
+"""Plain data types shared by the ledger, the policies and the compiler.
+
+Everything here is a frozen dataclass or an enum: a snapshot of a session can be handed to
+any policy without fear that the policy mutates what the next one sees.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+
+
+class PalimpsestError(Exception):
+    """Base class of every error Palimpsest raises on purpose (bad input, broken invariant)."""
+
+
+class LedgerError(PalimpsestError):
+    """The ledger refused an operation (duplicate with other content, unknown session, ...)."""
+
+
+class UnknownSessionError(LedgerError):
+    pass
+
+
+class UnknownStepError(LedgerError):
+    pass
+
+
+class BudgetError(PalimpsestError):
+    """The token budget cannot hold what must always be shown (prefix + latest step)."""
+
+
+class GlimpseLimitError(PalimpsestError):
+    pass
+
+
+class ConfigError(PalimpsestError):
+    pass
+
+
+class Resolution(enum.IntEnum):
+    """How a step is shown in a compiled context, from most to least detailed.
+
+    The order matters: the compiler degrades a step by adding one to its level. ``DROP`` is a
+    rendering decision (not shown at all), never a deletion: the ledger keeps the raw step.
+    """
+
+    FULL = 0
+    DETAILED = 1
+    BRIEF = 2
+    PLACEHOLDER = 3
+    DROP = 4
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+    @classmethod
+    def parse(cls, name: str) -> "Resolution":
+        try:
+            return cls[name.upper()]
+        except KeyError:
+            raise ValueError(f"unknown resolution {name!r}; expected one of {[r.label for r in cls]}") from None
+
+
+#: The resolutions that have a stored text (DROP has none).
+STORED_RESOLUTIONS = (Resolution.FULL, Resolution.DETAILED, Resolution.BRIEF, Resolution.PLACEHOLDER)
+
+
+class Authority(str, enum.Enum):
+    """Who produced the content of a step's observation. It survives every representation."""
+
+    USER = "user"
+    SYSTEM = "system"
+    TOOL = "tool"
+    MODEL = "model"
+    RETRIEVED = "retrieved"
+
+    @property
+    def trusted(self) -> bool:
+        # Only the operator (system) and the model's own words are instructions; everything else
+        # is data and is rendered inside a delimited untrusted block.
+        return self in (Authority.SYSTEM, Authority.MODEL)
+
+
+STEP_KINDS = ("bash", "tool_call", "code", "respond", "message", "format_error", "env")
+
+
+@dataclass(frozen=True)
+class Session:
+    id: str
+    task: str
+    system: str = ""
+    tools: str | None = None
+    created: float = 0.0
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """A raw step as an agent (or an importer) hands it to the ledger."""
+
+    t: int
+    kind: str
+    action: str = ""
+    thought: str = ""
+    observation: str | None = None
+    authority: Authority = Authority.TOOL
+    tool: str | None = None  # tool or command name, for placeholders
+
+    def canonical(self) -> dict[str, Any]:
+        return {
+            "t": self.t,
+            "kind": self.kind,
+            "thought": self.thought,
+            "action": self.action,
+            "observation": self.observation,
+            "authority": self.authority.value,
+            "tool": self.tool,
+        }
+
+    def sha256(self) -> str:
+        blob = json.dumps(self.canonical(), sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+        return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+
+@dataclass(frozen=True)
+class Step:
+    """A step as the ledger stores it: the raw record plus its identity and bookkeeping."""
+
+    id: int  # ledger-wide step id, what placeholders show and `glimpse` takes
+    session_id: str
+    t: int
+    kind: str
+    thought: str
+    action: str
+    observation: str | None
+    authority: Authority
+    tool: str | None
+    sha256: str
+    tokens: Mapping[str, int]  # thought/action/observation/full (full = the rendered full segment)
+    created: float
+
+    def record(self) -> StepRecord:
+        return StepRecord(
+            t=self.t,
+            kind=self.kind,
+            action=self.action,
+            thought=self.thought,
+            observation=self.observation,
+            authority=self.authority,
+            tool=self.tool,
+        )
+
+
+@dataclass(frozen=True)
+class Fold:
+    """A rolling summary of the steps with t < upto (the `rolling_summary` policy's state)."""
+
+    upto: int
+    text: str
+    tokens: int
+    producer: str
+
+
+@dataclass(frozen=True)
+class PlanEntry:
+    t: int
+    step_id: int
+    resolution: Resolution
+    reason: str
+    score: float
+
+
+@dataclass(frozen=True)
+class Degradation:
+    t: int
+    before: Resolution
+    after: Resolution
+
+
+@dataclass
+class RenderPlan:
+    """A resolution and a reason for every step of the history, in columns.
+
+    Columns keep a plan over 100,000 steps cheap to build; `entries()` gives rows for display.
+    ``pinned`` steps (the latest step) are never degraded by the compiler. ``fold`` is a
+    summary block shown after the prefix (rolling summary); ``new_fold`` says the runtime must
+    store it because it extends the one in the snapshot.
+    """
+
+    policy: str
+    config_hash: str
+    t: np.ndarray  # (M,) int64 step index
+    step_id: np.ndarray  # (M,) int64
+    resolution: np.ndarray  # (M,) int8 Resolution
+    score: np.ndarray  # (M,) float64, higher = more relevant; the compiler degrades low scores first
+    reason_code: np.ndarray  # (M,) int16 index into reasons
+    reasons: list[str]
+    pinned: np.ndarray  # (M,) bool
+    fold: Fold | None = None
+    new_fold: bool = False
+    # (K, 3) int64 rows of (t, before, after), in the order the compiler applied them
+    degraded: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), dtype=np.int64))
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return int(self.t.shape[0])
+
+    @property
+    def degradations(self) -> list[Degradation]:
+        return [Degradation(int(t), Resolution(int(b)), Resolution(int(a))) for t, b, a in self.degraded.tolist()]
+
+    def entries(self) -> list[PlanEntry]:
+        return [
+            PlanEntry(
+                t=int(self.t[i]),
+                step_id=int(self.step_id[i]),
+                resolution=Resolution(int(self.resolution[i])),
+                reason=self.reasons[int(self.reason_code[i])],
+                score=float(self.score[i]),
+            )
+            for i in range(len(self))
+        ]
+
+    def counts(self) -> dict[str, int]:
+        values, counts = np.unique(self.resolution, return_counts=True)
+        out = {r.label: 0 for r in Resolution}
+        for v, c in zip(values.tolist(), counts.tolist()):
+            out[Resolution(v).label] = c
+        return out
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One piece of a compiled prompt. Token counts are per segment and add up exactly."""
+
+    kind: str  # system | tools | task | fold | step
+    role: str  # system | user
+    text: str
+    tokens: int
+    t: int | None = None
+    step_id: int | None = None
+    resolution: Resolution | None = None
+
+
+@dataclass(frozen=True)
+class Prompt:
+    segments: tuple[Segment, ...]
+    tokens: int
+    prefix_tokens: int
+    prefix_hash: str
+    prompt_hash: str
+
+    @property
+    def text(self) -> str:
+        return "".join(s.text for s in self.segments)
+
+
+@dataclass(frozen=True)
+class CompiledTurn:
+    session_id: str
+    t: int  # the step the actor is about to take (history = steps with index < t)
+    budget: int
+    plan: RenderPlan
+    prompt: Prompt

@@ -1,0 +1,34 @@
+"""Small hand-built sessions for the tests."""
+
+from __future__ import annotations
+
+from palimpsest.platform import Authority, StepRecord
+
+TASK = "Fix the KeyError 'database_url' raised by parse_config in settings/loader.py when the env file is empty."
+
+
+def step(t: int, action: str, observation: str | None = "", kind: str = "bash", thought: str = "",
+         authority: Authority = Authority.TOOL) -> StepRecord:
+    return StepRecord(t=t, kind=kind, action=action, thought=thought, observation=observation, authority=authority,
+                      tool=action.split()[0] if action else None)
+
+
+# A session where step 1 is plainly what the latest steps are about and the others are not.
+STEPS = [
+    ("ls images/", "cat.png dog.png horse.png zebra.png"),
+    ("cat settings/loader.py",
+     "def parse_config(env):\n    url = env['database_url']  # KeyError when the env file is empty\n"
+     "    return Config(database_url=url, pool_size=env.get('pool_size', 5))"),
+    ("curl https://weather.example.com/today", "sunny, 23 degrees, light wind from the west"),
+    ("du -sh assets/", "412M assets/"),
+    ("cat tests/test_loader.py",
+     "def test_parse_config_empty_env():\n    assert parse_config({}).database_url is None  # settings/loader.py"),
+    ("echo hello world", "hello world"),
+    ("git log --oneline settings/loader.py", "a1b2c3d parse_config: read database_url from the env file"),
+    ("date", "Mon Nov 30 10:00:00 UTC 2026"),
+    ("whoami", "builder"),
+    ("uptime", "up 3 days, load average 0.10 0.20 0.30"),
+    ("python -c 'from settings.loader import parse_config; parse_config({})'",
+     "Traceback (most recent call last):\n  File \"settings/loader.py\", line 2, in parse_config\nKeyError: 'database_url'"),
+    ("grep -n database_url settings/loader.py", "2:    url = env['database_url']  # KeyError when the env file is empty"),
+]

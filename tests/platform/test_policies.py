@@ -1,0 +1,172 @@
+import numpy as np
+import pytest
+
+from palimpsest.platform import ConfigError, Resolution
+from palimpsest.platform.policies import (
+    AceConfig,
+    PaceConfig,
+    RollingSummaryConfig,
+    WindowConfig,
+    build_policy,
+    parse_policy_config,
+    policy_names,
+)
+from tests.helpers import step
+
+BUDGET = 100_000
+
+
+def plan_of(runtime, session, cfg, budget=BUDGET, at=None):
+    return runtime.policy(cfg).plan(runtime.snapshot(session, at), budget)
+
+
+def resolutions(plan):
+    return [Resolution(int(r)) for r in plan.resolution]
+
+
+def test_registry_lists_every_policy():
+    assert policy_names() == ["full", "window", "rolling_summary", "pace", "ace"]
+
+
+def test_unknown_policy_type_is_a_clear_error():
+    with pytest.raises(ConfigError, match="unknown policy type 'magic'; known: full, window"):
+        parse_policy_config({"type": "magic"})
+
+
+def test_invalid_policy_values_name_the_field():
+    with pytest.raises(ConfigError, match="window policy config: k: Input should be greater than or equal to 1"):
+        parse_policy_config({"type": "window", "k": 0})
+    with pytest.raises(ConfigError, match="unexpected_key"):
+        parse_policy_config({"type": "pace", "unexpected_key": 1})
+    with pytest.raises(ConfigError, match="alpha < beta < gamma"):
+        parse_policy_config({"type": "pace", "alpha": 2.0})
+
+
+def test_full_shows_every_step(runtime, session):
+    plan = plan_of(runtime, session, "full")
+    assert set(resolutions(plan)) == {Resolution.FULL} and len(plan) == 12
+
+
+def test_window_keeps_the_last_k(runtime, session):
+    plan = plan_of(runtime, session, WindowConfig(k=3))
+    assert resolutions(plan) == [Resolution.DROP] * 9 + [Resolution.FULL] * 3
+
+
+def test_pace_puts_the_relevant_old_step_at_full_and_unrelated_ones_at_placeholder(runtime, session):
+    plan = plan_of(runtime, session, "pace")
+    res = resolutions(plan)
+    assert res[1] is Resolution.FULL  # the parse_config source the last steps are about
+    assert res[0] is Resolution.PLACEHOLDER and res[2] is Resolution.PLACEHOLDER  # images, weather
+    assert res[10] is Resolution.FULL and res[11] is Resolution.FULL  # N = 2 recent steps
+    old = plan.score[:10]
+    assert old.mean() == pytest.approx(1.0)  # relative weights M*w have mean 1
+    assert plan.score[1] == old.max()
+
+
+def test_pace_thresholds_rise_with_t_and_with_context_size(runtime, session):
+    pol = runtime.policy("pace")
+    early = runtime.snapshot(session, at=4)
+    late = runtime.snapshot(session)
+    p_early, p_late = pol.pressure(early, 10_000), pol.pressure(late, 10_000)
+    assert p_late > p_early
+    assert pol.thresholds(p_late)[0] > pol.thresholds(p_early)[0]
+    # a large previous context raises the pressure too
+    runtime.turn(session, "pace", 400)
+    bigger = runtime.snapshot(session)
+    assert pol.pressure(bigger, 400) > p_late
+    a, b, g = pol.thresholds(pol.pressure(bigger, 400))
+    assert (a, b, g) > pol.thresholds(p_late) and a < b < g
+
+
+def test_pace_rising_pressure_coarsens_the_plan(runtime, session):
+    relaxed = build_policy(PaceConfig(t_max=100_000), runtime.deps).plan(runtime.snapshot(session), BUDGET)
+    pressed = build_policy(PaceConfig(t_max=1, lam=1.0), runtime.deps).plan(runtime.snapshot(session), BUDGET)
+    assert (pressed.resolution >= relaxed.resolution).all() and (pressed.resolution > relaxed.resolution).any()
+
+
+def test_pace_missing_summary_falls_back_without_waiting(runtime, ledger):
+    ledger.create_session("s", "Fix parse_config database_url KeyError")
+    for t in range(6):
+        runtime.append("s", step(t, f"cat parse_config_{t}.py", "database_url parse_config " * (t + 1)), enrich=False)
+    runtime.enrich("s")  # keys and summaries for steps 0..5
+    runtime.append("s", step(6, "cat other.py", "unrelated"), enrich=False)
+    snap = runtime.snapshot("s")
+    # remove step 0's summaries from the view by taking a snapshot of a session that never had them
+    plan = runtime.policy("pace").plan(snap, BUDGET)
+    assert len(plan) == 7  # planned immediately, the unenriched latest step included
+    assert "no key yet" in plan.reasons[int(plan.reason_code[6])] or plan.resolution[6] == Resolution.FULL
+
+
+def test_pace_summary_not_ready_goes_full_when_it_fits_else_placeholder(runtime, ledger):
+    ledger.create_session("s", "Fix parse_config database_url KeyError")
+    runtime.append("s", step(0, "cat settings/loader.py", "parse_config database_url " * 20), enrich=False)
+    for t in range(1, 12):
+        runtime.append("s", step(t, f"echo {t}", "noise"), enrich=False)
+    runtime.append("s", step(12, "grep parse_config database_url", "parse_config database_url"), enrich=False)
+    runtime.append("s", step(13, "grep parse_config", "database_url"), enrich=False)
+    # keys for every step, summaries for none: PACE wants a summary for some steps but may not wait
+    no_sum, no_key = ledger.pending("s", runtime.embedder.name)
+    ledger.add_keys("s", [s.id for s in no_key], runtime.embedder.name,
+                    runtime.embedder.embed([s.action + s.observation for s in no_key]))
+    snap = runtime.snapshot("s")
+    pol = runtime.policy(PaceConfig(alpha=0.01, beta=0.02, gamma=50.0))  # everything "detailed"
+    roomy = pol.plan(snap, BUDGET)
+    assert set(resolutions(roomy)[:12]) == {Resolution.FULL}
+    assert "summary not ready; full fits" in roomy.reasons[int(roomy.reason_code[0])]
+    tight = pol.plan(snap, snap.prefix_tokens + int(snap.tokens[12:, 0].sum()) + 40)
+    assert Resolution.PLACEHOLDER in resolutions(tight)[:12]
+
+
+def test_ace_keeps_the_latest_step_raw_and_drops_unrelated_steps(runtime, session):
+    plan = plan_of(runtime, session, "ace")
+    res = resolutions(plan)
+    assert res[-1] is Resolution.FULL
+    assert res[1] is Resolution.FULL  # shares parse_config / database_url / settings/loader.py
+    assert res[0] is Resolution.DROP and res[2] is Resolution.DROP
+    assert res[10] is Resolution.FULL  # the failure, about the same identifiers
+    assert all(plan.reasons[int(c)] for c in plan.reason_code)
+
+
+def test_ace_can_render_drops_as_placeholders(runtime, session):
+    plan = plan_of(runtime, session, AceConfig(drop_as="placeholder"))
+    assert Resolution.DROP not in resolutions(plan)
+
+
+def test_rolling_summary_folds_past_the_threshold_and_extends_later(runtime, session, ledger):
+    cfg = RollingSummaryConfig(keep_last=3, trigger_tokens=200)
+    first = runtime.turn(session, cfg, BUDGET)
+    assert first.plan.new_fold and first.plan.fold.upto == 9
+    assert resolutions(first.plan) == [Resolution.DROP] * 9 + [Resolution.FULL] * 3
+    assert "t=1 bash: cat settings/loader.py" in first.plan.fold.text
+    again = runtime.turn(session, cfg, BUDGET)  # same snapshot + stored fold: nothing new to fold
+    assert not again.plan.new_fold and again.plan.fold == first.plan.fold
+    for t in range(12, 16):
+        runtime.append(session, step(t, f"echo more {t}", "x" * 300))
+    later = runtime.turn(session, cfg, BUDGET)
+    assert later.plan.new_fold and later.plan.fold.upto == 13
+    assert later.plan.fold.text.startswith(first.plan.fold.text)  # kept and extended
+    assert ledger.step_at(session, 1).observation.startswith("def parse_config")  # the source is untouched
+
+
+def test_rolling_summary_is_bounded(runtime, session):
+    cfg = RollingSummaryConfig(keep_last=1, trigger_tokens=50, max_summary_tokens=40)
+    fold = runtime.turn(session, cfg, BUDGET).plan.fold
+    assert fold.text.startswith("(") and "earlier steps omitted" in fold.text
+
+
+@pytest.mark.parametrize("name", ["full", "window", "rolling_summary", "pace", "ace"])
+def test_plans_are_pure_functions_of_snapshot_budget_and_config(runtime, session, name):
+    snap = runtime.snapshot(session)
+    a = runtime.policy(name).plan(snap, 3000)
+    b = runtime.policy(name).plan(snap, 3000)
+    assert np.array_equal(a.resolution, b.resolution) and np.array_equal(a.score, b.score)
+    assert [e.reason for e in a.entries()] == [e.reason for e in b.entries()]
+
+
+def test_pace_refuses_keys_of_another_embedder(runtime, session):
+    from palimpsest.platform import HashingEmbedder
+    from palimpsest.platform.policies import PolicyDeps
+
+    pol = build_policy("pace", PolicyDeps(embedder=HashingEmbedder(dim=64)))
+    with pytest.raises(ConfigError, match="needs keys of 'hashing-64-512'"):
+        pol.plan(runtime.snapshot(session), BUDGET)

@@ -1,0 +1,85 @@
+"""The command line, run as a user runs it (a subprocess of the installed console script)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def cli(*args, cwd, env=None):
+    return subprocess.run([sys.executable, "-m", "palimpsest.cli", *args], capture_output=True, text=True, cwd=cwd,
+                          env={**os.environ, "COLUMNS": "200", **(env or {})}, timeout=120)
+
+
+@pytest.fixture
+def data(tmp_path):
+    steps = [{"t": i, "kind": "bash", "action": f"grep -n parse_config settings/mod_{i}.py",
+              "observation": f"{i}: def parse_config_{i}(env): return env['database_url']", "obs_source": "user"}
+             for i in range(6)]
+    f = tmp_path / "traj.jsonl"
+    f.write_text(json.dumps({"id": "demo/1", "task": "Fix parse_config", "system": "be careful", "steps": steps})
+                 + "\n{broken\n")
+    return f
+
+
+def test_import_render_glimpse_audit_round_trip(tmp_path, data):
+    r = cli("import", str(data), cwd=tmp_path)
+    assert r.returncode == 1 and "demo/1" in r.stdout and "line 2: not a JSON object" in r.stderr
+    assert (tmp_path / ".palimpsest" / "ledger.db").exists()
+    r = cli("render", "--session", "demo/1", "--policy", "pace", "--budget", "400", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "pace plan at t=6" in r.stdout and "tokens:" in r.stdout and "## Task" in r.stdout
+    r = cli("glimpse", "--session", "demo/1", "1", cwd=tmp_path)
+    assert r.returncode == 0 and "parse_config_0" in r.stdout
+    r = cli("render", "--session", "demo/1", "--policy", "ace", "--budget", "400", "--at", "3", "--no-prompt",
+            cwd=tmp_path)
+    assert r.returncode == 0 and "ace plan at t=3" in r.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["render", "--session", "demo/1", "--policy", "pace", "--budget", "0"], "positive integer"),
+    (["render", "--session", "demo/1", "--policy", "pace", "--budget", "-3"], "positive integer"),
+    (["render", "--session", "demo/1", "--policy", "magic", "--budget", "100"], "unknown policy type 'magic'"),
+    (["render", "--session", "nope", "--policy", "pace", "--budget", "100"], "unknown session 'nope'"),
+    (["render", "--session", "demo/1", "--policy", "pace", "--budget", "5"], "cannot hold the prefix"),
+    (["glimpse", "--session", "demo/1", "#424242"], "no step #424242"),
+    (["import", "missing.jsonl"], "not found"),
+])
+def test_bad_input_gets_one_clear_line_and_exit_2(tmp_path, data, args, message):
+    cli("import", str(data), cwd=tmp_path)
+    r = cli(*args, cwd=tmp_path)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_policies_lists_names_and_defaults(tmp_path):
+    r = cli("policies", cwd=tmp_path)
+    assert r.returncode == 0
+    for name in ("full", "window", "rolling_summary", "pace", "ace"):
+        assert f"type: {name}" in r.stdout
+    assert "tau: 0.3" in r.stdout
+
+
+def test_render_with_a_policy_config_file(tmp_path, data):
+    cli("import", str(data), cwd=tmp_path)
+    cfg = tmp_path / "w.yaml"
+    cfg.write_text("type: window\nk: 2\n")
+    r = cli("render", "--session", "demo/1", "--policy", "window", "--budget", "5000", "--policy-config", str(cfg),
+            "--no-prompt", cwd=tmp_path)
+    assert r.returncode == 0 and "drop 4" in r.stdout
+    r = cli("render", "--session", "demo/1", "--policy", "pace", "--budget", "5000", "--policy-config", str(cfg),
+            cwd=tmp_path)
+    assert r.returncode == 2 and "does not match" in r.stderr
+
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "trajectories" / "dev.jsonl"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not SHARED.is_file(), reason="the shared dev trajectories are not beside this checkout")
+def test_demo_on_the_dev_trajectories(tmp_path):
+    r = cli("demo", "--data", str(SHARED), "--ledger", str(tmp_path / "demo.db"), "--budget", "16000", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "imported 10 trajectories" in r.stdout and "PACE (" in r.stdout and "ACE (" in r.stdout

@@ -1,0 +1,34 @@
+"""Every YAML under configs/ loads and validates (and the policy files equal the code's defaults)."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from palimpsest.platform.policies import default_configs, load_policy_file
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("policies/*.yaml")), ids=lambda p: p.name)
+def test_policy_configs_load_and_match_the_defaults(path):
+    cfg = load_policy_file(path)
+    assert cfg == default_configs()[cfg.type] and path.stem == cfg.type
+
+
+def test_every_policy_has_a_default_config_file():
+    assert {p.stem for p in CONFIGS.glob("policies/*.yaml")} == set(default_configs())
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.rglob("*.yaml")), ids=lambda p: str(p.relative_to(CONFIGS)))
+def test_every_yaml_parses(path):
+    assert isinstance(yaml.safe_load(path.read_text()), dict)
+
+
+def test_a_broken_config_file_names_the_file_and_the_field(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("type: pace\ntau: -1\n")
+    from palimpsest.platform import ConfigError
+
+    with pytest.raises(ConfigError, match=r"bad.yaml: invalid pace policy config: tau"):
+        load_policy_file(bad)
