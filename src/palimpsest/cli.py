@@ -163,6 +163,115 @@ def policies() -> None:
         out.print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False).rstrip(), markup=False)
 
 
+def _policy_set(names: str, config_file: Optional[Path]) -> dict:
+    """Labels -> configs. A YAML file holds one config (it replaces that type's defaults) or a mapping
+    of labels to configs (variants such as `window_k20: {type: window, k: 20}`)."""
+    from palimpsest.platform.policies import PolicyConfigBase
+
+    variants: dict[str, PolicyConfigBase] = {}
+    if config_file:
+        data = yaml.safe_load(config_file.read_text()) if config_file.is_file() else None
+        if not isinstance(data, dict):
+            raise PalimpsestError(f"{config_file}: expected a policy config or a mapping of labels to configs")
+        if "type" in data:
+            cfg = load_policy_file(config_file)
+            variants[cfg.type] = cfg
+        else:
+            for label, body in data.items():
+                try:
+                    variants[str(label)] = parse_policy_config(body)
+                except PalimpsestError as e:
+                    raise PalimpsestError(f"{config_file}: {label}: {e}") from None
+    labels = [n.strip() for n in names.split(",") if n.strip()]
+    if not labels:
+        raise PalimpsestError("--policy needs at least one policy name")
+    if len(set(labels)) != len(labels):
+        raise PalimpsestError(f"--policy lists a policy twice: {names}")
+    return {label: variants[label] if label in variants else parse_policy_config(label) for label in labels}
+
+
+def _replay_runtime(ledger: Optional[Path], embedder: str, tokenizer: str, threads: int | None):
+    """The runtime replay measures with: the actor's tokenizer and the real key embedder by default."""
+    from palimpsest.pipelines.replay import TimedEmbedder
+    from palimpsest.platform import HashingEmbedder
+
+    if tokenizer == "smollm2":
+        from palimpsest.models.assets import smollm2_tokenizer_dir
+
+        tok_spec = str(smollm2_tokenizer_dir())
+    elif tokenizer == "approx":
+        tok_spec = "approx"
+    else:
+        tok_spec = tokenizer  # a path to a tokenizer.json or a folder holding one
+    if embedder == "minilm":
+        from palimpsest.models.embedder import MiniLMEmbedder
+
+        emb = MiniLMEmbedder(threads=threads)
+    elif embedder == "hashing":
+        emb = HashingEmbedder()
+    else:
+        raise PalimpsestError(f"unknown embedder {embedder!r}; expected minilm or hashing")
+    name = "smollm2" if tokenizer == "smollm2" else ("approx" if tokenizer == "approx" else Path(tokenizer).name)
+    led = Ledger(ledger or Path(f".palimpsest/replay-{name}.db"), tokenizer=tok_spec)
+    timer = TimedEmbedder(emb)
+    return Runtime(led, embedder=timer), timer
+
+
+@app.command()
+def replay(
+    data: Path = typer.Option(..., "--data", help="trajectories (JSONL, the shared schema)"),
+    policy: str = typer.Option(..., "--policy", help="comma-separated policy names or labels from --policy-config"),
+    budget: int = typer.Option(..., "--budget", help="token budget of every compiled context"),
+    out_dir: Path = typer.Option(..., "--out", help="output folder (steps.parquet, summary.json, summary.md)"),
+    policy_config: Optional[Path] = typer.Option(None, "--policy-config", help="YAML: one config, or labels -> configs"),
+    concat: bool = typer.Option(False, "--concat", help="replay all trajectories as one continuous session"),
+    as_json: bool = typer.Option(False, "--json", help="print the summary JSON to stdout and nothing else"),
+    ledger: Optional[Path] = typer.Option(None, "--ledger", help="cache ledger (default .palimpsest/replay-<tokenizer>.db)"),
+    embedder: str = typer.Option("minilm", help="key embedder: minilm (all-MiniLM-L6-v2) or hashing"),
+    tokenizer: str = typer.Option("smollm2", help="token counting: smollm2 (the actor's), approx, or a tokenizer path"),
+    mlflow: bool = typer.Option(True, "--mlflow/--no-mlflow", help="log the replay as an MLflow run"),
+) -> None:
+    """Replay trajectories under several policies: need recall, token cost, longevity."""
+    import json as _json
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from palimpsest.pipelines.replay import run_replay, summary_markdown, write_outputs
+
+    validate_budget(budget)
+    policies = _policy_set(policy, policy_config)
+    if not data.is_file():
+        raise PalimpsestError(f"trajectory file not found: {data}")
+    rt, timer = _replay_runtime(ledger, embedder, tokenizer, None)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err, transient=True) as bar:
+        result = run_replay(rt, data, policies, budget, concat=concat, timer=timer, progress=bar)
+    rt.ledger.close()
+    write_outputs(result, out_dir)
+    if mlflow:
+        from palimpsest.pipelines.tracking import log_replay
+
+        result.summary["mlflow_run_id"] = log_replay(result.summary, out_dir)
+        (out_dir / "summary.json").write_text(_json.dumps(result.summary, indent=2) + "\n")
+    for s in result.summary["skipped"]:
+        err.print(f"[yellow]skipped:[/] {s['trajectory']}: {s['reason']}", highlight=False)
+    if as_json:
+        sys.stdout.write(_json.dumps(result.summary) + "\n")
+    else:
+        out.print(summary_markdown(result.summary), markup=False, highlight=False)
+        out.print(f"written to {out_dir}")
+
+
+@app.command()
+def report(dirs: list[Path] = typer.Argument(..., help="replay output folders (several budgets plot together)"),
+           out_dir: Optional[Path] = typer.Option(None, "--out", help="where to write (default: the first DIR)")) -> None:
+    """Write report.md and PNG plots from one or more replay outputs."""
+    from palimpsest.pipelines.report import write_report
+
+    path = write_report(dirs, out_dir or dirs[0])
+    out.print(f"report written to {path}")
+
+
 @app.command()
 def demo(
     data: Optional[Path] = typer.Option(None, help="trajectories (default: ../shared/data/trajectories/dev.jsonl)"),

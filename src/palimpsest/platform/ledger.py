@@ -17,7 +17,7 @@ import sqlite3
 import threading
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -131,6 +131,20 @@ class SessionSnapshot:
     def abstraction(self, i: int) -> Abstraction | None:
         s = self.abstractions[i]
         return Abstraction.from_json(s) if s else None
+
+    def upto(self, t: int, folds: Mapping[str, Fold] | None = None,
+             last_context_tokens: Mapping[str, int] | None = None) -> "SessionSnapshot":
+        """The same session as it stood before step ``t`` (a slice, no I/O). Replay uses it with its
+        own per-policy state (folds, previous context size) instead of what the ledger's audit holds."""
+        if not 0 <= t <= self.t:
+            raise ValueError(f"t must be within 0..{self.t}, got {t}")
+        return replace(
+            self, steps=self.steps[:t], step_ids=self.step_ids[:t], tokens=self.tokens[:t],
+            bodies=tuple(b[:t] for b in self.bodies), keys=self.keys[:t], has_key=self.has_key[:t],
+            abstractions=self.abstractions[:t],
+            folds=dict(folds) if folds is not None else {k: f for k, f in self.folds.items() if f.upto <= t},
+            last_context_tokens=dict(last_context_tokens) if last_context_tokens is not None else {},
+        )
 
 
 class Ledger:

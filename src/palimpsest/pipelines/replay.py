@@ -1,0 +1,319 @@
+"""Replay evaluation: does a policy keep what the agent will need, at what token cost, for how long?
+
+For every trajectory and every step t, the context the actor would see before taking step t's
+action is compiled from the ledger (history = steps before t) under each policy, then checked
+against the step's ground-truth needs: tokens of earlier observations that step t's action uses.
+The policy, the compiler and the runtime are the production ones; replay only keeps each policy's
+own state (its rolling summary, its previous context size) instead of writing audits.
+
+Outputs in ``out``: ``steps.parquet`` (one row per policy and step), ``summary.json`` and
+``summary.md``. Metrics are defined in ``docs/metrics.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+
+from palimpsest.pipelines.trajectories import Need, Trajectory, file_sha256, read_trajectories, to_record
+from palimpsest.platform.embedding import Embedder
+from palimpsest.platform.ledger import SessionSnapshot
+from palimpsest.platform.policies import PolicyConfigBase
+from palimpsest.platform.runtime import Runtime
+from palimpsest.platform.types import Authority, BudgetError, Fold, LedgerError, PalimpsestError, Resolution, StepRecord
+
+UNBOUNDED = 1 << 40  # the `full` policy is the unbudgeted reference: ReAct shows everything
+DISTANCES = (("1-4", 1, 4), ("5-19", 5, 19), ("20+", 20, math.inf))
+CONCAT_WINDOW = 250
+
+
+class ReplayError(PalimpsestError):
+    pass
+
+
+@dataclass(frozen=True)
+class ReplayStep:
+    t: int
+    trajectory: str
+    needs: tuple[Need, ...]
+    offset: int = 0  # where the trajectory starts inside a concatenated session
+
+
+@dataclass
+class ReplaySession:
+    session_id: str
+    steps: list[ReplayStep]
+
+
+@dataclass
+class Skipped:
+    trajectory: str
+    reason: str
+
+
+class TimedEmbedder:
+    """Wraps an embedder to measure the time spent embedding (excluded from ms_per_step)."""
+
+    def __init__(self, inner: Embedder):
+        self.inner = inner
+        self.name = inner.name
+        self.dim = inner.dim
+        self.seconds = 0.0
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        t0 = time.perf_counter()
+        try:
+            return self.inner.embed(texts)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+
+def _concat_records(trajs: Sequence[Trajectory]) -> tuple[list[StepRecord], list[ReplayStep]]:
+    """One continuous session: each trajectory starts with its task as a user message."""
+    records: list[StepRecord] = []
+    steps: list[ReplayStep] = []
+    for traj in trajs:
+        offset = len(records) + 1
+        records.append(StepRecord(t=len(records), kind="message", action="", observation=f"New task:\n{traj.task}",
+                                  authority=Authority.USER, tool="task"))
+        steps.append(ReplayStep(t=offset - 1, trajectory=traj.id, needs=()))
+        for s in traj.steps:
+            rec = to_record(s)
+            records.append(StepRecord(t=offset + s.t, kind=rec.kind, action=rec.action, thought=rec.thought,
+                                      observation=rec.observation, authority=rec.authority, tool=rec.tool))
+            steps.append(ReplayStep(t=offset + s.t, trajectory=traj.id, needs=tuple(s.needs), offset=offset))
+    return records, steps
+
+
+def prepare_sessions(rt: Runtime, trajs: Sequence[Trajectory], concat: bool, data_sha: str,
+                     skipped: list[Skipped], on_progress: Callable[[str], None] | None = None) -> list[ReplaySession]:
+    """Import (idempotently) and enrich every trajectory; the ledger caches summaries and keys."""
+    led = rt.ledger
+    sessions: list[ReplaySession] = []
+    if concat:
+        sid = f"concat-{data_sha[:16]}"
+        records, steps = _concat_records(trajs)
+        led.create_session(sid, "Work through the tasks that arrive as user messages, one after another.",
+                           meta={"source": "replay-concat", "trajectories": [t.id for t in trajs]})
+        led.append_many(sid, records)
+        rt.enrich(sid)
+        return [ReplaySession(sid, steps)]
+    for traj in trajs:
+        try:
+            led.create_session(traj.id, traj.task, traj.system, traj.tools, meta={"group": traj.group})
+            led.append_many(traj.id, [to_record(s) for s in traj.steps])
+        except LedgerError as e:
+            skipped.append(Skipped(traj.id, f"cannot import: {e}"))
+            continue
+        rt.enrich(traj.id)
+        sessions.append(ReplaySession(traj.id, [ReplayStep(s.t, traj.id, tuple(s.needs)) for s in traj.steps]))
+        if on_progress:
+            on_progress(traj.id)
+    return sessions
+
+
+@dataclass
+class _PolicyState:
+    fold: Fold | None = None
+    prev_tokens: int = 0
+
+
+def replay_session(rt: Runtime, sess: ReplaySession, label: str, cfg: PolicyConfigBase, budget: int,
+                   timer: TimedEmbedder | None, on_step: Callable[[], None] | None = None) -> list[dict]:
+    """Per-step rows for one policy over one session."""
+    full = rt.snapshot(sess.session_id)
+    policy = rt.policy(cfg)
+    bound = UNBOUNDED if cfg.type == "full" else budget
+    state = _PolicyState()
+    full_cost = np.concatenate([[0], np.cumsum(full.tokens[:, Resolution.FULL])])  # history tokens by t
+    rows = []
+    for rs in sess.steps:
+        t = rs.t
+        snap = full.upto(t, folds={policy.config_hash: state.fold} if state.fold else {},
+                         last_context_tokens={policy.name: state.prev_tokens})
+        row = {"policy": label, "budget": budget, "trajectory": rs.trajectory, "t": t - rs.offset, "session_t": t,
+               "full_tokens": int(full.prefix_tokens + full_cost[t]), "skipped": None}
+        embed_before = timer.seconds if timer else 0.0
+        t0 = time.perf_counter()
+        try:
+            turn = rt.compile(snap, policy, bound)
+        except BudgetError as e:
+            row.update(_empty_row(rs.needs))
+            row["skipped"] = str(e)
+            rows.append(row)
+            if on_step:
+                on_step()
+            continue
+        elapsed = time.perf_counter() - t0 - ((timer.seconds - embed_before) if timer else 0.0)
+        if turn.plan.new_fold:
+            state.fold = turn.plan.fold
+        state.prev_tokens = turn.prompt.tokens
+        row.update(_check(turn.prompt.text, turn, rs, snap))
+        row["ms"] = elapsed * 1000
+        row["over_budget"] = turn.prompt.tokens > budget
+        rows.append(row)
+        if on_step:
+            on_step()
+    return rows
+
+
+def _empty_row(needs: Iterable[Need]) -> dict:
+    needs = list(needs)
+    strong = [n for n in needs if n.strength == "strong"]
+    out = {"tokens": 0, "ms": float("nan"), "over_budget": False, "strong_needs": len(strong), "strong_hits": 0,
+           "weak_needs": len(needs) - len(strong), "weak_hits": 0, "recoverable": 0}
+    out.update({f"n_{r.label}": 0 for r in Resolution})
+    for key, lo, hi in DISTANCES:
+        out[f"needs_{key}"] = 0
+        out[f"hits_{key}"] = 0
+    return out
+
+
+def _check(text: str, turn, rs: ReplayStep, snap: SessionSnapshot) -> dict:
+    """Need checks: is each needed token verbatim in the compiled context?"""
+    out = _empty_row(rs.needs)
+    out["tokens"] = turn.prompt.tokens
+    for name, n in turn.plan.counts().items():
+        out[f"n_{name}"] = n
+    placeholders = {s.t for s in turn.prompt.segments if s.resolution is Resolution.PLACEHOLDER}
+    for need in rs.needs:
+        hit = need.token in text
+        if need.strength != "strong":
+            out["weak_hits"] += hit
+            continue
+        out["strong_hits"] += hit
+        dist = (rs.t - rs.offset) - need.last_obs_step
+        for key, lo, hi in DISTANCES:
+            if lo <= dist <= hi:
+                out[f"needs_{key}"] += 1
+                out[f"hits_{key}"] += hit
+        if not hit:
+            sources = getattr(need, "obs_steps", None) or [need.last_obs_step]
+            out["recoverable"] += any(s + rs.offset in placeholders for s in sources)
+    return out
+
+
+def _ratio(hits: int, total: int) -> float | None:
+    return round(hits / total, 4) if total else None
+
+
+def summarize(rows: list[dict], budget: int, concat: bool) -> dict:
+    done = [r for r in rows if r["skipped"] is None]
+    strong = sum(r["strong_needs"] for r in done)
+    weak = sum(r["weak_needs"] for r in done)
+    tokens = np.array([r["tokens"] for r in done], dtype=np.float64)
+    ratios = [r["tokens"] / r["full_tokens"] for r in done if r["full_tokens"]]
+    ms = [r["ms"] for r in done]
+    out = {
+        "need_recall_strong": _ratio(sum(r["strong_hits"] for r in done), strong),
+        "need_recall_weak": _ratio(sum(r["weak_hits"] for r in done), weak),
+        "recall_by_distance": {k: _ratio(sum(r[f"hits_{k}"] for r in done), sum(r[f"needs_{k}"] for r in done))
+                               for k, _, _ in DISTANCES},
+        "token_ratio": round(float(np.mean(ratios)), 4) if ratios else None,
+        "mean_tokens": round(float(tokens.mean()), 1) if done else None,
+        "p95_tokens": round(float(np.percentile(tokens, 95)), 1) if done else None,
+        "over_budget_steps": sum(1 for r in done if r["over_budget"]),
+        "recoverable": sum(r["recoverable"] for r in done),
+        "ms_per_step": round(float(np.median(ms)), 3) if ms else None,
+        "steps": len(rows),
+        "strong_needs": strong,
+        "skipped_steps": len(rows) - len(done),
+    }
+    if concat:
+        over = [i for i, r in enumerate(rows) if r["skipped"] is None and r["over_budget"]]
+        out["longevity_steps"] = over[0] if over else len(rows)
+        windows = []
+        for start in range(0, len(rows), CONCAT_WINDOW):
+            chunk = [r for r in rows[start: start + CONCAT_WINDOW] if r["skipped"] is None]
+            windows.append({"steps": f"{start}-{start + CONCAT_WINDOW - 1}",
+                            "need_recall_strong": _ratio(sum(r["strong_hits"] for r in chunk),
+                                                         sum(r["strong_needs"] for r in chunk))})
+        out["recall_by_window"] = windows
+    return out
+
+
+@dataclass
+class ReplayResult:
+    summary: dict
+    rows: list[dict] = field(default_factory=list)
+
+
+def run_replay(rt: Runtime, data: Path, policies: dict[str, PolicyConfigBase], budget: int, concat: bool = False,
+               timer: TimedEmbedder | None = None, progress=None) -> ReplayResult:
+    """Replay every trajectory of ``data`` under every policy. ``progress`` is an optional rich Progress."""
+    read = read_trajectories(data)
+    skipped = [Skipped(e.split(":")[0], e) for e in read.errors]
+    if not read.trajectories:
+        raise ReplayError(f"{data}: no valid trajectory to replay ({'; '.join(read.errors[:3])})")
+    sha = file_sha256(data)
+    task = progress.add_task("importing + enriching", total=len(read.trajectories)) if progress else None
+    sessions = prepare_sessions(rt, read.trajectories, concat, sha, skipped,
+                                on_progress=(lambda _: progress.advance(task)) if progress else None)
+    # A budget that cannot hold a trajectory's fixed prefix is that trajectory's error, not the run's.
+    usable = []
+    for sess in sessions:
+        prefix = rt.snapshot(sess.session_id, at=0).prefix_tokens
+        if prefix > budget:
+            skipped.append(Skipped(sess.session_id, f"budget {budget} is smaller than its fixed prefix ({prefix} tokens)"))
+        else:
+            usable.append(sess)
+    if not usable:
+        raise ReplayError("; ".join(f"{s.trajectory}: {s.reason}" for s in skipped) or "nothing to replay")
+    n_steps = sum(len(s.steps) for s in usable)
+    rows: list[dict] = []
+    by_policy: dict[str, dict] = {}
+    for label, cfg in policies.items():
+        bar = progress.add_task(f"{label}", total=n_steps) if progress else None
+        policy_rows = []
+        for sess in usable:
+            policy_rows += replay_session(rt, sess, label, cfg, budget, timer,
+                                          on_step=(lambda: progress.advance(bar)) if progress else None)
+        by_policy[label] = summarize(policy_rows, budget, concat)
+        rows += policy_rows
+    summary = {
+        "data": {"file": str(data), "sha256": sha, "trajectories": len(read.trajectories), "steps": n_steps},
+        "budget": budget,
+        "concat": concat,
+        "embedder": rt.embedder.name,
+        "tokenizer": rt.ledger.tokenizer.name,
+        "policies": by_policy,
+        "policy_configs": {k: v.model_dump(mode="json") for k, v in policies.items()},
+        "skipped": [{"trajectory": s.trajectory, "reason": s.reason} for s in skipped],
+    }
+    return ReplayResult(summary, rows)
+
+
+def write_outputs(result: ReplayResult, out: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(result.rows), out / "steps.parquet")
+    (out / "summary.json").write_text(json.dumps(result.summary, indent=2) + "\n")
+    (out / "summary.md").write_text(summary_markdown(result.summary))
+
+
+def summary_markdown(summary: dict) -> str:
+    d = summary["data"]
+    lines = [f"# Replay: {Path(d['file']).name} ({d['trajectories']} trajectories, {d['steps']} steps), "
+             f"budget {summary['budget']}{' — concatenated' if summary.get('concat') else ''}", "",
+             f"embedder `{summary['embedder']}`, tokenizer `{summary['tokenizer']}`, data sha256 `{d['sha256'][:16]}`", "",
+             "| policy | mean tokens | p95 tokens | token ratio | strong recall | weak recall | 1-4 | 5-19 | 20+ "
+             "| over budget | recoverable | ms/step |" + (" longevity |" if summary.get("concat") else ""),
+             "|---|" + "---|" * (12 if summary.get("concat") else 11)]
+    for name, m in summary["policies"].items():
+        rbd = m["recall_by_distance"]
+        cells = [m["mean_tokens"], m["p95_tokens"], m["token_ratio"], m["need_recall_strong"], m["need_recall_weak"],
+                 rbd["1-4"], rbd["5-19"], rbd["20+"], m["over_budget_steps"], m["recoverable"], m["ms_per_step"]]
+        if summary.get("concat"):
+            cells.append(m["longevity_steps"])
+        lines.append(f"| {name} | " + " | ".join("-" if c is None else str(c) for c in cells) + " |")
+    if summary["skipped"]:
+        lines += ["", "Skipped:"] + [f"- {s['trajectory']}: {s['reason']}" for s in summary["skipped"]]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,104 @@
+"""`palimpsest report DIR...`: markdown and PNG plots from replay outputs.
+
+Plots: compiled tokens per step by policy (with the budget line); strong need recall against token
+ratio, one point per policy and budget (pass several replay folders to add budgets); strong need
+recall by distance to the needed observation.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from palimpsest.pipelines.replay import DISTANCES, ReplayError, summary_markdown
+
+
+def _load(d: Path) -> tuple[dict, "object"]:
+    import pyarrow.parquet as pq
+
+    if not (d / "summary.json").is_file() or not (d / "steps.parquet").is_file():
+        raise ReplayError(f"{d} is not a replay output (summary.json and steps.parquet expected)")
+    return json.loads((d / "summary.json").read_text()), pq.read_table(d / "steps.parquet").to_pandas()
+
+
+def write_report(dirs: list[Path], out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [(d, *_load(d)) for d in dirs]
+    out.mkdir(parents=True, exist_ok=True)
+    colors = {}
+
+    def color(name: str):
+        if name not in colors:
+            colors[name] = plt.get_cmap("tab10")(len(colors) % 10)
+        return colors[name]
+
+    # 1. compiled tokens per step, first replay folder (mean over trajectories at each step index)
+    d0, s0, df0 = runs[0]
+    fig, ax = plt.subplots(figsize=(9, 4.8))
+    key = "session_t" if s0.get("concat") else "t"
+    for name, g in df0[df0["skipped"].isna()].groupby("policy", sort=False):
+        series = g.groupby(key)["tokens"].mean()
+        ax.plot(series.index, series.values, label=name, color=color(name), lw=1.4)
+    full = df0[df0["policy"] == df0["policy"].iloc[0]].groupby(key)["full_tokens"].mean()
+    ax.plot(full.index, full.values, label="full history (unbudgeted)", color="black", lw=1, ls=":")
+    ax.axhline(s0["budget"], color="red", lw=1, ls="--", label=f"budget {s0['budget']}")
+    ax.set_xlabel("step" + (" (concatenated session)" if s0.get("concat") else " index t (mean over trajectories)"))
+    ax.set_ylabel("compiled context tokens")
+    ax.set_yscale("log")
+    ax.set_title(f"Compiled tokens per step — {Path(s0['data']['file']).name}")
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(out / "tokens_per_step.png", dpi=120)
+    plt.close(fig)
+
+    # 2. recall vs token ratio, one point per policy and budget
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for d, s, _ in runs:
+        for name, m in s["policies"].items():
+            if m["token_ratio"] is None or m["need_recall_strong"] is None:
+                continue
+            ax.scatter(m["token_ratio"], m["need_recall_strong"], color=color(name), s=40)
+            ax.annotate(f"{name} @{s['budget'] // 1000}K", (m["token_ratio"], m["need_recall_strong"]), fontsize=7,
+                        xytext=(4, 3), textcoords="offset points")
+    ax.set_xlabel("token ratio (compiled / full history, mean over steps)")
+    ax.set_ylabel("strong need recall")
+    ax.set_xlim(0, 1.05)
+    ax.set_ylim(0, 1.05)
+    ax.grid(alpha=0.3)
+    ax.set_title("Need recall against token cost")
+    fig.tight_layout()
+    fig.savefig(out / "recall_vs_ratio.png", dpi=120)
+    plt.close(fig)
+
+    # 3. recall by distance, first replay folder
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    names = list(s0["policies"])
+    width = 0.8 / max(1, len(names))
+    x = np.arange(len(DISTANCES))
+    for i, name in enumerate(names):
+        vals = [s0["policies"][name]["recall_by_distance"][k] or 0 for k, _, _ in DISTANCES]
+        ax.bar(x + i * width - 0.4 + width / 2, vals, width, label=name, color=color(name))
+    ax.set_xticks(x, [f"{k} steps back" for k, _, _ in DISTANCES])
+    ax.set_ylabel("strong need recall")
+    ax.set_ylim(0, 1.05)
+    ax.set_title(f"Recall by distance to the needed observation — budget {s0['budget']}")
+    ax.legend(fontsize=8, ncol=3)
+    fig.tight_layout()
+    fig.savefig(out / "recall_by_distance.png", dpi=120)
+    plt.close(fig)
+
+    parts = ["# Replay report", ""]
+    for d, s, _ in runs:
+        parts += [summary_markdown(s).replace("# Replay:", "## Replay:"), f"(from `{d}`)", ""]
+    parts += ["## Plots", "", "![compiled tokens per step](tokens_per_step.png)", "",
+              "![need recall against token ratio](recall_vs_ratio.png)", "",
+              "![recall by distance](recall_by_distance.png)", ""]
+    path = out / "report.md"
+    path.write_text("\n".join(parts))
+    return path

@@ -1,0 +1,72 @@
+"""MLflow tracking: one small helper for every run Palimpsest logs (replays now; training and A/B later).
+
+The tracking URI comes from ``$MLFLOW_TRACKING_URI`` (a tracking server in production); by default a
+local SQLite store under ``.palimpsest/`` with artifacts beside it, so nothing needs a server.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from palimpsest.platform.types import PalimpsestError
+
+EXPERIMENT_REPLAY = "palimpsest-replay"
+
+
+def tracking_uri() -> str:
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if uri:
+        return uri
+    root = Path(".palimpsest").resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{root / 'mlflow.db'}"
+
+
+def _experiment(mlflow, name: str) -> str:
+    exp = mlflow.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    artifacts = os.environ.get("PALIMPSEST_MLFLOW_ARTIFACTS")
+    if artifacts is None and tracking_uri().startswith("sqlite:"):
+        artifacts = (Path(".palimpsest") / "mlartifacts").resolve().as_uri()
+    return mlflow.create_experiment(name, artifact_location=artifacts)
+
+
+def _flat(prefix: str, value: Any, out: dict[str, float]) -> None:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _flat(f"{prefix}.{k}" if prefix else str(k), v, out)
+    elif isinstance(value, (int, float)) and not isinstance(value, bool) and value == value:
+        out[prefix.replace("+", "plus")] = float(value)
+
+
+def log_replay(summary: dict, out_dir: Path) -> str:
+    """One parent run per replay, one child run per policy; returns the parent run id."""
+    import mlflow
+
+    try:
+        mlflow.set_tracking_uri(tracking_uri())
+        exp = _experiment(mlflow, EXPERIMENT_REPLAY)
+    except Exception as e:  # an unreachable server is a clear error, not a stack trace
+        raise PalimpsestError(f"MLflow tracking at {tracking_uri()} is not usable: {e}") from None
+    data = summary["data"]
+    with mlflow.start_run(experiment_id=exp, run_name=f"replay-{Path(data['file']).stem}-{summary['budget']}") as run:
+        mlflow.log_params({"data.file": data["file"], "data.sha256": data["sha256"], "budget": summary["budget"],
+                           "concat": summary.get("concat", False), "embedder": summary["embedder"],
+                           "tokenizer": summary["tokenizer"], "policies": ",".join(summary["policies"])})
+        for label, cfg in summary["policy_configs"].items():
+            mlflow.log_dict(cfg, f"policies/{label}.json")
+            with mlflow.start_run(experiment_id=exp, run_name=label, nested=True):
+                mlflow.log_params({"policy": label, **{f"config.{k}": v for k, v in cfg.items()},
+                                   "budget": summary["budget"], "data.sha256": data["sha256"]})
+                metrics: dict[str, float] = {}
+                _flat("", {k: v for k, v in summary["policies"][label].items() if k != "recall_by_window"}, metrics)
+                mlflow.log_metrics(metrics)
+        for name in ("summary.json", "summary.md", "steps.parquet", "report.md"):
+            if (out_dir / name).is_file():
+                mlflow.log_artifact(str(out_dir / name))
+        for png in sorted(out_dir.glob("*.png")):
+            mlflow.log_artifact(str(png), artifact_path="plots")
+        return run.info.run_id
