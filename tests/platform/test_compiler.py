@@ -7,7 +7,7 @@ from palimpsest.platform.policies import WindowConfig
 from tests.helpers import step
 
 
-@pytest.mark.parametrize("policy", ["full", "window", "rolling_summary", "pace", "ace"])
+@pytest.mark.parametrize("policy", ["full", "window", "rolling_summary", "pace", "ace", "pace_plus"])
 @pytest.mark.parametrize("budget", [300, 600, 1500, 100_000])
 def test_compiled_context_never_exceeds_the_budget(runtime, session, policy, budget):
     turn = runtime.turn(session, policy, budget)
@@ -68,7 +68,7 @@ def test_steps_appear_in_order_and_placeholders_name_their_step_id(runtime, sess
     ts = [s.t for s in turn.prompt.segments if s.kind == "step"]
     assert ts == sorted(ts) and ts[-1] == 11
     ph = [s for s in turn.prompt.segments if s.resolution is Resolution.PLACEHOLDER]
-    assert ph and all(s.text.startswith(f"[#{s.step_id} t={s.t} ") for s in ph)
+    assert ph and all(s.text.startswith(f"[#{s.step_id} bash ") for s in ph)
 
 
 def test_untrusted_output_stays_delimited_at_every_resolution(runtime, session):

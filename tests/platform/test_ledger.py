@@ -110,7 +110,7 @@ def test_every_step_has_a_placeholder_and_summaries_are_added_later(ledger):
     ledger.create_session("s", TASK)
     st = ledger.append("s", step(0, "cat settings/loader.py", "def parse_config(env): ..."))
     snap = ledger.snapshot("s")
-    assert snap.body(0, snap_res("placeholder")).startswith(f"[#{st.id} t=0 bash]")
+    assert snap.body(0, snap_res("placeholder")) == f"[#{st.id} bash cat] settings/loader.py"
     assert snap.tokens[0, 1] == -1 and snap.abstraction(0) is None
     s = RuleSummarizer()
     ledger.add_summaries("s", st.id, s.summarize(st.record()), s.name, s.version)

@@ -25,7 +25,7 @@ def resolutions(plan):
 
 
 def test_registry_lists_every_policy():
-    assert policy_names() == ["full", "window", "rolling_summary", "pace", "ace"]
+    assert policy_names() == ["full", "window", "rolling_summary", "pace", "ace", "pace_plus"]
 
 
 def test_unknown_policy_type_is_a_clear_error():
@@ -154,7 +154,7 @@ def test_rolling_summary_is_bounded(runtime, session):
     assert fold.text.startswith("(") and "earlier steps omitted" in fold.text
 
 
-@pytest.mark.parametrize("name", ["full", "window", "rolling_summary", "pace", "ace"])
+@pytest.mark.parametrize("name", ["full", "window", "rolling_summary", "pace", "ace", "pace_plus"])
 def test_plans_are_pure_functions_of_snapshot_budget_and_config(runtime, session, name):
     snap = runtime.snapshot(session)
     a = runtime.policy(name).plan(snap, 3000)

@@ -58,20 +58,30 @@ class Skipped:
 
 
 class TimedEmbedder:
-    """Wraps an embedder to measure the time spent embedding (excluded from ms_per_step)."""
+    """Wraps an embedder: measures the time spent embedding (excluded from ms_per_step) and memoises
+    single-text calls, since every policy that scores step t embeds the same query."""
 
-    def __init__(self, inner: Embedder):
+    def __init__(self, inner: Embedder, memo: int = 8192):
         self.inner = inner
         self.name = inner.name
         self.dim = inner.dim
         self.seconds = 0.0
+        self._memo: dict[str, np.ndarray] = {}
+        self._memo_size = memo
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
+        if len(texts) == 1 and texts[0] in self._memo:
+            return self._memo[texts[0]][None].copy()
         t0 = time.perf_counter()
         try:
-            return self.inner.embed(texts)
+            out = self.inner.embed(texts)
         finally:
             self.seconds += time.perf_counter() - t0
+        if len(texts) == 1:
+            if len(self._memo) >= self._memo_size:
+                self._memo.pop(next(iter(self._memo)))
+            self._memo[texts[0]] = out[0].copy()
+        return out
 
 
 def _concat_records(trajs: Sequence[Trajectory]) -> tuple[list[StepRecord], list[ReplayStep]]:

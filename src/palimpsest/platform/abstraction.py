@@ -14,12 +14,13 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import asdict, dataclass, field
+from functools import lru_cache
 
 from palimpsest.platform.render import authority_block, gist
 from palimpsest.platform.types import Authority, StepRecord
 
 WRITER_NAME = "rule-abstraction"
-WRITER_VERSION = "1"
+WRITER_VERSION = "2"
 
 _URL = re.compile(r"https?://[^\s'\"<>)\]}`]+")
 _PATH = re.compile(
@@ -44,7 +45,7 @@ _FOLLOW_UP = re.compile(r"\b(next|then|need to|needs to|should|TODO|let me|let's
 _RETURNCODE = re.compile(r"<returncode>\s*(-?\d+)\s*</returncode>|exit code (-?\d+)")
 
 _IDS_DETAILED = 48
-_IDS_BRIEF = 6
+_IDS_BRIEF = 10
 _FACT_LINES = 8
 _LINE_CHARS = 200
 
@@ -79,6 +80,7 @@ class Abstraction:
     error_lines: list[str] = field(default_factory=list)
     failed_actions: list[dict[str, str]] = field(default_factory=list)
     follow_ups: list[str] = field(default_factory=list)
+    key_ids: list[str] = field(default_factory=list)  # the few paths and ids the output is most about
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), ensure_ascii=False, sort_keys=True)
@@ -90,6 +92,18 @@ class Abstraction:
     def salient(self) -> frozenset[str]:
         """The tokens a step is about: what the rule elasticizer matches against."""
         return frozenset(self.identifiers) | frozenset(self.paths) | frozenset(self.urls)
+
+
+@lru_cache(maxsize=262_144)
+def step_facts(step_id: int, abstraction_json: str, action: str) -> tuple[frozenset[str], bool, bool]:
+    """(salient tokens of the step, failed?, has follow-ups?) from its stored abstraction and its action.
+
+    Cached by content: steps never change, so policies pay the JSON parse once per step, not per turn.
+    """
+    a = Abstraction.from_json(abstraction_json)
+    ids, paths, urls, _ = extract_salient(action, limit=64)
+    salient = a.salient() | frozenset(ids) | frozenset(paths) | frozenset(urls)
+    return salient, a.outcome == "error" or bool(a.failed_actions), bool(a.follow_ups)
 
 
 def extract_salient(text: str, limit: int = 256) -> tuple[list[str], list[str], list[str], list[str]]:
@@ -143,6 +157,8 @@ def abstract_step(step: StepRecord) -> Abstraction:
     obs = step.observation or ""
     errors = _uniq((ln.strip()[:_LINE_CHARS] for ln in obs.splitlines() if _ERROR_LINE.search(ln)), 6)
     ids, paths, urls, numbers = extract_salient(obs)
+    # The brief keeps the most frequent ones: what an output keeps returning to is what it is about.
+    key_ids = sorted(paths[:24], key=lambda w: -obs.count(w))[:3] + sorted(ids, key=lambda w: -obs.count(w))[:_IDS_BRIEF]
     outcome = _outcome(step.observation, errors)
     summary = gist(step.action or step.thought or step.kind, 160)
     failed = [{"action": gist(step.action, 120), "reason": errors[0] if errors else "non-zero exit"}] if outcome == "error" else []
@@ -158,6 +174,7 @@ def abstract_step(step: StepRecord) -> Abstraction:
         summary=summary,
         critical_facts=_fact_lines(obs, ids, errors),
         identifiers=ids[: _IDS_DETAILED * 2],
+        key_ids=key_ids,
         paths=paths[:24],
         urls=urls[:12],
         numbers=numbers[:16],
@@ -190,7 +207,7 @@ def render_brief(a: Abstraction) -> str:
     head = f"{a.summary[:100]} -> {a.outcome}"
     if a.failed_actions:
         head += f" ({gist(a.failed_actions[0]['reason'], 60)})"
-    seen = _uniq(a.paths[:2] + a.identifiers[:_IDS_BRIEF] + a.urls[:1], _IDS_BRIEF + 2)
+    seen = _uniq(a.key_ids + a.urls[:1], _IDS_BRIEF + 4)
     if seen:
         head += " " + authority_block(", ".join(seen), a.authority, inline=True)
     return head

@@ -59,10 +59,10 @@ CREATE TABLE IF NOT EXISTS steps (
 CREATE TABLE IF NOT EXISTS representations (
     step_id INTEGER NOT NULL REFERENCES steps(id), resolution TEXT NOT NULL, text TEXT NOT NULL,
     tokens INTEGER NOT NULL, producer TEXT NOT NULL, producer_version TEXT NOT NULL, created REAL NOT NULL,
-    PRIMARY KEY (step_id, resolution, producer));
+    PRIMARY KEY (step_id, resolution, producer, producer_version));
 CREATE TABLE IF NOT EXISTS abstractions (
     step_id INTEGER NOT NULL REFERENCES steps(id), producer TEXT NOT NULL, producer_version TEXT NOT NULL,
-    body TEXT NOT NULL, created REAL NOT NULL, PRIMARY KEY (step_id, producer));
+    body TEXT NOT NULL, created REAL NOT NULL, PRIMARY KEY (step_id, producer, producer_version));
 CREATE TABLE IF NOT EXISTS keys (
     step_id INTEGER NOT NULL REFERENCES steps(id), model TEXT NOT NULL, dim INTEGER NOT NULL,
     vector BLOB NOT NULL, created REAL NOT NULL, PRIMARY KEY (step_id, model));
@@ -353,12 +353,15 @@ class Ledger:
                            [(int(sid), model, vectors.shape[1], vectors[i].tobytes(), now)
                             for i, sid in enumerate(step_ids)])
 
-    def pending(self, session_id: str, key_model: str | None) -> tuple[list[Step], list[Step]]:
-        """(steps without a summary, steps without a key for ``key_model``), in order."""
+    def pending(self, session_id: str, key_model: str | None, producer: tuple[str, str] | None = None
+                ) -> tuple[list[Step], list[Step]]:
+        """(steps without a summary [of this (producer, version)], steps without a key for ``key_model``)."""
         cols = ", ".join(f"s.{c.strip()}" for c in _STEP_COLS.split(","))
+        which = "" if producer is None else " AND a.producer=? AND a.producer_version=?"
         no_sum = self._db.execute(
             f"SELECT {cols} FROM steps s WHERE s.session_id=? AND NOT EXISTS "
-            "(SELECT 1 FROM abstractions a WHERE a.step_id=s.id) ORDER BY s.t", (session_id,)).fetchall()
+            f"(SELECT 1 FROM abstractions a WHERE a.step_id=s.id{which}) ORDER BY s.t",
+            (session_id, *(producer or ()))).fetchall()
         no_key = [] if key_model is None else self._db.execute(
             f"SELECT {cols} FROM steps s WHERE s.session_id=? AND NOT EXISTS "
             "(SELECT 1 FROM keys k WHERE k.step_id=s.id AND k.model=?) ORDER BY s.t", (session_id, key_model)).fetchall()

@@ -56,11 +56,12 @@ def key_text(step: Step | StepRecord) -> str:
 
 
 def render_placeholder_body(step: Step | StepRecord, step_id: int) -> str:
-    """A one-line gist of at most ~20 tokens: the step id (for ``glimpse``), kind, tool and action."""
-    what = gist(step.action or step.thought or "(no action)", 40)
-    tool = f" {step.tool}:" if step.tool and not what.startswith(step.tool) else ""
-    size = "" if step.observation is None else f" ({len(step.observation)} chars out)"
-    return f"[#{step_id} t={step.t} {step.kind}]{tool} {what}{size}"
+    """One line of at most ~20 tokens: the step id (for ``glimpse``), kind, tool or command, and a gist."""
+    tool = f" {step.tool}" if step.tool and step.tool != step.kind else ""
+    what = gist(step.action or step.thought or "(no action)", 36)
+    if tool and what.startswith(step.tool):
+        what = what[len(step.tool):].lstrip() or what
+    return f"[#{step_id} {step.kind}{tool}] {what}"
 
 
 def render_segment(step: Step | StepRecord, step_id: int, resolution: Resolution, body: str) -> str:

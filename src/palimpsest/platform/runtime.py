@@ -58,7 +58,8 @@ class Runtime:
 
     def enrich(self, session_id: str, batch: int = 64) -> EnrichResult:
         """Write every missing summary and key of a session. Safe to repeat; never touches raw steps."""
-        no_sum, no_key = self.ledger.pending(session_id, self.embedder.name)
+        no_sum, no_key = self.ledger.pending(session_id, self.embedder.name,
+                                             (self.summarizer.name, self.summarizer.version))
         for step in no_sum:
             self.ledger.add_summaries(session_id, step.id, self.summarizer.summarize(step.record()),
                                       self.summarizer.name, self.summarizer.version)

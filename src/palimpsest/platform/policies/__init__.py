@@ -16,11 +16,12 @@ from palimpsest.platform.policies.ace import AceConfig, AcePolicy, ElasticDecisi
 from palimpsest.platform.policies.base import ContextPolicy, PolicyConfigBase, PolicyDeps
 from palimpsest.platform.policies.full import FullConfig
 from palimpsest.platform.policies.pace import PaceConfig
+from palimpsest.platform.policies.pace_plus import PacePlusConfig
 from palimpsest.platform.policies.rolling_summary import RollingSummaryConfig
 from palimpsest.platform.policies.window import WindowConfig
 from palimpsest.platform.types import ConfigError
 
-_CONFIGS = (FullConfig, WindowConfig, RollingSummaryConfig, PaceConfig, AceConfig)
+_CONFIGS = (FullConfig, WindowConfig, RollingSummaryConfig, PaceConfig, AceConfig, PacePlusConfig)
 
 PolicyConfig = Annotated[Union[_CONFIGS], Field(discriminator="type")]  # type: ignore[valid-type]
 _ADAPTER: TypeAdapter = TypeAdapter(PolicyConfig)
@@ -70,7 +71,7 @@ def build_policy(config: PolicyConfigBase | dict | str, deps: PolicyDeps | None 
 
 
 __all__ = [
-    "AceConfig", "AcePolicy", "ContextPolicy", "ElasticDecision", "Elasticizer", "FullConfig", "PaceConfig",
+    "AceConfig", "AcePolicy", "ContextPolicy", "ElasticDecision", "Elasticizer", "FullConfig", "PaceConfig", "PacePlusConfig",
     "PolicyConfig", "PolicyConfigBase", "PolicyDeps", "RollingSummaryConfig", "RuleElasticizer", "WindowConfig",
     "build_policy", "default_configs", "load_policy_file", "parse_policy_config", "policy_names",
 ]

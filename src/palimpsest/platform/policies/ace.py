@@ -9,13 +9,12 @@ one shipped here; both return the same columns.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
 
 import numpy as np
 from pydantic import Field
 
-from palimpsest.platform.abstraction import Abstraction, extract_salient
+from palimpsest.platform.abstraction import extract_salient, step_facts
 from palimpsest.platform.policies.base import (
     PolicyConfigBase,
     PolicyDeps,
@@ -50,15 +49,6 @@ class Elasticizer(Protocol):
         ...
 
 
-@lru_cache(maxsize=262_144)
-def _step_facts(step_id: int, abstraction_json: str, action: str) -> tuple[frozenset[str], bool, bool]:
-    """(salient tokens, failed?, has follow-ups?) of one step; cached, since steps never change."""
-    a = Abstraction.from_json(abstraction_json)
-    ids, paths, urls, _ = extract_salient(action, limit=64)
-    salient = a.salient() | frozenset(ids) | frozenset(paths) | frozenset(urls)
-    return salient, a.outcome == "error" or bool(a.failed_actions), bool(a.follow_ups)
-
-
 class RuleElasticizer:
     """Identifier, path or URL overlap with the task and the latest step -> raw; failures and
     decisions -> abstract; the rest -> drop."""
@@ -81,7 +71,7 @@ class RuleElasticizer:
         score = np.zeros(n, dtype=np.float64)
         for j, i in enumerate(old.tolist()):
             step = snap.steps[i]
-            salient, failed, plans = _step_facts(step.id, snap.abstractions[i], step.action)
+            salient, failed, plans = step_facts(step.id, snap.abstractions[i], step.action)
             overlap = len(salient & query)
             score[j] = overlap + (i + 1) / (m + 1)  # ties broken by recency
             if overlap >= self.raw_min_overlap:
