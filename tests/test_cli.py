@@ -83,3 +83,30 @@ def test_demo_on_the_dev_trajectories(tmp_path):
     r = cli("demo", "--data", str(SHARED), "--ledger", str(tmp_path / "demo.db"), "--budget", "16000", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "imported 10 trajectories" in r.stdout and "PACE (" in r.stdout and "ACE (" in r.stdout
+
+
+def test_replay_and_report_from_the_command_line(tmp_path, data):
+    r = cli("replay", "--data", str(data), "--policy", "full,window,pace", "--budget", "300", "--out", "out",
+            "--embedder", "hashing", "--tokenizer", "approx", "--no-mlflow", "--json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)  # stdout is the JSON and nothing else
+    assert set(summary["policies"]) == {"full", "window", "pace"} and summary["budget"] == 300
+    assert "line 2" in r.stderr  # the broken line is reported as skipped
+    r = cli("report", "out", cwd=tmp_path)
+    assert r.returncode == 0 and (tmp_path / "out" / "report.md").is_file()
+    assert (tmp_path / "out" / "recall_vs_ratio.png").is_file()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--policy", "magic"], "unknown policy type 'magic'"),
+    (["--policy", "pace,pace"], "lists a policy twice"),
+    (["--budget", "0"], "positive integer"),
+    (["--data", "missing.jsonl"], "not found"),
+])
+def test_replay_bad_input(tmp_path, data, args, message):
+    base = {"--data": str(data), "--policy": "pace", "--budget": "300", "--out": "out"}
+    for i in range(0, len(args), 2):
+        base[args[i]] = args[i + 1]
+    flat = [x for kv in base.items() for x in kv]
+    r = cli("replay", *flat, "--embedder", "hashing", "--tokenizer", "approx", "--no-mlflow", cwd=tmp_path)
+    assert r.returncode == 2 and message in r.stderr

@@ -38,8 +38,9 @@ class MiniLMEmbedder:
     @torch.inference_mode()
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         out = np.zeros((len(texts), self.dim), dtype=np.float32)
-        # Sort by length so each batch pads little; results go back to their original rows.
-        order = sorted(range(len(texts)), key=lambda i: len(texts[i] or ""))
+        # Empty texts keep a zero row (the protocol's contract). Sort the rest by length so each batch
+        # pads little; results go back to their original rows.
+        order = sorted((i for i in range(len(texts)) if (texts[i] or "").strip()), key=lambda i: len(texts[i]))
         for start in range(0, len(order), self.batch_size):
             idx = order[start: start + self.batch_size]
             batch = self.tokenizer([texts[i] or "" for i in idx], padding=True, truncation=True,

@@ -74,6 +74,37 @@ def _next_cheaper(costs: np.ndarray, idx: np.ndarray, level: np.ndarray) -> np.n
     return nxt
 
 
+def _degrade(costs: np.ndarray, level: np.ndarray, pinned: np.ndarray, score: np.ndarray,
+             excess: int) -> tuple[np.ndarray, int] | None:
+    """One vectorised pass: degrade the lowest-scored unpinned steps one level each, in score order,
+    until ``excess`` tokens are saved (or every candidate was degraded once). Mutates ``level``;
+    returns the (t, before, after) rows and the tokens saved, or None when nothing can be degraded."""
+    cand = np.flatnonzero(~pinned & (level < _DROP))
+    if cand.size == 0:
+        return None
+    order = cand[np.lexsort((cand, score[cand]))]  # lowest score first, older first on ties
+    nxt = _next_cheaper(costs, order, level[order])
+    cum = np.cumsum(costs[order, level[order]] - costs[order, nxt])
+    k = min(int(np.searchsorted(cum, excess)) + 1, order.size)  # the shortest prefix that saves enough
+    chosen, before, after = order[:k], level[order[:k]].copy(), nxt[:k]
+    level[chosen] = after
+    return np.stack([chosen, before, after], axis=1).astype(np.int64), int(cum[k - 1])
+
+
+def _hidden_runs(level: np.ndarray) -> list[tuple[int, int]]:
+    """Maximal runs [a, b] of dropped steps."""
+    hidden = np.concatenate([[False], level == _DROP, [False]]).astype(np.int8)
+    edges = np.flatnonzero(np.diff(hidden))
+    return [(int(a), int(b) - 1) for a, b in zip(edges[::2], edges[1::2])]
+
+
+def _range_line(snap: "SessionSnapshot", a: int, b: int) -> str:
+    first, last = snap.steps[a], snap.steps[b]
+    if a == b:
+        return f"[t={first.t} hidden: glimpse(#{first.id})]\n"
+    return f"[t={first.t}..{last.t} hidden ({b - a + 1} steps, ids #{first.id}..#{last.id}): glimpse any]\n"
+
+
 def compile_plan(snap: "SessionSnapshot", plan: RenderPlan, budget: int, tokenizer: Tokenizer) -> Prompt:
     """Render ``plan`` within ``budget``; mutates ``plan`` (final resolutions and degradations)."""
     budget = validate_budget(budget)
@@ -105,21 +136,28 @@ def compile_plan(snap: "SessionSnapshot", plan: RenderPlan, budget: int, tokeniz
 
     total = prefix_tokens + fold_tokens + int(costs[rows, level].sum())
     degraded: list[np.ndarray] = []
-    score = plan.score
     while total > budget:
-        cand = np.flatnonzero(~pinned & (level < _DROP))
-        if cand.size == 0:
+        step = _degrade(costs, level, pinned, plan.score, total - budget)
+        if step is None:
             break
-        order = cand[np.lexsort((cand, score[cand]))]  # lowest score first, older first on ties
-        nxt = _next_cheaper(costs, order, level[order])
-        saving = costs[order, level[order]] - costs[order, nxt]
-        cum = np.cumsum(saving)
-        k = int(np.searchsorted(cum, total - budget))  # first prefix of the order that fits
-        take = slice(0, min(k + 1, order.size))
-        chosen, before, after = order[take], level[order[take]].copy(), nxt[take]
-        level[chosen] = after
-        total -= int(cum[take.stop - 1])
-        degraded.append(np.stack([chosen, before, after], axis=1).astype(np.int64))
+        degraded.append(step[0])
+        total -= step[1]
+    runs, run_texts, run_counts = [], [], []
+    if plan.fold_ranges:
+        # Hidden runs of steps show as one line each, so the actor knows they exist and can glimpse
+        # them; the lines cost tokens too, so degrade further until everything fits.
+        while True:
+            runs = _hidden_runs(level)
+            run_texts = [_range_line(snap, a, b) for a, b in runs]
+            run_counts = tokenizer.count_batch(run_texts)
+            if total + sum(run_counts) <= budget:
+                break
+            step = _degrade(costs, level, pinned, plan.score, total + sum(run_counts) - budget)
+            if step is None:
+                break
+            degraded.append(step[0])
+            total -= step[1]
+        total += sum(run_counts)
     if total > budget and fold_text is not None:
         total -= fold_tokens
         fold_text, fold_tokens = None, 0
@@ -131,9 +169,14 @@ def compile_plan(snap: "SessionSnapshot", plan: RenderPlan, budget: int, tokeniz
     segments = [Segment(kind, role, text, n) for (kind, role, text), n in zip(prefix, prefix_counts)]
     if fold_text is not None:
         segments.append(Segment("fold", "user", fold_text, fold_tokens))
-    for i in np.flatnonzero(level < _DROP).tolist():
-        res = Resolution(int(level[i]))
+    run_at = {a: (text, n) for (a, _), text, n in zip(runs, run_texts, run_counts)}
+    for i in np.flatnonzero((level < _DROP) | np.isin(np.arange(snap.t), list(run_at))).tolist():
         step = snap.steps[i]
+        if i in run_at:
+            text, n = run_at[i]
+            segments.append(Segment("range", "user", text, n, t=step.t, step_id=step.id, resolution=Resolution.DROP))
+            continue
+        res = Resolution(int(level[i]))
         text = render_segment(step, step.id, res, snap.body(i, res))
         segments.append(Segment("step", "user", text, int(costs[i, res]), t=step.t, step_id=step.id, resolution=res))
     tokens = sum(s.tokens for s in segments)

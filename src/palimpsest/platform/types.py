@@ -205,6 +205,7 @@ class RenderPlan:
     pinned: np.ndarray  # (M,) bool
     fold: Fold | None = None
     new_fold: bool = False
+    fold_ranges: bool = False  # render each run of dropped steps as one line (ids to glimpse)
     # (K, 3) int64 rows of (t, before, after), in the order the compiler applied them
     degraded: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), dtype=np.int64))
     info: dict[str, Any] = field(default_factory=dict)
@@ -240,7 +241,7 @@ class RenderPlan:
 class Segment:
     """One piece of a compiled prompt. Token counts are per segment and add up exactly."""
 
-    kind: str  # system | tools | task | fold | step
+    kind: str  # system | tools | task | fold | step | range
     role: str  # system | user
     text: str
     tokens: int

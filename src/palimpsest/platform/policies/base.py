@@ -70,7 +70,7 @@ class Reasons:
 
 def new_plan(policy: str, config_hash: str, snap: "SessionSnapshot", resolution: np.ndarray, score: np.ndarray,
              reason_code: np.ndarray, reasons: Reasons, *, pin_last: int = 1, fold: Fold | None = None,
-             new_fold: bool = False, info: dict | None = None) -> RenderPlan:
+             new_fold: bool = False, fold_ranges: bool = False, info: dict | None = None) -> RenderPlan:
     m = snap.t
     pinned = np.zeros(m, dtype=bool)
     if m and pin_last:
@@ -79,7 +79,7 @@ def new_plan(policy: str, config_hash: str, snap: "SessionSnapshot", resolution:
         policy=policy, config_hash=config_hash, t=np.arange(m, dtype=np.int64), step_id=snap.step_ids.copy(),
         resolution=resolution.astype(np.int8), score=score.astype(np.float64),
         reason_code=reason_code.astype(np.int16), reasons=reasons.items, pinned=pinned, fold=fold,
-        new_fold=new_fold, info=info or {},
+        new_fold=new_fold, fold_ranges=fold_ranges, info=info or {},
     )
 
 

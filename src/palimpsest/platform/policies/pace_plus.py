@@ -9,11 +9,13 @@
        r_i = M * softmax(s_i / tau)                                      (mean 1, as PACE's w~)
 
 2. Budget-optimal allocation instead of fixed thresholds: every old step gets the resolution that
-   maximises sum_i r_i * coverage(level_i) subject to sum_i cost_i <= fill * budget (the rest of the
-   budget is headroom, so the context stays small when little is relevant). Resolutions are upgraded
-   greedily by value per token along each step's convex hull of (cost, value) points: the classic
-   near-optimal solution of a multiple-choice knapsack, vectorised over all steps.
-   ``coverage`` is the expected share of a step's later-needed facts each resolution keeps.
+   maximises sum_i v_i * coverage(level_i) subject to sum_i cost_i <= fill * budget, where
+   v_i = r_i * (1 + |I_i|)^rho (a step holding more identifiers is likelier to hold the one needed).
+   Resolutions are upgraded greedily by value per token along each step's convex hull of (cost, value)
+   points, the classic near-optimal solution of a multiple-choice knapsack, vectorised over all steps;
+   an upgrade worth less than ``price`` per token is not bought, so the context stays small when
+   little is relevant and the budget only binds when much is. ``coverage`` is the expected share of a
+   step's later-needed facts each resolution keeps.
 
 The last N steps are always full; missing summaries fall back as in PACE (never waiting).
 """
@@ -34,7 +36,7 @@ from palimpsest.platform.types import ConfigError, RenderPlan, Resolution
 if TYPE_CHECKING:
     from palimpsest.platform.ledger import SessionSnapshot
 
-_LEVELS = (Resolution.PLACEHOLDER, Resolution.BRIEF, Resolution.DETAILED, Resolution.FULL)  # cheap -> rich
+_LEVELS = (Resolution.DROP, Resolution.PLACEHOLDER, Resolution.BRIEF, Resolution.DETAILED, Resolution.FULL)
 
 
 class PacePlusConfig(PolicyConfigBase):
@@ -48,6 +50,7 @@ class PacePlusConfig(PolicyConfigBase):
     kappa: float = Field(0.3, ge=0.0, le=10.0, description="weight of the recency prior in the hybrid score")
     half_life: float = Field(8.0, gt=0.0, description="h: steps over which the recency prior halves")
     fill: float = Field(0.5, gt=0.0, le=1.0, description="share of the budget the allocation may spend")
+    price: float = Field(0.002, ge=0.0, description="an upgrade must add at least this much value per token")
     rho: float = Field(0.5, ge=0.0, le=2.0, description="value grows as (number of identifiers a step holds)^rho")
     # Measured on the dev trajectories: the share of later-needed tokens of a step that its placeholder
     # (0.014), brief (0.62), detailed (0.947) and full text (1.0) contain (benchmarks/coverage.py).
@@ -65,13 +68,14 @@ class PacePlusConfig(PolicyConfigBase):
         return PacePlusPolicy(self, deps or PolicyDeps())
 
 
-def allocate(costs: np.ndarray, values: np.ndarray, capacity: float) -> np.ndarray:
+def allocate(costs: np.ndarray, values: np.ndarray, capacity: float, price: float = 0.0) -> np.ndarray:
     """Greedy multiple-choice knapsack over convex hulls.
 
     costs, values: (M, L) per option, options ordered cheap -> rich, NaN cost = option unavailable;
     option 0 must be available. Returns the chosen option index per row (M,).
-    Each row starts at option 0; upgrades (to the hull point of best value per extra token) are
-    taken globally in order of efficiency while the total cost stays within ``capacity``.
+    Each row starts at option 0 (here: dropped, shown only inside a range line); upgrades (to the hull point of best value per extra token) are
+    taken globally in order of efficiency while the total cost stays within ``capacity`` and the
+    upgrade adds at least ``price`` value per token.
     """
     m, n_opt = costs.shape
     choice = np.zeros(m, dtype=np.int64)
@@ -104,6 +108,7 @@ def allocate(costs: np.ndarray, values: np.ndarray, capacity: float) -> np.ndarr
     dc_all, eff_all = np.concatenate(steps_dc), np.concatenate(steps_eff)
     # Hull edges of one row have decreasing efficiency, so a stable sort keeps each row's edges in order.
     order = np.argsort(-eff_all, kind="stable")
+    order = order[eff_all[order] >= price]
     budget_left = capacity - float(costs[:, 0].sum())
     spent = np.cumsum(dc_all[order])
     take = order[spent <= budget_left]
@@ -166,15 +171,17 @@ class PacePlusPolicy:
         if old.size:
             r, n_ids = self.relevance(snap, old)
             score[old] = r
-            costs = np.stack([snap.tokens[old, lv] for lv in _LEVELS], axis=1).astype(np.float64)  # (M, 4)
+            costs = np.zeros((old.size, len(_LEVELS)))  # (M, 5); dropping costs nothing
+            costs[:, 1:] = np.stack([snap.tokens[old, lv] for lv in _LEVELS[1:]], axis=1)
             costs[costs < 0] = np.nan  # summaries not written yet: not an option (PACE's fallback handles them)
             # A step's chance of holding the fact the next action needs grows with what it holds.
-            values = (r * (1.0 + n_ids) ** self.cfg.rho)[:, None] * np.asarray(self.cfg.coverage)[None, :]
-            choice = allocate(costs, values, max(capacity, 0.0))
+            coverage = np.asarray((0.0, *self.cfg.coverage))
+            values = (r * (1.0 + n_ids) ** self.cfg.rho)[:, None] * coverage[None, :]
+            choice = allocate(costs, values, max(capacity, 0.0), self.cfg.price)
             level = np.array(_LEVELS, dtype=np.int8)[choice]
             res[old] = level
             for lv in _LEVELS:
                 codes[old[level == lv]] = reasons(f"knapsack: {lv.label} (value per token)")
         fallback_missing(snap, budget, res, score, codes, reasons, Resolution.PLACEHOLDER)
-        return new_plan(self.name, self.config_hash, snap, res, score, codes, reasons,
+        return new_plan(self.name, self.config_hash, snap, res, score, codes, reasons, fold_ranges=True,
                         info={"capacity": capacity, "scored": int(old.size)})

@@ -1,0 +1,108 @@
+import json
+
+import pyarrow.parquet as pq
+import pytest
+
+from palimpsest.pipelines.replay import ReplayError, run_replay, write_outputs
+from palimpsest.platform import Ledger, Runtime
+from palimpsest.platform.policies import parse_policy_config
+
+OBS = {
+    0: "settings/loader.py: def parse_config(env): return Config(database_url=env['database_url'])",
+    1: "images: cat.png dog.png",
+    2: "weather: sunny",
+    3: "tests/test_loader.py FAILED KeyError: 'database_url'",
+}
+
+
+def traj(tid, n=6):
+    steps = []
+    for t in range(n):
+        needs = []
+        if t == n - 1:  # the last action reuses what step 0 showed
+            needs = [{"token": "parse_config", "kind": "identifier", "strength": "strong", "first_obs_step": 0,
+                      "last_obs_step": 0, "obs_steps": [0], "agent_steps": []},
+                     {"token": "4242", "kind": "number", "strength": "weak", "first_obs_step": 1,
+                      "last_obs_step": 1, "obs_steps": [1], "agent_steps": []}]
+        steps.append({"t": t, "kind": "bash", "action": f"step {t}", "observation": OBS.get(t, f"noise {t} " * 40)
+                      + (" 4242" if t == 1 else ""), "obs_source": "user", "needs": needs})
+    return {"id": tid, "task": "Fix the failing test", "system": "sys", "steps": steps}
+
+
+@pytest.fixture
+def data(tmp_path):
+    f = tmp_path / "d.jsonl"
+    f.write_text("\n".join(json.dumps(traj(f"tr/{i}")) for i in range(2)) + "\n{bad line\n")
+    return f
+
+
+def replay(tmp_path, data, budget=250, concat=False, policies=("full", "window", "pace")):
+    rt = Runtime(Ledger(tmp_path / "cache.db"))
+    return run_replay(rt, data, {p: parse_policy_config(p) for p in policies}, budget, concat=concat)
+
+
+def test_replay_measures_recall_tokens_and_budget(tmp_path, data):
+    res = replay(tmp_path, data, policies=("full", "window", "pace"))
+    s = res.summary
+    assert s["data"]["trajectories"] == 2 and s["data"]["steps"] == 12 and s["budget"] == 250
+    full, window = s["policies"]["full"], s["policies"]["window"]
+    assert full["need_recall_strong"] == 1.0 and full["need_recall_weak"] == 1.0 and full["token_ratio"] == 1.0
+    assert full["over_budget_steps"] > 0  # the unbudgeted reference
+    assert window["over_budget_steps"] == 0 and s["policies"]["pace"]["over_budget_steps"] == 0
+    assert window["need_recall_strong"] == 0.0  # step 0 fell out of the window
+    assert window["recall_by_distance"]["5-19"] == 0.0 and window["recall_by_distance"]["1-4"] is None
+    assert window["token_ratio"] < 1.0 and window["mean_tokens"] < full["mean_tokens"]
+    assert s["skipped"] and "line 3" in s["skipped"][0]["reason"]
+    rows = [r for r in res.rows if r["policy"] == "pace"]
+    assert [r["t"] for r in rows] == list(range(6)) * 2 and all(r["ms"] >= 0 for r in rows)
+
+
+def test_recoverable_counts_needs_whose_source_is_a_placeholder(tmp_path, data):
+    res = replay(tmp_path, data, policies=("pace",), budget=10_000)
+    cfg = {"type": "pace", "alpha": 900.0, "beta": 950.0, "gamma": 999.0}  # everything old -> placeholder
+    rt = Runtime(Ledger(tmp_path / "cache.db"))
+    s = run_replay(rt, data, {"ph": parse_policy_config(cfg)}, 10_000).summary["policies"]["ph"]
+    assert s["need_recall_strong"] == 0.0 and s["recoverable"] == 2
+    assert res.summary["policies"]["pace"]["recoverable"] <= 2
+
+
+def test_outputs_are_parquet_json_and_markdown(tmp_path, data):
+    res = replay(tmp_path, data)
+    write_outputs(res, tmp_path / "out")
+    table = pq.read_table(tmp_path / "out" / "steps.parquet")
+    assert table.num_rows == 36 and {"policy", "t", "tokens", "strong_hits", "recoverable"} <= set(table.column_names)
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["policies"].keys() == {"full", "window", "pace"}
+    assert "| pace |" in (tmp_path / "out" / "summary.md").read_text()
+
+
+def test_concat_replays_one_session_and_measures_longevity(tmp_path, data):
+    s = replay(tmp_path, data, concat=True).summary
+    assert s["data"]["steps"] == 14  # 2 x (task message + 6 steps)
+    assert s["policies"]["window"]["longevity_steps"] == 14
+    assert s["policies"]["full"]["longevity_steps"] < 14
+    assert s["policies"]["pace"]["recall_by_window"][0]["steps"] == "0-249"
+
+
+def test_budget_below_a_prefix_skips_that_trajectory_by_name(tmp_path):
+    f = tmp_path / "d.jsonl"
+    big = traj("big/1")
+    big["system"] = "rules " * 400
+    f.write_text(json.dumps(traj("ok/1")) + "\n" + json.dumps(big) + "\n")
+    s = replay(tmp_path, f, budget=300).summary
+    assert any(x["trajectory"] == "big/1" and "smaller than its fixed prefix" in x["reason"] for x in s["skipped"])
+    assert s["data"]["steps"] == 6
+
+
+def test_a_file_with_nothing_valid_is_a_clear_error(tmp_path):
+    f = tmp_path / "d.jsonl"
+    f.write_text('{"id": "x", "task": "t", "steps": []}\nnot json\n')
+    with pytest.raises(ReplayError, match="no valid trajectory"):
+        replay(tmp_path, f)
+
+
+def test_second_replay_reuses_cached_enrichment(tmp_path, data):
+    replay(tmp_path, data)
+    led = Ledger(tmp_path / "cache.db")
+    rt = Runtime(led)
+    assert all(rt.enrich(sid) == rt.enrich(sid) for sid in ("tr/0", "tr/1"))
+    assert rt.enrich("tr/0").summaries == 0 and rt.enrich("tr/0").keys == 0

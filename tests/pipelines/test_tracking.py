@@ -1,0 +1,37 @@
+"""A replay is an MLflow run in a local tracking store: params, metrics per policy, artifacts."""
+
+import json
+
+import pytest
+
+from palimpsest.pipelines.replay import run_replay, write_outputs
+from palimpsest.pipelines.tracking import log_replay
+from palimpsest.platform import Ledger, Runtime
+from palimpsest.platform.policies import parse_policy_config
+from tests.pipelines.test_replay import traj
+
+pytestmark = pytest.mark.slow
+
+
+def test_replay_is_logged_as_a_run_with_a_child_per_policy(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps(traj("tr/0")) + "\n")
+    res = run_replay(Runtime(Ledger(tmp_path / "c.db")), data,
+                     {p: parse_policy_config(p) for p in ("full", "pace")}, 300)
+    write_outputs(res, tmp_path / "out")
+    run_id = log_replay(res.summary, tmp_path / "out")
+
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path / '.palimpsest' / 'mlflow.db'}")
+    run = client.get_run(run_id)
+    assert run.data.params["budget"] == "300" and run.data.params["data.sha256"] == res.summary["data"]["sha256"]
+    children = client.search_runs([run.info.experiment_id], f"tags.mlflow.parentRunId = '{run_id}'")
+    by_policy = {c.data.params["policy"]: c for c in children}
+    assert set(by_policy) == {"full", "pace"}
+    assert by_policy["pace"].data.metrics["need_recall_strong"] == res.summary["policies"]["pace"]["need_recall_strong"]
+    assert by_policy["pace"].data.params["config.tau"] == "0.3"
+    names = {a.path for a in client.list_artifacts(run_id)}
+    assert {"summary.json", "steps.parquet", "summary.md"} <= names
