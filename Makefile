@@ -9,8 +9,9 @@ CACHE   := $(CURDIR)/.cache
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0 MLFLOW_DISABLE_TELEMETRY=true DO_NOT_TRACK=true
 export DS_ACCELERATOR=cpu PYTHONWARNINGS=ignore::FutureWarning
 export TORCH_EXTENSIONS_DIR=$(CACHE)/torch_extensions VLLM_CACHE_ROOT=$(CACHE)/vllm HF_HOME=$(CACHE)/hf
+export PALIMPSEST_CACHE=$(CACHE)/palimpsest
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install demo test test-fast bench replay clean
 
 install: $(STAMP)
 
@@ -28,6 +29,13 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(PYTHON) benchmarks/plan_compile.py
+	$(PYTHON) benchmarks/replay_dev.py
+
+# Every policy on the dev trajectories at 16K, with the report (plots) in out/replay-dev-16k.
+replay: $(STAMP)
+	$(VENV)/bin/palimpsest replay --data ../shared/data/trajectories/dev.jsonl \
+		--policy full,window,rolling_summary,pace,ace,pace_plus --budget 16000 --out out/replay-dev-16k
+	$(VENV)/bin/palimpsest report out/replay-dev-16k
 
 clean:
 	rm -rf .palimpsest .pytest_cache .cache

@@ -57,21 +57,30 @@ def write_report(dirs: list[Path], out: Path) -> Path:
     fig.savefig(out / "tokens_per_step.png", dpi=120)
     plt.close(fig)
 
-    # 2. recall vs token ratio, one point per policy and budget
-    fig, ax = plt.subplots(figsize=(7, 5))
+    # 2. recall vs token ratio, one point per policy and budget (colour = policy, marker = budget)
+    from matplotlib.lines import Line2D
+
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    markers = "osD^vP*X"
+    budgets = sorted({s["budget"] for _, s, _ in runs})
+    lowest = 1.0
     for d, s, _ in runs:
         for name, m in s["policies"].items():
             if m["token_ratio"] is None or m["need_recall_strong"] is None:
                 continue
-            ax.scatter(m["token_ratio"], m["need_recall_strong"], color=color(name), s=40)
-            ax.annotate(f"{name} @{s['budget'] // 1000}K", (m["token_ratio"], m["need_recall_strong"]), fontsize=7,
-                        xytext=(4, 3), textcoords="offset points")
+            lowest = min(lowest, m["need_recall_strong"])
+            ax.scatter(m["token_ratio"], m["need_recall_strong"], color=color(name), s=55, edgecolor="black",
+                       linewidth=0.5, marker=markers[budgets.index(s["budget"]) % len(markers)])
+    handles = [Line2D([], [], color=c, marker="o", ls="", label=n) for n, c in colors.items()]
+    handles += [Line2D([], [], color="gray", marker=markers[i % len(markers)], ls="", label=f"budget {b}")
+                for i, b in enumerate(budgets)]
+    ax.legend(handles=handles, fontsize=8, loc="lower right")
     ax.set_xlabel("token ratio (compiled / full history, mean over steps)")
     ax.set_ylabel("strong need recall")
     ax.set_xlim(0, 1.05)
-    ax.set_ylim(0, 1.05)
+    ax.set_ylim(max(0.0, lowest - 0.05), 1.01)
     ax.grid(alpha=0.3)
-    ax.set_title("Need recall against token cost")
+    ax.set_title("Need recall against token cost (up and left is better)")
     fig.tight_layout()
     fig.savefig(out / "recall_vs_ratio.png", dpi=120)
     plt.close(fig)
@@ -86,9 +95,10 @@ def write_report(dirs: list[Path], out: Path) -> Path:
         ax.bar(x + i * width - 0.4 + width / 2, vals, width, label=name, color=color(name))
     ax.set_xticks(x, [f"{k} steps back" for k, _, _ in DISTANCES])
     ax.set_ylabel("strong need recall")
-    ax.set_ylim(0, 1.05)
+    ax.set_ylim(0, 1.2)
+    ax.set_yticks(np.linspace(0, 1, 6))
     ax.set_title(f"Recall by distance to the needed observation — budget {s0['budget']}")
-    ax.legend(fontsize=8, ncol=3)
+    ax.legend(fontsize=8, ncol=min(6, len(names)), loc="upper center")
     fig.tight_layout()
     fig.savefig(out / "recall_by_distance.png", dpi=120)
     plt.close(fig)
