@@ -9,9 +9,15 @@ from pathlib import Path
 import pytest
 
 
+FAST = ["--embedder", "hashing", "--tokenizer", "approx"]  # the real models are exercised in the slow tier
+
+
 def cli(*args, cwd, env=None):
+    args = list(args)
+    if args and args[0] in ("import", "render", "replay", "demo") and "--embedder" not in args:
+        args += FAST
     return subprocess.run([sys.executable, "-m", "palimpsest.cli", *args], capture_output=True, text=True, cwd=cwd,
-                          env={**os.environ, "COLUMNS": "200", **(env or {})}, timeout=120)
+                          env={**os.environ, "COLUMNS": "200", **(env or {})}, timeout=300)
 
 
 @pytest.fixture
@@ -47,6 +53,8 @@ def test_import_render_glimpse_audit_round_trip(tmp_path, data):
     (["render", "--session", "demo/1", "--policy", "pace", "--budget", "5"], "cannot hold the prefix"),
     (["glimpse", "--session", "demo/1", "#424242"], "no step #424242"),
     (["import", "missing.jsonl"], "not found"),
+    (["render", "--session", "demo/1", "--policy", "pace", "--budget", "100", "--ledger", "nope.db"], "no ledger at"),
+    (["import", "traj.jsonl", "--embedder", "magic"], "unknown embedder 'magic'"),
 ])
 def test_bad_input_gets_one_clear_line_and_exit_2(tmp_path, data, args, message):
     cli("import", str(data), cwd=tmp_path)
@@ -79,15 +87,28 @@ SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "trajectories
 
 @pytest.mark.slow
 @pytest.mark.skipif(not SHARED.is_file(), reason="the shared dev trajectories are not beside this checkout")
-def test_demo_on_the_dev_trajectories(tmp_path):
-    r = cli("demo", "--data", str(SHARED), "--ledger", str(tmp_path / "demo.db"), "--budget", "16000", cwd=tmp_path)
+def test_demo_on_the_dev_trajectories_with_the_real_models(tmp_path):
+    r = cli("demo", "--data", str(SHARED), "--ledger", str(tmp_path / "demo.db"), "--budget", "16000",
+            "--embedder", "minilm", "--tokenizer", "smollm2", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "imported 10 trajectories" in r.stdout and "PACE (" in r.stdout and "ACE (" in r.stdout
+    assert "all-MiniLM-L6-v2@256" in r.stdout and "smollm2" in r.stdout
+
+
+@pytest.mark.slow
+def test_import_and_replay_default_to_the_real_embedder_and_tokenizer(tmp_path, data):
+    r = cli("import", str(data), "--embedder", "minilm", "--tokenizer", "smollm2", cwd=tmp_path)
+    assert r.returncode == 1 and "demo/1" in r.stdout  # the broken second line is refused
+    r = cli("replay", "--data", str(data), "--policy", "pace,pace_plus", "--budget", "600", "--out", "out",
+            "--no-mlflow", "--json", "--embedder", "minilm", "--tokenizer", "smollm2", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    assert summary["embedder"] == "all-MiniLM-L6-v2@256" and "smollm2" in summary["tokenizer"]
 
 
 def test_replay_and_report_from_the_command_line(tmp_path, data):
     r = cli("replay", "--data", str(data), "--policy", "full,window,pace", "--budget", "300", "--out", "out",
-            "--embedder", "hashing", "--tokenizer", "approx", "--no-mlflow", "--json", cwd=tmp_path)
+            "--no-mlflow", "--json", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout)  # stdout is the JSON and nothing else
     assert set(summary["policies"]) == {"full", "window", "pace"} and summary["budget"] == 300
@@ -108,5 +129,5 @@ def test_replay_bad_input(tmp_path, data, args, message):
     for i in range(0, len(args), 2):
         base[args[i]] = args[i + 1]
     flat = [x for kv in base.items() for x in kv]
-    r = cli("replay", *flat, "--embedder", "hashing", "--tokenizer", "approx", "--no-mlflow", cwd=tmp_path)
+    r = cli("replay", *flat, "--no-mlflow", cwd=tmp_path)
     assert r.returncode == 2 and message in r.stderr

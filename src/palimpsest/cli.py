@@ -47,10 +47,19 @@ def shared_dev_file() -> Path:
 
 
 LedgerOpt = typer.Option(None, "--ledger", help="ledger file (default $PALIMPSEST_LEDGER or .palimpsest/ledger.db)")
+EmbedderOpt = typer.Option("minilm", "--embedder", help="key embedder: minilm (all-MiniLM-L6-v2) or hashing")
+TokenizerOpt = typer.Option("smollm2", "--tokenizer",
+                            help="token counting: smollm2 (the actor's), approx, or a tokenizer.json path")
 
 
 def _ledger_path(path: Optional[Path]) -> Path:
     return Path(path or os.environ.get("PALIMPSEST_LEDGER") or DEFAULT_LEDGER)
+
+
+def _existing(path: Path) -> Path:
+    if not path.is_file():
+        raise PalimpsestError(f"no ledger at {path}; `palimpsest import FILE` creates one")
+    return path
 
 
 def _fail(message: str) -> None:
@@ -70,14 +79,19 @@ def import_cmd(
     file: Path = typer.Argument(..., help="trajectories, one JSON object per line"),
     ledger: Optional[Path] = LedgerOpt,
     enrich: bool = typer.Option(True, help="write summaries and keys now (otherwise on first use)"),
+    embedder: str = EmbedderOpt,
+    tokenizer: str = TokenizerOpt,
 ) -> None:
     """Import agent trajectories into the ledger (each becomes a session named by its id)."""
     from rich.progress import Progress
 
+    from palimpsest.pipelines.environment import open_runtime
     from palimpsest.pipelines.trajectories import import_file
 
-    with Ledger(_ledger_path(ledger)) as led:
-        rt = Runtime(led)
+    if not file.is_file():
+        raise PalimpsestError(f"trajectory file not found: {file}")
+    rt = open_runtime(_ledger_path(ledger), embedder, tokenizer)
+    with rt.ledger as led:
         with Progress(console=err, transient=True) as bar:
             task = bar.add_task("importing", total=None)
 
@@ -106,14 +120,18 @@ def render(
     policy_config: Optional[Path] = typer.Option(None, "--policy-config", help="YAML config of the policy"),
     show_prompt: bool = typer.Option(True, "--prompt/--no-prompt", help="print the compiled context"),
     ledger: Optional[Path] = LedgerOpt,
+    embedder: str = EmbedderOpt,
+    tokenizer: str = TokenizerOpt,
 ) -> None:
     """Compile one turn's context and show it with its plan."""
+    from palimpsest.pipelines.environment import open_runtime
+
     validate_budget(budget)
     if at is not None and at < 0:
         raise PalimpsestError(f"--at must be >= 0, got {at}")
     cfg = _policy_config(policy, policy_config)
-    with Ledger(_ledger_path(ledger)) as led:
-        rt = Runtime(led)
+    rt = open_runtime(_existing(_ledger_path(ledger)), embedder, tokenizer)
+    with rt.ledger as led:
         led.session(session)  # unknown session -> a clear error before any work
         rt.enrich(session)
         turn = rt.turn(session, cfg, budget, at=at, record=False)
@@ -137,14 +155,14 @@ def glimpse(
     ledger: Optional[Path] = LedgerOpt,
 ) -> None:
     """Print the raw text of one step of a session (counts against the turn's glimpse limit)."""
-    with Ledger(_ledger_path(ledger)) as led:
+    with Ledger(_existing(_ledger_path(ledger))) as led:
         out.print(Runtime(led).glimpse(session, step_id), markup=False, highlight=False)
 
 
 @app.command()
 def audit(session: str = typer.Option(..., "--session"), ledger: Optional[Path] = LedgerOpt) -> None:
     """Show every audited turn of a session."""
-    with Ledger(_ledger_path(ledger)) as led:
+    with Ledger(_existing(_ledger_path(ledger))) as led:
         rows = led.audit(session)
     table = Table("t", "policy", "config", "budget", "tokens", "prompt hash", "resolutions", "degraded")
     for r in rows:
@@ -190,33 +208,6 @@ def _policy_set(names: str, config_file: Optional[Path]) -> dict:
     return {label: variants[label] if label in variants else parse_policy_config(label) for label in labels}
 
 
-def _replay_runtime(ledger: Optional[Path], embedder: str, tokenizer: str, threads: int | None):
-    """The runtime replay measures with: the actor's tokenizer and the real key embedder by default."""
-    from palimpsest.pipelines.replay import TimedEmbedder
-    from palimpsest.platform import HashingEmbedder
-
-    if tokenizer == "smollm2":
-        from palimpsest.models.assets import smollm2_tokenizer_dir
-
-        tok_spec = str(smollm2_tokenizer_dir())
-    elif tokenizer == "approx":
-        tok_spec = "approx"
-    else:
-        tok_spec = tokenizer  # a path to a tokenizer.json or a folder holding one
-    if embedder == "minilm":
-        from palimpsest.models.embedder import MiniLMEmbedder
-
-        emb = MiniLMEmbedder(threads=threads)
-    elif embedder == "hashing":
-        emb = HashingEmbedder()
-    else:
-        raise PalimpsestError(f"unknown embedder {embedder!r}; expected minilm or hashing")
-    name = "smollm2" if tokenizer == "smollm2" else ("approx" if tokenizer == "approx" else Path(tokenizer).name)
-    led = Ledger(ledger or Path(f".palimpsest/replay-{name}.db"), tokenizer=tok_spec)
-    timer = TimedEmbedder(emb)
-    return Runtime(led, embedder=timer), timer
-
-
 @app.command()
 def replay(
     data: Path = typer.Option(..., "--data", help="trajectories (JSONL, the shared schema)"),
@@ -227,8 +218,8 @@ def replay(
     concat: bool = typer.Option(False, "--concat", help="replay all trajectories as one continuous session"),
     as_json: bool = typer.Option(False, "--json", help="print the summary JSON to stdout and nothing else"),
     ledger: Optional[Path] = typer.Option(None, "--ledger", help="cache ledger (default .palimpsest/replay-<tokenizer>.db)"),
-    embedder: str = typer.Option("minilm", help="key embedder: minilm (all-MiniLM-L6-v2) or hashing"),
-    tokenizer: str = typer.Option("smollm2", help="token counting: smollm2 (the actor's), approx, or a tokenizer path"),
+    embedder: str = EmbedderOpt,
+    tokenizer: str = TokenizerOpt,
     mlflow: bool = typer.Option(True, "--mlflow/--no-mlflow", help="log the replay as an MLflow run"),
 ) -> None:
     """Replay trajectories under several policies: need recall, token cost, longevity."""
@@ -236,13 +227,16 @@ def replay(
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from palimpsest.pipelines.replay import run_replay, summary_markdown, write_outputs
+    from palimpsest.pipelines.environment import open_runtime
+    from palimpsest.pipelines.replay import TimedEmbedder, run_replay, summary_markdown, write_outputs
 
     validate_budget(budget)
     policies = _policy_set(policy, policy_config)
     if not data.is_file():
         raise PalimpsestError(f"trajectory file not found: {data}")
-    rt, timer = _replay_runtime(ledger, embedder, tokenizer, None)
+    cache = ledger or Path(f".palimpsest/replay-{Path(tokenizer).name}.db")
+    rt = open_runtime(cache, embedder, tokenizer, wrap=TimedEmbedder)
+    timer = rt.embedder
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err, transient=True) as bar:
         result = run_replay(rt, data, policies, budget, concat=concat, timer=timer, progress=bar)
@@ -277,7 +271,9 @@ def demo(
     data: Optional[Path] = typer.Option(None, help="trajectories (default: ../shared/data/trajectories/dev.jsonl)"),
     trajectory: Optional[str] = typer.Option(None, help="trajectory id (default: the longest)"),
     budget: int = typer.Option(8000, help="token budget"),
-    ledger: Optional[Path] = typer.Option(None, help="ledger file (default: a fresh one under .palimpsest/)"),
+    ledger: Optional[Path] = typer.Option(None, help="ledger file (default: .palimpsest/demo.db)"),
+    embedder: str = EmbedderOpt,
+    tokenizer: str = TokenizerOpt,
 ) -> None:
     """Import the dev trajectories and show PACE and ACE side by side on one of them."""
     from palimpsest.pipelines.demo import run_demo
@@ -285,7 +281,10 @@ def demo(
     path = data or shared_dev_file()
     if not path.is_file():
         raise PalimpsestError(f"no trajectories at {path}; pass --data FILE")
-    run_demo(out, path, trajectory, validate_budget(budget), ledger or Path(".palimpsest/demo.db"))
+    from palimpsest.pipelines.environment import open_runtime
+
+    validate_budget(budget)
+    run_demo(out, path, trajectory, budget, open_runtime(ledger or Path(".palimpsest/demo.db"), embedder, tokenizer))
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from palimpsest.pipelines.trajectories import import_file
-from palimpsest.platform import Ledger, Runtime
+from palimpsest.platform import Runtime
 from palimpsest.platform.render import gist
 from palimpsest.platform.types import CompiledTurn, PalimpsestError, Segment
 
@@ -21,9 +21,8 @@ def _excerpt(seg: Segment | None, width: int = 90) -> str:
         "\\[bold]", "[bold]").replace("\\[/]", "[/]")
 
 
-def run_demo(out: Console, data: Path, trajectory: str | None, budget: int, ledger_path: Path) -> None:
-    with Ledger(ledger_path) as led:
-        rt = Runtime(led)
+def run_demo(out: Console, data: Path, trajectory: str | None, budget: int, rt: Runtime) -> None:
+    with rt.ledger as led:
         report = import_file(led, data, on_trajectory=lambda tr: rt.enrich(tr.id) if led.count(tr.id) else None)
         for e in report.errors:
             out.print(f"[red]refused:[/] {e}", highlight=False)
@@ -32,8 +31,8 @@ def run_demo(out: Console, data: Path, trajectory: str | None, budget: int, ledg
         sid = trajectory or max(report.imported, key=lambda x: x[1])[0]
         if sid not in dict(report.imported):
             raise PalimpsestError(f"trajectory {sid!r} is not in {data}")
-        out.print(f"imported {len(report.imported)} trajectories "
-                  f"({sum(n for _, n in report.imported)} steps) into {led.path}")
+        out.print(f"imported {len(report.imported)} trajectories ({sum(n for _, n in report.imported)} steps) "
+                  f"into {led.path}; keys by {rt.embedder.name}, tokens by {led.tokenizer.name}")
         turns: dict[str, CompiledTurn] = {p: rt.turn(sid, p, budget) for p in ("full", "pace", "ace")}
         snap = rt.snapshot(sid)
     full_tokens = int(snap.tokens[:, 0].sum()) + snap.prefix_tokens
