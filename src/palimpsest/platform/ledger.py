@@ -17,13 +17,14 @@ import sqlite3
 import threading
 import time
 import zlib
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 
-from palimpsest.platform.abstraction import Abstraction, Summaries
+from palimpsest.platform.abstraction import Abstraction, Summaries, step_facts
 from palimpsest.platform.render import render_full_body, render_placeholder_body, render_prefix, render_segment
 from palimpsest.platform.tokens import Tokenizer, get_tokenizer
 from palimpsest.platform.types import (
@@ -115,6 +116,14 @@ class SessionSnapshot:
     last_context_tokens: Mapping[str, int] = field(default_factory=dict)  # policy -> |C_{t-1}|
     tokenizer: str = "approx-v1"
     prefix_tokens: int = 0  # system + tools + task, as the compiler renders them
+    _memo: dict = field(default_factory=dict, compare=False, repr=False)  # derived indexes, built once
+
+    def salient_index(self) -> "SalientIndex":
+        """Each step's identifiers (ids, paths, URLs of its abstraction and action) as one sparse
+        matrix, so policies score identifier overlap with numpy instead of a loop per turn."""
+        if "salient" not in self._memo:
+            self._memo["salient"] = SalientIndex.build(self)
+        return self._memo["salient"]
 
     @property
     def t(self) -> int:
@@ -141,10 +150,52 @@ class SessionSnapshot:
         return replace(
             self, steps=self.steps[:t], step_ids=self.step_ids[:t], tokens=self.tokens[:t],
             bodies=tuple(b[:t] for b in self.bodies), keys=self.keys[:t], has_key=self.has_key[:t],
-            abstractions=self.abstractions[:t],
+            abstractions=self.abstractions[:t], _memo={},
             folds=dict(folds) if folds is not None else {k: f for k, f in self.folds.items() if f.upto <= t},
             last_context_tokens=dict(last_context_tokens) if last_context_tokens is not None else {},
         )
+
+
+@dataclass(frozen=True)
+class SalientIndex:
+    """Step identifiers in coordinate form: ``rows[k]`` holds token ``ids[k]`` (ids from ``vocab``)."""
+
+    rows: np.ndarray  # (nnz,) int64 step index
+    ids: np.ndarray  # (nnz,) int64 token id
+    sizes: np.ndarray  # (M,) number of distinct identifiers per step
+    failed: np.ndarray  # (M,) bool: the abstraction records a failure
+    plans: np.ndarray  # (M,) bool: the abstraction records follow-ups
+    ready: np.ndarray  # (M,) bool: the step has an abstraction
+    dialogue: np.ndarray  # (M,) bool: a reply or message (a decision), not a tool call
+    vocab: dict[str, int]
+
+    @classmethod
+    def build(cls, snap: "SessionSnapshot") -> "SalientIndex":
+        m = snap.t
+        vocab: dict[str, int] = {}
+        rows: list[int] = []
+        ids: list[int] = []
+        sizes = np.zeros(m, dtype=np.int64)
+        failed = np.zeros(m, dtype=bool)
+        plans = np.zeros(m, dtype=bool)
+        ready = np.zeros(m, dtype=bool)
+        dialogue = np.fromiter((s.kind in ("respond", "message") for s in snap.steps), dtype=bool, count=m)
+        for i, (step, a_json) in enumerate(zip(snap.steps, snap.abstractions)):
+            if a_json is None:
+                continue
+            tokens, failed[i], plans[i] = step_facts(step.id, a_json, step.action)
+            ready[i] = True
+            sizes[i] = len(tokens)
+            rows.extend([i] * len(tokens))
+            ids.extend(vocab.setdefault(tok, len(vocab)) for tok in tokens)
+        return cls(np.asarray(rows, dtype=np.int64), np.asarray(ids, dtype=np.int64), sizes, failed, plans, ready,
+                   dialogue, vocab)
+
+    def overlap(self, query: frozenset[str]) -> np.ndarray:
+        """(M,) number of identifiers each step shares with ``query``."""
+        q = np.fromiter((self.vocab[t] for t in query if t in self.vocab), dtype=np.int64)
+        hit = np.isin(self.ids, q)
+        return np.bincount(self.rows[hit], minlength=self.sizes.size)
 
 
 class Ledger:
@@ -174,23 +225,18 @@ class Ledger:
 
     # -- plumbing ---------------------------------------------------------------------------
 
-    def _tx(self, immediate: bool = True):
-        ledger = self
-
-        class _Tx:
-            def __enter__(self_inner):
-                ledger._lock.acquire()
-                ledger._db.execute("BEGIN IMMEDIATE" if immediate else "BEGIN")
-                return ledger._db
-
-            def __exit__(self_inner, exc_type, exc, tb):
-                try:
-                    ledger._db.execute("ROLLBACK" if exc_type else "COMMIT")
-                finally:
-                    ledger._lock.release()
-                return False
-
-        return _Tx()
+    @contextmanager
+    def _tx(self, immediate: bool = True) -> Iterator[sqlite3.Connection]:
+        """One transaction under the ledger's lock: BEGIN IMMEDIATE for writes (the write lock is taken
+        up front, so read-then-write decisions inside cannot race), a plain BEGIN for snapshot reads."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE" if immediate else "BEGIN")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
 
     def _bind_tokenizer(self, tokenizer: Tokenizer | str | None) -> Tokenizer:
         """Token counts are stored, so one ledger counts with one tokenizer for its whole life."""

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
 import numpy as np
 from pydantic import Field
 
-from palimpsest.platform.abstraction import extract_salient, step_facts
+from palimpsest.platform.abstraction import extract_salient
 from palimpsest.platform.policies.base import (
     PolicyConfigBase,
     PolicyDeps,
@@ -63,29 +63,24 @@ class RuleElasticizer:
         m = snap.t
         latest = snap.body(m - 1, Resolution.FULL) if m else ""
         ids, paths, urls, _ = extract_salient(snap.session.task + "\n" + (latest or ""))
-        query = frozenset(ids) | frozenset(paths) | frozenset(urls)
+        index = snap.salient_index()
+        overlap = index.overlap(frozenset(ids) | frozenset(paths) | frozenset(urls))[old]  # (M,)
         reasons = Reasons()
-        n = old.size
-        decision = np.full(n, DROP, dtype=np.int8)
-        codes = np.full(n, reasons("no overlap with the task or the latest step"), dtype=np.int16)
-        score = np.zeros(n, dtype=np.float64)
-        for j, i in enumerate(old.tolist()):
-            step = snap.steps[i]
-            salient, failed, plans = step_facts(step.id, snap.abstractions[i], step.action)
-            overlap = len(salient & query)
-            score[j] = overlap + (i + 1) / (m + 1)  # ties broken by recency
-            if overlap >= self.raw_min_overlap:
-                decision[j], codes[j] = RAW, reasons(f"shares >= {self.raw_min_overlap} identifiers with the task/latest step")
-                continue
-            if failed:
-                decision[j], codes[j] = ABSTRACT, reasons("a failure: keep what failed and why")
-            elif step.kind in ("respond", "message") or plans:
-                decision[j], codes[j] = ABSTRACT, reasons("a decision or a plan")
-            elif overlap:
-                decision[j], codes[j] = ABSTRACT, reasons("shares an identifier with the task/latest step")
-            elif i >= m - 1 - self.abstract_recent:
-                decision[j], codes[j] = ABSTRACT, reasons(f"within the last {self.abstract_recent + 1} steps")
-        return ElasticDecision(decision, codes, reasons.items, score)
+        # Rules in increasing priority: later assignments win.
+        decision = np.full(old.size, DROP, dtype=np.int8)
+        codes = np.full(old.size, reasons("no overlap with the task or the latest step"), dtype=np.int16)
+        rules = [
+            (old >= m - 1 - self.abstract_recent, ABSTRACT, f"within the last {self.abstract_recent + 1} steps"),
+            (overlap >= 1, ABSTRACT, "shares an identifier with the task/latest step"),
+            (index.dialogue[old] | index.plans[old], ABSTRACT, "a decision or a plan"),
+            (index.failed[old], ABSTRACT, "a failure: keep what failed and why"),
+            (overlap >= self.raw_min_overlap, RAW, f"shares >= {self.raw_min_overlap} identifiers with the task/latest step"),
+        ]
+        for mask, what, why in rules:
+            decision[mask] = what
+            codes[mask] = reasons(why)
+        score = overlap + (old + 1) / (m + 1)  # ties broken by recency
+        return ElasticDecision(decision, codes, reasons.items, score.astype(np.float64))
 
 
 class AceConfig(PolicyConfigBase):
@@ -119,7 +114,7 @@ class AcePolicy:
         codes = np.zeros(m, dtype=np.int16)
         if m:
             res[m - 1], score[m - 1], codes[m - 1] = Resolution.FULL, 1e9, reasons("the latest step is always raw")
-        ready = np.array([a is not None for a in snap.abstractions[: max(0, m - 1)]], dtype=bool)
+        ready = snap.salient_index().ready[: max(0, m - 1)]
         old = np.flatnonzero(ready)
         if old.size:
             d = self.elasticizer.decide(snap, old)

@@ -22,13 +22,12 @@ The last N steps are always full; missing summaries fall back as in PACE (never 
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, ClassVar, Literal
 
 import numpy as np
 from pydantic import Field, field_validator
 
-from palimpsest.platform.abstraction import extract_salient, step_facts
+from palimpsest.platform.abstraction import extract_salient
 from palimpsest.platform.policies.base import PolicyConfigBase, PolicyDeps, Reasons, fallback_missing, new_plan
 from palimpsest.platform.render import key_text
 from palimpsest.platform.types import ConfigError, RenderPlan, Resolution
@@ -138,16 +137,10 @@ class PacePlusPolicy:
         text, q_ids = self._query(snap)
         q = self.deps.embedder.embed([text])[0]
         cos = (snap.keys @ q)[old]  # (M,)
-        overlap = np.zeros(old.size)
-        n_ids = np.zeros(old.size)
-        for j, i in enumerate(old.tolist()):
-            a = snap.abstractions[i]
-            if a is None:
-                continue
-            ids, _, _ = step_facts(int(snap.step_ids[i]), a, snap.steps[i].action)
-            n_ids[j] = len(ids)
-            if ids and q_ids:
-                overlap[j] = len(ids & q_ids) / math.sqrt(len(ids) * len(q_ids))
+        index = snap.salient_index()
+        n_ids = index.sizes[old].astype(np.float64)
+        shared = index.overlap(q_ids)[old].astype(np.float64)
+        overlap = shared / np.sqrt(np.maximum(n_ids, 1.0) * max(len(q_ids), 1))
         age = (snap.t - 1 - old).astype(np.float64)
         s = cos + self.cfg.eta * overlap + self.cfg.kappa * np.exp2(-age / self.cfg.half_life)
         z = s / self.cfg.tau
