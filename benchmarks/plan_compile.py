@@ -23,7 +23,7 @@ from pathlib import Path
 
 from palimpsest.platform import Ledger, Runtime, StepRecord
 
-POLICIES = ["full", "window", "rolling_summary", "pace", "ace"]
+POLICIES = ["full", "window", "rolling_summary", "pace", "ace", "pace_plus"]
 TASK = "Fix the KeyError raised by parse_config in settings/loader.py when DATABASE_URL is missing from the env file."
 WORDS = ["parse_config", "database_url", "settings/loader.py", "pool_size", "KeyError", "env_file", "tests/test_loader.py",
          "load_dotenv", "Config", "os.environ", "validate_url", "retry_count", "logging.getLogger", "schema_v2"]

@@ -1,0 +1,73 @@
+"""The frozen actor: any HF causal LM from a local folder, frozen and in eval mode.
+
+Soft memory reaches it only through input embeddings: :meth:`FrozenActor.forward` takes exactly one
+of token ids or ``inputs_embeds`` (as ``Qwen2Model.forward`` insists), and :meth:`FrozenActor.embed`
+gives the embeddings of token ids from the actor's own table, so ``[text ids + soft span]`` is built as
+``cat(embed(ids), soft)``. Gradients flow through the frozen weights into whatever produced the
+embeddings; the weights themselves never change (requires_grad is off).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from palimpsest.platform.types import ConfigError
+
+
+class FrozenActor(nn.Module):
+    def __init__(self, model: nn.Module, tokenizer=None):
+        super().__init__()
+        self.model = model.eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.tokenizer = tokenizer
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype: str = "float32") -> "FrozenActor":
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"no HF model at {path} (config.json missing); `palimpsest models prepare` makes one")
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype)).to(device)
+        tok = AutoTokenizer.from_pretrained(str(path)) if (path / "tokenizer.json").is_file() else None
+        return cls(model, tok)
+
+    def train(self, mode: bool = True) -> "FrozenActor":
+        # The actor stays in eval mode whatever its owner does (no dropout, no norm-statistics updates).
+        return super().train(False)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.model.config.hidden_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_input_embeddings().weight.shape[0])
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.get_input_embeddings().weight.device
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """(T,) or (N, T) token ids -> their input embeddings (..., d)."""
+        return self.model.get_input_embeddings()(ids)
+
+    def embed_norm(self) -> float:
+        """Mean L2 norm of the token embedding table: the scale soft tokens are given."""
+        return float(self.model.get_input_embeddings().weight.detach().float().norm(dim=-1).mean())
+
+    def forward(self, input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (N, T, V) from exactly one of ``input_ids`` (N, T) or ``inputs_embeds`` (N, T, d)."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("give exactly one of input_ids or inputs_embeds")
+        return self.model(input_ids=input_ids, inputs_embeds=inputs_embeds, use_cache=False).logits
+
+    @torch.no_grad()
+    def hidden_states(self, ids: torch.Tensor, layer: int = -1) -> torch.Tensor:
+        """(T,) ids -> (T, d) hidden states of ``layer`` (what the memory network reads)."""
+        out = self.model(input_ids=ids[None], output_hidden_states=True, use_cache=False)
+        return out.hidden_states[layer][0]

@@ -1,0 +1,150 @@
+"""REMORY's memory network: what the summary left out, as soft tokens in the actor's input space.
+
+Reads the frozen actor's hidden states of the history, compresses every block of <= B source
+positions into Q soft tokens with learnable queries (a Perceiver-style resampler), lets those tokens
+look at the summary's token embeddings through a gated cross-attention whose gate starts closed (so
+training starts from "memory knows nothing the summary does not"), and merges hierarchically when the
+history needs more than m slots. The output lives in the actor's input-embedding space, each vector
+scaled to the mean norm of the actor's token embeddings, and reaches the actor only via inputs_embeds.
+
+Everything is sized by :class:`MemoryConfig`: the same file trains a few-million-parameter network on
+CPUs and a billion-parameter one on GPUs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class MemoryConfig:
+    d_actor: int  # the actor's hidden size: the features' width and the output embedding width
+    d_model: int = 256  # the memory network's own width
+    n_heads: int = 4
+    n_layers: int = 2  # resampler blocks (cross-attention to the source, then self-attention + MLP)
+    block_size: int = 1024  # B: source positions per block
+    queries: int = 64  # Q: soft tokens per block
+    max_slots: int = 4096  # m: most soft tokens for one history; more blocks are merged hierarchically
+    feature_layer: int = -1  # which hidden state of the actor to read (-1 = last)
+    mlp_ratio: int = 4
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.queries > self.block_size:
+            problems.append(f"queries ({self.queries}) must not exceed block_size ({self.block_size})")
+        if self.max_slots < self.queries:
+            problems.append(f"max_slots ({self.max_slots}) must be at least queries ({self.queries})")
+        if self.d_model % self.n_heads:
+            problems.append(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+        for name in ("d_actor", "d_model", "n_heads", "n_layers", "block_size", "queries", "max_slots", "mlp_ratio"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be >= 1")
+        if problems:
+            raise ValueError("invalid memory config: " + "; ".join(problems))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class _Block(nn.Module):
+    """Queries attend to a source, then to each other, then an MLP (pre-norm, residual)."""
+
+    def __init__(self, cfg: MemoryConfig):
+        super().__init__()
+        d = cfg.d_model
+        self.norm_q, self.norm_kv = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.cross = nn.MultiheadAttention(d, cfg.n_heads, dropout=cfg.dropout, batch_first=True)
+        self.norm_self = nn.LayerNorm(d)
+        self.self_attn = nn.MultiheadAttention(d, cfg.n_heads, dropout=cfg.dropout, batch_first=True)
+        self.norm_mlp = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, cfg.mlp_ratio * d), nn.GELU(), nn.Linear(cfg.mlp_ratio * d, d))
+
+    def forward(self, q: torch.Tensor, src: torch.Tensor, src_pad: torch.Tensor | None) -> torch.Tensor:
+        # q: (N, Q, d); src: (N, L, d); src_pad: (N, L) True where padding
+        kv = self.norm_kv(src)
+        q = q + self.cross(self.norm_q(q), kv, kv, key_padding_mask=src_pad, need_weights=False)[0]
+        h = self.norm_self(q)
+        q = q + self.self_attn(h, h, h, need_weights=False)[0]
+        return q + self.mlp(self.norm_mlp(q))
+
+
+class GatedSummaryAttention(nn.Module):
+    """Soft tokens read the summary; tanh(gate) starts at 0, so at init the summary changes nothing."""
+
+    def __init__(self, cfg: MemoryConfig):
+        super().__init__()
+        self.proj = nn.Linear(cfg.d_actor, cfg.d_model)
+        self.norm_q, self.norm_kv = nn.LayerNorm(cfg.d_model), nn.LayerNorm(cfg.d_model)
+        self.attn = nn.MultiheadAttention(cfg.d_model, cfg.n_heads, dropout=cfg.dropout, batch_first=True)
+        self.gate = nn.Parameter(torch.zeros(1))
+
+    def forward(self, q: torch.Tensor, summary: torch.Tensor | None) -> torch.Tensor:
+        # q: (1, S, d); summary: (T_s, d_actor) token embeddings of the summary
+        if summary is None or summary.shape[0] == 0:
+            return q
+        kv = self.norm_kv(self.proj(summary.to(q.dtype)))[None]  # (1, T_s, d)
+        return q + torch.tanh(self.gate) * self.attn(self.norm_q(q), kv, kv, need_weights=False)[0]
+
+
+class MemoryNetwork(nn.Module):
+    def __init__(self, cfg: MemoryConfig, embed_norm: float = 1.0):
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.d_model
+        self.in_proj = nn.Linear(cfg.d_actor, d)
+        self.queries = nn.Parameter(torch.randn(cfg.queries, d) / math.sqrt(d))  # (Q, d)
+        self.merge_queries = nn.Parameter(torch.randn(cfg.queries, d) / math.sqrt(d))  # for hierarchical merges
+        self.pos = nn.Parameter(torch.zeros(cfg.block_size, d))  # position within a block
+        self.blocks = nn.ModuleList(_Block(cfg) for _ in range(cfg.n_layers))
+        self.summary_attn = GatedSummaryAttention(cfg)
+        self.out_norm = nn.LayerNorm(d)
+        self.out_proj = nn.Linear(d, cfg.d_actor)
+        # Soft tokens land where real token embeddings live: same mean norm (a constant of the actor).
+        self.register_buffer("embed_norm", torch.tensor(float(embed_norm)))
+
+    def _resample(self, src: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+        """(L, d) source -> (ceil(L / B) * Q, d): every block of <= B positions becomes Q tokens, in order."""
+        B, Q = self.cfg.block_size, queries.shape[0]
+        n = math.ceil(src.shape[0] / B)
+        pad = n * B - src.shape[0]
+        blocks = F.pad(src, (0, 0, 0, pad)).view(n, B, -1) + self.pos[None]  # (n, B, d)
+        mask = torch.zeros(n * B, dtype=torch.bool, device=src.device)
+        if pad:
+            mask[-pad:] = True
+        mask = mask.view(n, B)  # (n, B) True = padding
+        q = queries[None].expand(n, Q, -1)  # (n, Q, d)
+        for block in self.blocks:
+            q = block(q, blocks, mask)
+        return q.reshape(n * Q, -1)  # (n*Q, d), block order kept
+
+    def slots_for(self, positions: int) -> int:
+        """How many soft tokens a history of ``positions`` source positions yields."""
+        B, Q, m = self.cfg.block_size, self.cfg.queries, self.cfg.max_slots
+        n = math.ceil(max(positions, 1) / B) * Q
+        while n > m:
+            n = math.ceil(n / B) * Q
+        return n
+
+    def forward(self, features: torch.Tensor, summary: torch.Tensor | None = None) -> torch.Tensor:
+        """features: (T, d_actor) actor hidden states of the history; summary: (T_s, d_actor) token
+        embeddings of the summary, or None. Returns the soft span (S, d_actor), S = slots_for(T)."""
+        if features.dim() != 2 or features.shape[-1] != self.cfg.d_actor:
+            raise ValueError(f"expected features of shape (T, {self.cfg.d_actor}), got {tuple(features.shape)}")
+        if features.shape[0] == 0:
+            raise ValueError("the history is empty: there is nothing to remember")
+        x = self.in_proj(features.to(self.in_proj.weight.dtype))  # (T, d)
+        mem = self._resample(x, self.queries)  # (ceil(T/B)*Q, d)
+        while mem.shape[0] > self.cfg.max_slots:  # hierarchical merge, order preserved
+            mem = self._resample(mem, self.merge_queries)
+        mem = self.summary_attn(mem[None], summary)[0]  # (S, d)
+        out = self.out_proj(self.out_norm(mem))  # (S, d_actor)
+        return out * (self.embed_norm / out.norm(dim=-1, keepdim=True).clamp(min=1e-6))
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters() if p.requires_grad)

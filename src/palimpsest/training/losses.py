@@ -1,0 +1,86 @@
+"""REMORY's two losses, through the frozen actor. Gradients reach only the memory network.
+
+Stage I (reconstruction): the memory of a text span, followed by a "repeat" instruction, must let the
+actor reproduce the span: cross-entropy on the span's tokens.
+
+Stage II (summary-conditioned continuation): the teacher sees the whole history, the student sees the
+summary and the memory; both predict the trajectory's real next assistant response. Loss: reverse KL
+sum_j w_j KL(q_j || p_j) over the full vocabulary, q = student, p = teacher, w_j gently favouring the
+first response tokens (w_j proportional to 1 / (1 + decay * j), summing to 1).
+"""
+
+from __future__ import annotations
+
+from typing import TypedDict
+
+import torch
+import torch.nn.functional as F
+
+from palimpsest.models.actor import FrozenActor
+from palimpsest.models.memory import MemoryNetwork
+
+
+class StageISample(TypedDict):
+    span: torch.Tensor  # (T,) ids of the text to remember and reproduce
+    instruction: torch.Tensor  # (I,) ids of the "repeat the text" instruction
+
+
+class StageIISample(TypedDict):
+    history: torch.Tensor  # (H,) ids of the history in the actor's chat format
+    summary: torch.Tensor  # (S,) ids of the summary of that history
+    target: torch.Tensor  # (R,) ids of the real next assistant response
+
+
+def position_weights(n: int, decay: float = 0.05, device=None) -> torch.Tensor:
+    w = 1.0 / (1.0 + decay * torch.arange(n, dtype=torch.float32, device=device))
+    return w / w.sum()
+
+
+def reverse_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """sum_j w_j KL(q_j || p_j) for logits (R, V); the teacher side carries no gradient."""
+    log_q = F.log_softmax(student_logits.float(), dim=-1)  # (R, V)
+    log_p = F.log_softmax(teacher_logits.detach().float(), dim=-1)
+    kl = (log_q.exp() * (log_q - log_p)).sum(-1)  # (R,)
+    return (weights * kl).sum()
+
+
+def memory_of(memnet: MemoryNetwork, actor: FrozenActor, history: torch.Tensor,
+              summary: torch.Tensor | None = None) -> torch.Tensor:
+    """The soft span (M, d) for a history (ids), optionally reading the summary's embeddings."""
+    feats = actor.hidden_states(history, memnet.cfg.feature_layer)  # (H, d), no grad: the actor is frozen
+    return memnet(feats, actor.embed(summary) if summary is not None and summary.numel() else None)
+
+
+def stage1_loss(memnet: MemoryNetwork, actor: FrozenActor, sample: StageISample) -> torch.Tensor:
+    span, instr = sample["span"], sample["instruction"]
+    mem = memory_of(memnet, actor, span)  # (M, d)
+    embeds = torch.cat([mem, actor.embed(instr), actor.embed(span)])[None]  # (1, M + I + T, d)
+    logits = actor(inputs_embeds=embeds)[0]  # (M + I + T, V)
+    start = mem.shape[0] + instr.shape[0] - 1  # the position that predicts span[0]
+    return F.cross_entropy(logits[start: start + span.shape[0]].float(), span)
+
+
+@torch.no_grad()
+def teacher_logits(actor: FrozenActor, sample: StageIISample) -> torch.Tensor:
+    """(R, V) the teacher's logits on the target tokens, seeing the whole history."""
+    hist, target = sample["history"], sample["target"]
+    logits = actor(input_ids=torch.cat([hist, target])[None])[0]
+    return logits[hist.shape[0] - 1: hist.shape[0] - 1 + target.shape[0]]
+
+
+def student_logits(actor: FrozenActor, prefix_embeds: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """(R, V) logits on the target tokens for any student input ``prefix_embeds`` (P, d)."""
+    embeds = torch.cat([prefix_embeds, actor.embed(target)])[None]
+    logits = actor(inputs_embeds=embeds)[0]
+    return logits[prefix_embeds.shape[0] - 1: prefix_embeds.shape[0] - 1 + target.shape[0]]
+
+
+def stage2_loss(memnet: MemoryNetwork, actor: FrozenActor, sample: StageIISample, decay: float = 0.05,
+                teacher: torch.Tensor | None = None) -> torch.Tensor:
+    """Reverse KL of the student [summary; memory] against the teacher [history]; ``teacher`` may be
+    precomputed logits (R, V) so a dataset pays the teacher pass once."""
+    mem = memory_of(memnet, actor, sample["history"], sample["summary"])
+    prefix = torch.cat([actor.embed(sample["summary"]), mem])  # (S + M, d)
+    q = student_logits(actor, prefix, sample["target"])
+    p = teacher if teacher is not None else teacher_logits(actor, sample)
+    return reverse_kl(q, p, position_weights(sample["target"].shape[0], decay, q.device))

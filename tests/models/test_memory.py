@@ -1,0 +1,72 @@
+import re
+
+import pytest
+import torch
+
+from palimpsest.models.memory import MemoryConfig, MemoryNetwork
+from tests.models.tiny import tiny_actor
+
+
+def net(**kw):
+    cfg = MemoryConfig(**{"d_actor": 64, "d_model": 32, "n_heads": 4, "n_layers": 1, "block_size": 16,
+                          "queries": 4, "max_slots": 12, **kw})
+    torch.manual_seed(0)
+    return MemoryNetwork(cfg, embed_norm=2.5)
+
+
+def test_blocks_become_queries_in_order_and_merge_beyond_max_slots():
+    m = net()
+    assert m(torch.randn(16, 64)).shape == (4, 64)  # one block -> Q tokens
+    assert m(torch.randn(40, 64)).shape == (12, 64)  # 3 blocks -> 12 slots = m
+    long = m(torch.randn(64, 64))  # 4 blocks = 16 slots > m=12: merged hierarchically
+    assert long.shape == (m.slots_for(64), 64) == (4, 64)
+
+
+def test_output_is_in_the_actor_embedding_scale():
+    out = net()(torch.randn(20, 64) * 7)
+    assert torch.allclose(out.norm(dim=-1), torch.full((out.shape[0],), 2.5), atol=1e-4)
+
+
+def test_order_of_blocks_is_preserved():
+    m = net()
+    a, b = torch.randn(16, 64), torch.randn(16, 64)
+    ab, ba = m(torch.cat([a, b])), m(torch.cat([b, a]))
+    assert torch.allclose(ab[:4], ba[4:], atol=1e-5) and torch.allclose(ab[4:], ba[:4], atol=1e-5)
+
+
+def test_summary_gate_starts_closed():
+    m = net()
+    feats, summary = torch.randn(20, 64), torch.randn(7, 64)
+    assert torch.equal(m(feats, summary), m(feats, None))
+    with torch.no_grad():
+        m.summary_attn.gate.fill_(1.0)
+    assert not torch.allclose(m(feats, summary), m(feats, None))
+
+
+@pytest.mark.parametrize("kw,message", [
+    ({"queries": 32, "block_size": 16}, "queries (32) must not exceed block_size (16)"),
+    ({"max_slots": 2}, "max_slots (2) must be at least queries (4)"),
+    ({"d_model": 30}, "divisible by n_heads"),
+])
+def test_impossible_sizes_are_refused(kw, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        net(**kw)
+
+
+def test_bad_features_are_refused():
+    with pytest.raises(ValueError, match=r"expected features of shape \(T, 64\)"):
+        net()(torch.randn(5, 32))
+    with pytest.raises(ValueError, match="empty"):
+        net()(torch.randn(0, 64))
+
+
+def test_actor_takes_exactly_one_of_ids_or_embeds_and_stays_frozen():
+    actor = tiny_actor()
+    ids = torch.randint(0, 256, (1, 9))
+    with pytest.raises(ValueError, match="exactly one"):
+        actor()
+    with pytest.raises(ValueError, match="exactly one"):
+        actor(input_ids=ids, inputs_embeds=actor.embed(ids))
+    assert torch.allclose(actor(input_ids=ids), actor(inputs_embeds=actor.embed(ids)), atol=1e-5)
+    actor.train()
+    assert not actor.model.training and not any(p.requires_grad for p in actor.parameters())
