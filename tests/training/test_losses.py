@@ -63,11 +63,11 @@ def test_stage1_learns_to_reconstruct_and_stage2_starts_from_it():
     g = torch.Generator().manual_seed(3)
     batch = [{"span": torch.randint(0, 256, (12,), generator=g), "instruction": torch.tensor([5, 6, 7])}]
     opt = torch.optim.AdamW(net.parameters(), lr=3e-3)
-    first = float(stage1_loss(net, actor, batch[0]))
+    first = float(stage1_loss(net, actor, batch[0]).detach())
     for _ in range(40):
         train_step(net, actor, opt, batch, stage=1)
     # A random tiny actor barely listens to its input, yet the memory already moves it (seeded, exact)
-    assert float(stage1_loss(net, actor, batch[0])) < first - 0.05
+    assert float(stage1_loss(net, actor, batch[0]).detach()) < first - 0.05
     stage2 = memnet(actor, seed=99)
     init_stage2_from_stage1(stage2, net.state_dict())
     assert all(torch.equal(a, b) for a, b in zip(stage2.state_dict().values(), net.state_dict().values()))
