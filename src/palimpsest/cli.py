@@ -266,6 +266,19 @@ def report(dirs: list[Path] = typer.Argument(..., help="replay output folders (s
     out.print(f"report written to {path}")
 
 
+models_app = typer.Typer(help="Offline model assets.", no_args_is_help=True)
+app.add_typer(models_app, name="models")
+
+
+@models_app.command("prepare")
+def models_prepare() -> None:
+    """Convert the shipped SmolLM2-135M-Instruct GGUF into a cached HF folder (once; no download)."""
+    from palimpsest.models.assets import smollm2_dir, smollm2_tokenizer_dir
+
+    out.print(f"actor: {smollm2_dir()}")
+    out.print(f"tokenizer: {smollm2_tokenizer_dir()}")
+
+
 @app.command()
 def demo(
     data: Optional[Path] = typer.Option(None, help="trajectories (default: ../shared/data/trajectories/dev.jsonl)"),

@@ -57,3 +57,35 @@ def minilm_dir() -> Path:
     if not (path / "config.json").is_file():
         raise ConfigError(f"all-MiniLM-L6-v2 files missing under {path}")
     return path
+
+
+def smollm2_dir() -> Path:
+    """The HF folder of SmolLM2-135M-Instruct (fp32, with its tokenizer), converted once from the GGUF.
+
+    ``save_pretrained`` refuses a model loaded from a quantised GGUF, so the dequantised weights are
+    copied into a fresh ``LlamaForCausalLM`` of the same config (without its quantization_config) and
+    that is saved: a plain folder that transformers and vLLM both load.
+    """
+    out = cache_dir() / "models" / SMOLLM2
+    if (out / "config.json").is_file() and (out / "tokenizer.json").is_file():
+        return out
+    gguf = smollm2_gguf()
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    src = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    cfg = {k: v for k, v in src.config.to_dict().items() if k != "quantization_config"}
+    model = LlamaForCausalLM(LlamaConfig(**cfg))
+    model.load_state_dict(src.state_dict(), strict=False)
+    missing = [k for k, v in model.state_dict().items() if k not in src.state_dict() and not k.endswith("lm_head.weight")]
+    if missing:
+        raise ConfigError(f"converting {gguf.name} left weights unset: {missing[:5]}")
+    tmp = out.with_name(out.name + ".tmp")
+    model.save_pretrained(str(tmp))
+    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(tmp))
+    if out.exists():  # a half-written folder from an interrupted run
+        import shutil
+
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out

@@ -25,9 +25,10 @@ class StageISample(TypedDict):
     instruction: torch.Tensor  # (I,) ids of the "repeat the text" instruction
 
 
-class StageIISample(TypedDict):
-    history: torch.Tensor  # (H,) ids of the history in the actor's chat format
-    summary: torch.Tensor  # (S,) ids of the summary of that history
+class StageIISample(TypedDict, total=False):
+    history: torch.Tensor  # (H,) ids of the history in the actor's chat format, ending with the assistant prompt
+    summary: torch.Tensor  # (S,) ids of the same conversation with the history replaced by its summary
+    bridge: torch.Tensor  # (G,) ids after the memory (the assistant prompt); optional
     target: torch.Tensor  # (R,) ids of the real next assistant response
 
 
@@ -80,7 +81,10 @@ def stage2_loss(memnet: MemoryNetwork, actor: FrozenActor, sample: StageIISample
     """Reverse KL of the student [summary; memory] against the teacher [history]; ``teacher`` may be
     precomputed logits (R, V) so a dataset pays the teacher pass once."""
     mem = memory_of(memnet, actor, sample["history"], sample["summary"])
-    prefix = torch.cat([actor.embed(sample["summary"]), mem])  # (S + M, d)
+    parts = [actor.embed(sample["summary"]), mem]  # the memory sits right after the summary
+    if sample.get("bridge") is not None and sample["bridge"].numel():
+        parts.append(actor.embed(sample["bridge"]))
+    prefix = torch.cat(parts)  # (S + M + G, d)
     q = student_logits(actor, prefix, sample["target"])
     p = teacher if teacher is not None else teacher_logits(actor, sample)
     return reverse_kl(q, p, position_weights(sample["target"].shape[0], decay, q.device))
