@@ -10,6 +10,8 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0 MLFLOW_
 export DS_ACCELERATOR=cpu PYTHONWARNINGS=ignore::FutureWarning
 export TORCH_EXTENSIONS_DIR=$(CACHE)/torch_extensions VLLM_CACHE_ROOT=$(CACHE)/vllm HF_HOME=$(CACHE)/hf
 export PALIMPSEST_CACHE=$(CACHE)/palimpsest
+# Ray keeps its sockets and logs here (a short path: Unix sockets allow ~107 characters).
+export RAY_TMPDIR=/tmp/palimpsest-ray RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
 
 .PHONY: install demo test test-fast bench replay clean
 

@@ -266,6 +266,19 @@ def report(dirs: list[Path] = typer.Argument(..., help="replay output folders (s
     out.print(f"report written to {path}")
 
 
+@app.command()
+def train(config: Path = typer.Option(..., "--config", help="configs/train/<name>.yaml"),
+          track: bool = typer.Option(True, "--mlflow/--no-mlflow", help="log and register in MLflow")) -> None:
+    """Train the REMORY memory network on Ray Train + DeepSpeed (resumes a run of the same name)."""
+    import json as _json
+
+    from palimpsest.training.config import load_train_config
+    from palimpsest.training.launcher import launch
+
+    summary = launch(load_train_config(config), track=track)
+    out.print(_json.dumps(summary, indent=2, default=str), markup=False, highlight=False)
+
+
 models_app = typer.Typer(help="Offline model assets.", no_args_is_help=True)
 app.add_typer(models_app, name="models")
 

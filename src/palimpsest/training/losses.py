@@ -47,8 +47,10 @@ def reverse_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, weigh
 
 def memory_of(memnet: MemoryNetwork, actor: FrozenActor, history: torch.Tensor,
               summary: torch.Tensor | None = None) -> torch.Tensor:
-    """The soft span (M, d) for a history (ids), optionally reading the summary's embeddings."""
-    feats = actor.hidden_states(history, memnet.cfg.feature_layer)  # (H, d), no grad: the actor is frozen
+    """The soft span (M, d) for a history (ids), optionally reading the summary's embeddings.
+    ``memnet`` may be wrapped (a DeepSpeed engine or DDP): calling the wrapper keeps its hooks."""
+    cfg = memnet.module.cfg if hasattr(memnet, "module") else memnet.cfg
+    feats = actor.hidden_states(history, cfg.feature_layer)  # (H, d), no grad: the actor is frozen
     return memnet(feats, actor.embed(summary) if summary is not None and summary.numel() else None)
 
 

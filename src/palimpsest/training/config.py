@@ -1,0 +1,107 @@
+"""The training config: one strict pydantic model, validated before any worker starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from palimpsest.platform.types import ConfigError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ActorSection(_Strict):
+    path: str = Field("smollm2", description="'smollm2' (the converted offline actor) or a local HF folder")
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+
+class DataSection(_Strict):
+    file: str = Field(..., description="trajectories (JSONL); Stage I/II Parquet is built from it")
+    max_history_tokens: int = Field(2048, ge=16, le=131072)
+    max_target_tokens: int = Field(64, ge=1)
+    max_observation_chars: int = Field(800, ge=64)
+    span_tokens: int = Field(128, ge=8)
+    val_fraction: float = Field(0.2, ge=0.0, lt=1.0)
+
+
+class MemorySection(_Strict):
+    d_model: int = Field(256, ge=8)
+    n_heads: int = Field(4, ge=1)
+    n_layers: int = Field(2, ge=1)
+    block_size: int = Field(256, ge=1)
+    queries: int = Field(16, ge=1)
+    max_slots: int = Field(128, ge=1)
+    feature_layer: int = -1
+
+    @model_validator(mode="after")
+    def _sizes(self) -> "MemorySection":
+        if self.queries > self.block_size:
+            raise ValueError(f"queries ({self.queries}) must not exceed block_size ({self.block_size})")
+        if self.max_slots < self.queries:
+            raise ValueError(f"max_slots ({self.max_slots}) must be at least queries ({self.queries})")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+        return self
+
+
+class OptimSection(_Strict):
+    stage1_steps: int = Field(40, ge=0)
+    stage2_steps: int = Field(80, ge=0)
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    kl_decay: float = Field(0.05, ge=0, description="w_j proportional to 1 / (1 + kl_decay * j)")
+    checkpoint_every: int = Field(20, ge=1)
+    seed: int = 0
+
+
+class DistributedSection(_Strict):
+    strategy: Literal["deepspeed", "ddp"] = "deepspeed"
+    zero_stage: Literal[2, 3] = 2
+    num_workers: int = Field(2, ge=1)
+    use_gpu: bool = False
+    cpus_per_worker: float = Field(1.0, gt=0)
+    max_failures: int = Field(2, ge=0, description="worker failures the run survives (resuming from its checkpoint)")
+
+
+class TrackingSection(_Strict):
+    experiment: str = "palimpsest-memory"
+    register_as: str | None = Field("palimpsest-memory", description="registered model name; None = do not register")
+    policy_config: str = Field("configs/policies/pace_plus.yaml", description="the policy config this memory pairs with")
+
+
+class TrainConfig(_Strict):
+    name: str = Field(..., pattern=r"^[\w.-]{1,64}$")
+    actor: ActorSection = ActorSection()
+    data: DataSection
+    memory: MemorySection = MemorySection()
+    optim: OptimSection = OptimSection()
+    distributed: DistributedSection = DistributedSection()
+    tracking: TrackingSection = TrackingSection()
+    storage: str = Field(".palimpsest/ray_results", description="Ray Train run storage (checkpoints)")
+
+
+def load_train_config(path: str | Path) -> TrainConfig:
+    p = Path(path)
+    try:
+        data = yaml.safe_load(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"training config not found: {p}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p} is not valid YAML: {e}") from None
+    return parse_train_config(data, where=str(p))
+
+
+def parse_train_config(data, where: str = "config") -> TrainConfig:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: a training config is a mapping")
+    try:
+        return TrainConfig.model_validate(data)
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(str(x) for x in err['loc']) or 'config'}: {err['msg']}" for err in e.errors())
+        raise ConfigError(f"{where}: invalid training config: {problems}") from None

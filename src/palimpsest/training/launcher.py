@@ -1,0 +1,340 @@
+"""`palimpsest train --config configs/train/<name>.yaml`: REMORY training on Ray Train + DeepSpeed.
+
+The launcher only sets up: it validates the config and builds the datasets on the driver (every
+error surfaces before a worker starts), then a TorchTrainer runs :func:`train_loop` on N workers
+(CPU here, GPUs by config). Each worker wraps the memory network in a DeepSpeed engine (ZeRO-2 or -3,
+or plain DDP), keeps the frozen actor outside it, and runs the pure loss of
+:mod:`palimpsest.training.losses`: Stage I steps, then Stage II steps from the same weights.
+
+Checkpoints: every K steps each rank writes DeepSpeed's own checkpoint into a directory that
+``ray.train.report`` turns into a Ray Train checkpoint; a restarted worker group (FailureConfig) or a
+rerun of the same config resumes from the latest one. MLflow is written by rank 0 only (one run, kept
+across restarts): params, the resolved config, per-step metrics, and at the end the weights as a
+registered model tagged with the policy config it pairs with.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from palimpsest.platform.types import ConfigError, PalimpsestError
+from palimpsest.training.config import TrainConfig
+
+BUNDLE_WEIGHTS = "memory.pt"
+BUNDLE_META = "memory.json"
+
+
+@dataclass(frozen=True)
+class PreparedRun:
+    config: TrainConfig
+    actor_path: str
+    data_dir: str
+    storage: str
+    data_report: dict
+
+
+def resolve_actor(cfg: TrainConfig) -> Path:
+    if cfg.actor.path == "smollm2":
+        from palimpsest.models.assets import smollm2_dir
+
+        return smollm2_dir()
+    p = Path(cfg.actor.path).expanduser().resolve()
+    if not (p / "config.json").is_file():
+        raise ConfigError(f"actor path {p} holds no HF model (config.json missing)")
+    return p
+
+
+def prepare(cfg: TrainConfig) -> PreparedRun:
+    """Everything that can fail on bad input, on the driver: actor path, data, sizes."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from palimpsest.pipelines.remory_data import DataConfig, build_datasets
+
+    actor = resolve_actor(cfg)
+    hidden = AutoConfig.from_pretrained(str(actor)).hidden_size
+    if cfg.memory.d_model > 16 * hidden:
+        raise ConfigError(f"memory.d_model {cfg.memory.d_model} is out of proportion to the actor's {hidden}")
+    data = Path(cfg.data.file)
+    if not data.is_file():
+        raise ConfigError(f"training data not found: {data}")
+    storage = Path(cfg.storage).expanduser().resolve() / cfg.name
+    tok = AutoTokenizer.from_pretrained(str(actor))
+    d = cfg.data
+    report = build_datasets(data, tok, storage / "data", DataConfig(
+        max_history_tokens=d.max_history_tokens, max_target_tokens=d.max_target_tokens,
+        max_observation_chars=d.max_observation_chars, span_tokens=d.span_tokens, val_fraction=d.val_fraction))
+    if cfg.optim.stage2_steps and not report["counts"]["stage2"]["train"]:
+        raise ConfigError(f"{data}: no Stage II training sample (all boundaries fell in the validation split)")
+    if cfg.optim.stage1_steps and not report["counts"]["stage1"]["train"]:
+        raise ConfigError(f"{data}: no Stage I training sample")
+    return PreparedRun(cfg, str(actor), str(storage / "data"), str(storage), report)
+
+
+def ds_config(cfg: TrainConfig) -> dict[str, Any]:
+    o = cfg.optim
+    out: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": o.grad_clip,
+        "optimizer": {"type": "AdamW", "params": {"lr": o.lr, "weight_decay": o.weight_decay, "torch_adam": True}},
+        "zero_optimization": {"stage": cfg.distributed.zero_stage},
+        "steps_per_print": 1 << 30,
+    }
+    if cfg.actor.dtype == "bfloat16":
+        out["bf16"] = {"enabled": True}
+    return out
+
+
+def _load_rows(data_dir: str, stage: int, split: str = "train") -> list[dict]:
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(Path(data_dir) / f"stage{stage}.parquet").to_pylist()
+    return [r for r in rows if r["split"] == split]
+
+
+def _tensors(row: dict, stage: int) -> dict:
+    import torch
+
+    keys = ("span", "instruction") if stage == 1 else ("history", "summary", "bridge", "target")
+    return {k: torch.tensor(row[k], dtype=torch.long) for k in keys}
+
+
+def build_memory(cfg: TrainConfig, actor) -> "object":
+    from palimpsest.models.memory import MemoryConfig, MemoryNetwork
+
+    mcfg = MemoryConfig(d_actor=actor.hidden_size, **cfg.memory.model_dump())
+    return MemoryNetwork(mcfg, embed_norm=actor.embed_norm())
+
+
+def train_loop(loop_config: dict) -> None:
+    """One Ray Train worker. ``loop_config``: {"train": TrainConfig as dict, "actor_path", "data_dir", "mlflow"}."""
+    import deepspeed
+    import ray.train
+    import torch
+    import torch.distributed as dist
+
+    from palimpsest.models.actor import FrozenActor
+    from palimpsest.training.losses import stage1_loss, stage2_loss
+
+    cfg = TrainConfig.model_validate(loop_config["train"])
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    torch.manual_seed(cfg.optim.seed)  # identical initial weights on every rank
+    actor = FrozenActor.from_pretrained(loop_config["actor_path"], dtype=cfg.actor.dtype)
+    memnet = build_memory(cfg, actor)
+    if cfg.distributed.strategy == "deepspeed":
+        engine, *_ = deepspeed.initialize(model=memnet, model_parameters=list(memnet.parameters()), config=ds_config(cfg))
+        module = engine
+    else:  # plain DDP, for comparison
+        engine = None
+        module = torch.nn.parallel.DistributedDataParallel(memnet)
+        opt = torch.optim.AdamW(memnet.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
+
+    step = 0
+    ckpt = ray.train.get_checkpoint()
+    if ckpt:
+        with ckpt.as_directory() as d:
+            if engine is not None:
+                _, client = engine.load_checkpoint(d, tag="latest_step")
+            else:
+                state = torch.load(Path(d) / "ddp.pt", weights_only=True)
+                memnet.load_state_dict(state["model"])
+                opt.load_state_dict(state["optim"])
+                client = state
+            step = int(client["step"])
+    resumed_from = step
+
+    tracker = _RankZeroTracker(loop_config.get("mlflow"), rank)
+    tracker.start(cfg, resumed_at=step)
+    rows = {1: _load_rows(loop_config["data_dir"], 1), 2: _load_rows(loop_config["data_dir"], 2)}
+    total = cfg.optim.stage1_steps + cfg.optim.stage2_steps
+    fault = loop_config.get("fault") or {}
+    while step < total:
+        stage = 1 if step < cfg.optim.stage1_steps else 2
+        data = rows[stage]
+        row = data[(step * world + rank) % len(data)]  # curriculum order, each rank its own sample
+        sample = _tensors(row, stage)
+        t0 = time.perf_counter()
+        # Calls go through the wrapper (engine or DDP) so its gradient hooks and partitioning apply.
+        loss = stage1_loss(module, actor, sample) if stage == 1 else stage2_loss(module, actor, sample, cfg.optim.kl_decay)
+        if engine is not None:
+            engine.backward(loss)
+            engine.step()
+        else:
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(memnet.parameters(), cfg.optim.grad_clip)
+            opt.step()
+        step += 1
+        tokens = sum(int(v.numel()) for v in sample.values())
+        metrics = {"step": step, "stage": stage, "loss": float(loss.detach()), "resumed_from": resumed_from,
+                   "seconds": time.perf_counter() - t0,
+                   "tokens_per_s": tokens / max(time.perf_counter() - t0, 1e-9)}
+        if fault.get("rank") == rank and fault.get("step") == step and not Path(fault["marker"]).exists():
+            Path(fault["marker"]).write_text("killed once")  # fault injection for the resume test
+            os._exit(1)
+        tracker.step(metrics)
+        if step % cfg.optim.checkpoint_every == 0 or step == total:
+            with tempfile.TemporaryDirectory() as tmp:
+                if engine is not None:
+                    engine.save_checkpoint(tmp, tag="latest_step", client_state={"step": step})
+                elif rank == 0:
+                    torch.save({"model": memnet.state_dict(), "optim": opt.state_dict(), "step": step},
+                               Path(tmp) / "ddp.pt")
+                if step == total:
+                    _export_bundle(cfg, memnet, actor, Path(tmp), engine)
+                ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+        else:
+            ray.train.report(metrics)
+    tracker.finish()
+    if engine is not None:
+        engine.destroy()
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _export_bundle(cfg: TrainConfig, module, actor, out: Path, engine) -> None:
+    """Full weights + config for loading without DeepSpeed (gathered under ZeRO-3)."""
+    import torch
+
+    params = list(module.parameters())
+    if engine is not None and cfg.distributed.zero_stage == 3:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            state = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+    else:
+        state = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+    torch.save(state, out / BUNDLE_WEIGHTS)
+    meta = {"memory": {"d_actor": actor.hidden_size, **cfg.memory.model_dump()}, "embed_norm": actor.embed_norm(),
+            "actor": cfg.actor.model_dump(), "policy_config": cfg.tracking.policy_config, "name": cfg.name}
+    (out / BUNDLE_META).write_text(json.dumps(meta, indent=2))
+
+
+class _RankZeroTracker:
+    """MLflow from rank 0 only; every other rank (and a run without tracking) does nothing."""
+
+    def __init__(self, spec: dict | None, rank: int):
+        self.on = bool(spec) and rank == 0
+        self.spec = spec or {}
+
+    def start(self, cfg: TrainConfig, resumed_at: int) -> None:
+        if not self.on:
+            return
+        import mlflow
+
+        mlflow.set_tracking_uri(self.spec["uri"])
+        mlflow.start_run(run_id=self.spec["run_id"])
+        if resumed_at == 0:
+            mlflow.log_params({"name": cfg.name, "zero_stage": cfg.distributed.zero_stage,
+                               "strategy": cfg.distributed.strategy, "num_workers": cfg.distributed.num_workers,
+                               **{f"memory.{k}": v for k, v in cfg.memory.model_dump().items()},
+                               **{f"optim.{k}": v for k, v in cfg.optim.model_dump().items()}})
+            mlflow.log_dict(cfg.model_dump(mode="json"), "config.json")
+        else:
+            mlflow.set_tag("resumed_at_step", str(resumed_at))
+
+    def step(self, metrics: dict) -> None:
+        if self.on:
+            import mlflow
+
+            mlflow.log_metrics({k: float(v) for k, v in metrics.items() if k not in ("step", "resumed_from")},
+                               step=int(metrics["step"]))
+
+    def finish(self) -> None:
+        if self.on:
+            import mlflow
+
+            mlflow.end_run()
+
+
+def launch(cfg: TrainConfig, fault: dict | None = None, track: bool = True) -> dict:
+    """Prepare on the driver, train on Ray Train workers, register the result. Returns a summary."""
+    import ray
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    prep = prepare(cfg)
+    mlflow_spec, run_id = None, None
+    if track:
+        import mlflow
+
+        from palimpsest.pipelines.tracking import _experiment, tracking_uri
+
+        try:
+            mlflow.set_tracking_uri(tracking_uri())
+            exp = _experiment(mlflow, cfg.tracking.experiment)
+            run_id = mlflow.start_run(experiment_id=exp, run_name=cfg.name).info.run_id
+            mlflow.end_run()
+        except Exception as e:
+            raise PalimpsestError(f"MLflow tracking at {tracking_uri()} is not usable: {e}") from None
+        mlflow_spec = {"uri": tracking_uri(), "run_id": run_id}
+    if not ray.is_initialized():
+        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+    d = cfg.distributed
+    trainer = TorchTrainer(
+        train_loop,
+        train_loop_config={"train": cfg.model_dump(mode="json"), "actor_path": prep.actor_path,
+                           "data_dir": prep.data_dir, "mlflow": mlflow_spec, "fault": fault},
+        scaling_config=ScalingConfig(num_workers=d.num_workers, use_gpu=d.use_gpu,
+                                     resources_per_worker={"CPU": d.cpus_per_worker}),
+        torch_config=TorchConfig(backend="nccl" if d.use_gpu else "gloo"),
+        run_config=RunConfig(name=cfg.name, storage_path=prep.storage,
+                             checkpoint_config=CheckpointConfig(num_to_keep=2),
+                             failure_config=FailureConfig(max_failures=d.max_failures)),
+    )
+    t0 = time.perf_counter()
+    result = trainer.fit()
+    wall = time.perf_counter() - t0
+    if result.error:
+        raise PalimpsestError(f"training failed: {result.error}")
+    summary = {"name": cfg.name, "wall_s": round(wall, 1), "metrics": dict(result.metrics or {}),
+               "checkpoint": result.checkpoint.path if result.checkpoint else None, "data": prep.data_report["counts"],
+               "mlflow_run_id": run_id}
+    if track and result.checkpoint is not None:
+        summary["registered"] = register(cfg, result.checkpoint, run_id)
+    return summary
+
+
+def register(cfg: TrainConfig, checkpoint, run_id: str) -> str | None:
+    """Log the final bundle to the run and register it; returns 'models:/NAME/VERSION'."""
+    import mlflow
+
+    from palimpsest.pipelines.tracking import tracking_uri
+
+    mlflow.set_tracking_uri(tracking_uri())
+    with checkpoint.as_directory() as d, mlflow.start_run(run_id=run_id):
+        mlflow.log_artifacts(d, artifact_path="checkpoint")
+        if not cfg.tracking.register_as:
+            return None
+        model = load_bundle(Path(d))
+        info = mlflow.pytorch.log_model(model, name="memory", serialization_format="pickle", pip_requirements=[],
+                                        registered_model_name=cfg.tracking.register_as)
+    version = info.registered_model_version
+    client = mlflow.MlflowClient()
+    client.set_model_version_tag(cfg.tracking.register_as, str(version), "policy_config", cfg.tracking.policy_config)
+    return f"models:/{cfg.tracking.register_as}/{version}"
+
+
+def load_bundle(path: Path):
+    """A MemoryNetwork from an exported bundle (a checkpoint directory); refuses other architectures."""
+    import torch
+
+    from palimpsest.models.memory import MemoryConfig, MemoryNetwork
+
+    meta_file, weights = path / BUNDLE_META, path / BUNDLE_WEIGHTS
+    if not meta_file.is_file() or not weights.is_file():
+        raise ConfigError(f"{path} holds no memory bundle ({BUNDLE_META} and {BUNDLE_WEIGHTS} expected)")
+    meta = json.loads(meta_file.read_text())
+    try:
+        net = MemoryNetwork(MemoryConfig(**meta["memory"]), embed_norm=meta["embed_norm"])
+        net.load_state_dict(torch.load(weights, weights_only=True), strict=True)
+    except (TypeError, ValueError, RuntimeError, KeyError) as e:
+        raise ConfigError(f"{path}: the checkpoint does not match a memory network of its config: {e}") from None
+    return net.eval()
