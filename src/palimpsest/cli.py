@@ -279,6 +279,52 @@ def train(config: Path = typer.Option(..., "--config", help="configs/train/<name
     out.print(_json.dumps(summary, indent=2, default=str), markup=False, highlight=False)
 
 
+@app.command("eval-memory")
+def eval_memory(
+    model: str = typer.Option(..., "--model", help="models:/palimpsest-memory/latest, a runs:/ URI, or a checkpoint dir"),
+    data: Path = typer.Option(..., "--data", help="trajectories (JSONL); its Stage II boundaries are evaluated"),
+    max_boundaries: Optional[int] = typer.Option(None, "--max-boundaries", help="a deterministic sample of N"),
+    actor: Optional[str] = typer.Option(None, "--actor", help="actor folder or 'smollm2' (default: the model's own)"),
+    split: str = typer.Option("all", "--split", help="all, or val: only trajectories a training run held out"),
+    max_history_tokens: int = typer.Option(2048, "--max-history-tokens"),
+    max_observation_chars: int = typer.Option(800, "--max-observation-chars"),
+    max_target_tokens: int = typer.Option(48, "--max-target-tokens"),
+    as_json: bool = typer.Option(False, "--json", help="print the result JSON to stdout and nothing else"),
+) -> None:
+    """KL to the teacher and top-1 agreement for summary, summary + equal-budget text, summary + memory."""
+    import json as _json
+
+    from palimpsest.models.actor import FrozenActor
+    from palimpsest.models.encoder import BUNDLE_META, load_memory
+    from palimpsest.training.evaluate import boundaries_from_file, evaluate
+
+    if split not in ("all", "val"):
+        raise PalimpsestError(f"--split must be all or val, got {split!r}")
+    if max_boundaries is not None and max_boundaries < 1:
+        raise PalimpsestError("--max-boundaries must be >= 1")
+    if not data.is_file():
+        raise PalimpsestError(f"trajectory file not found: {data}")
+    net = load_memory(model)
+    if actor is None and Path(model, BUNDLE_META).is_file():
+        actor = _json.loads(Path(model, BUNDLE_META).read_text())["actor"]["path"]
+    actor = actor or "smollm2"
+    if actor == "smollm2":
+        from palimpsest.models.assets import smollm2_dir
+
+        actor = str(smollm2_dir())
+    act = FrozenActor.from_pretrained(actor)
+    if act.tokenizer is None:
+        raise PalimpsestError(f"the actor at {actor} has no tokenizer.json")
+    rows = boundaries_from_file(data, act.tokenizer, max_history_tokens, max_observation_chars, max_target_tokens, split)
+    if not rows:
+        raise PalimpsestError(f"{data}: no Stage II boundary within {max_history_tokens} tokens ({split} split)")
+    result = evaluate(net, act, rows, max_boundaries)
+    if as_json:
+        sys.stdout.write(_json.dumps(result) + "\n")
+    else:
+        out.print(_json.dumps(result, indent=2), markup=False, highlight=False)
+
+
 models_app = typer.Typer(help="Offline model assets.", no_args_is_help=True)
 app.add_typer(models_app, name="models")
 

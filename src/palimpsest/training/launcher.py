@@ -23,11 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from palimpsest.models.encoder import BUNDLE_META, BUNDLE_WEIGHTS, load_bundle
 from palimpsest.platform.types import ConfigError, PalimpsestError
 from palimpsest.training.config import TrainConfig
 
-BUNDLE_WEIGHTS = "memory.pt"
-BUNDLE_META = "memory.json"
+__all__ = ["launch", "load_bundle", "prepare", "register", "train_loop"]
 
 
 @dataclass(frozen=True)
@@ -275,6 +275,8 @@ def launch(cfg: TrainConfig, fault: dict | None = None, track: bool = True) -> d
         except Exception as e:
             raise PalimpsestError(f"MLflow tracking at {tracking_uri()} is not usable: {e}") from None
         mlflow_spec = {"uri": tracking_uri(), "run_id": run_id}
+    if os.environ.get("RAY_TMPDIR"):
+        Path(os.environ["RAY_TMPDIR"]).mkdir(parents=True, exist_ok=True)
     if not ray.is_initialized():
         ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
     d = cfg.distributed
@@ -319,22 +321,5 @@ def register(cfg: TrainConfig, checkpoint, run_id: str) -> str | None:
     version = info.registered_model_version
     client = mlflow.MlflowClient()
     client.set_model_version_tag(cfg.tracking.register_as, str(version), "policy_config", cfg.tracking.policy_config)
+    client.set_model_version_tag(cfg.tracking.register_as, str(version), "actor", cfg.actor.path)
     return f"models:/{cfg.tracking.register_as}/{version}"
-
-
-def load_bundle(path: Path):
-    """A MemoryNetwork from an exported bundle (a checkpoint directory); refuses other architectures."""
-    import torch
-
-    from palimpsest.models.memory import MemoryConfig, MemoryNetwork
-
-    meta_file, weights = path / BUNDLE_META, path / BUNDLE_WEIGHTS
-    if not meta_file.is_file() or not weights.is_file():
-        raise ConfigError(f"{path} holds no memory bundle ({BUNDLE_META} and {BUNDLE_WEIGHTS} expected)")
-    meta = json.loads(meta_file.read_text())
-    try:
-        net = MemoryNetwork(MemoryConfig(**meta["memory"]), embed_norm=meta["embed_norm"])
-        net.load_state_dict(torch.load(weights, weights_only=True), strict=True)
-    except (TypeError, ValueError, RuntimeError, KeyError) as e:
-        raise ConfigError(f"{path}: the checkpoint does not match a memory network of its config: {e}") from None
-    return net.eval()

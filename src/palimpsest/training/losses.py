@@ -64,11 +64,18 @@ def stage1_loss(memnet: MemoryNetwork, actor: FrozenActor, sample: StageISample)
 
 
 @torch.no_grad()
+def teacher_pass(actor: FrozenActor, sample: StageIISample, layer: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward over [history; target]: the history's hidden states (H, d) at ``layer`` (what the
+    memory reads; causal, so the target does not change them) and the teacher's logits (R, V)."""
+    hist, target = sample["history"], sample["target"]
+    out = actor.model(input_ids=torch.cat([hist, target])[None], output_hidden_states=True, use_cache=False)
+    h = hist.shape[0]
+    return out.hidden_states[layer][0, :h], out.logits[0, h - 1: h - 1 + target.shape[0]]
+
+
 def teacher_logits(actor: FrozenActor, sample: StageIISample) -> torch.Tensor:
     """(R, V) the teacher's logits on the target tokens, seeing the whole history."""
-    hist, target = sample["history"], sample["target"]
-    logits = actor(input_ids=torch.cat([hist, target])[None])[0]
-    return logits[hist.shape[0] - 1: hist.shape[0] - 1 + target.shape[0]]
+    return teacher_pass(actor, sample)[1]
 
 
 def student_logits(actor: FrozenActor, prefix_embeds: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -78,15 +85,16 @@ def student_logits(actor: FrozenActor, prefix_embeds: torch.Tensor, target: torc
     return logits[prefix_embeds.shape[0] - 1: prefix_embeds.shape[0] - 1 + target.shape[0]]
 
 
-def stage2_loss(memnet: MemoryNetwork, actor: FrozenActor, sample: StageIISample, decay: float = 0.05,
-                teacher: torch.Tensor | None = None) -> torch.Tensor:
-    """Reverse KL of the student [summary; memory] against the teacher [history]; ``teacher`` may be
-    precomputed logits (R, V) so a dataset pays the teacher pass once."""
-    mem = memory_of(memnet, actor, sample["history"], sample["summary"])
+def stage2_loss(memnet: MemoryNetwork, actor: FrozenActor, sample: StageIISample, decay: float = 0.05) -> torch.Tensor:
+    """Reverse KL of the student [summary; memory; bridge] against the teacher [history]. One actor pass
+    gives both the teacher's logits and the history features the memory reads."""
+    cfg = memnet.module.cfg if hasattr(memnet, "module") else memnet.cfg
+    feats, p = teacher_pass(actor, sample, cfg.feature_layer)
+    summary = sample["summary"]
+    mem = memnet(feats, actor.embed(summary) if summary.numel() else None)
     parts = [actor.embed(sample["summary"]), mem]  # the memory sits right after the summary
     if sample.get("bridge") is not None and sample["bridge"].numel():
         parts.append(actor.embed(sample["bridge"]))
     prefix = torch.cat(parts)  # (S + M + G, d)
     q = student_logits(actor, prefix, sample["target"])
-    p = teacher if teacher is not None else teacher_logits(actor, sample)
     return reverse_kl(q, p, position_weights(sample["target"].shape[0], decay, q.device))
