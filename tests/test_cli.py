@@ -131,3 +131,20 @@ def test_replay_bad_input(tmp_path, data, args, message):
     flat = [x for kv in base.items() for x in kv]
     r = cli("replay", *flat, "--no-mlflow", cwd=tmp_path)
     assert r.returncode == 2 and message in r.stderr
+
+
+@pytest.mark.parametrize("body,message", [
+    ("name: x\ndata: {file: d.jsonl}\nmemory: {queries: 64, block_size: 32}\n", "queries (64) must not exceed block_size (32)"),
+    ("name: x\ndata: {file: d.jsonl}\noptim: {surprise: 1}\n", "optim.surprise: Extra inputs are not permitted"),
+    ("name: x\nactor: {path: /nonexistent}\ndata: {file: d.jsonl}\n", "holds no HF model"),
+    ("- not a mapping\n", "a training config is a mapping"),
+])
+def test_train_refuses_bad_configs_before_any_worker(tmp_path, body, message):
+    (tmp_path / "c.yaml").write_text(body)
+    r = cli("train", "--config", "c.yaml", "--no-mlflow", cwd=tmp_path)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_eval_memory_refuses_what_is_not_a_model(tmp_path, data):
+    r = cli("eval-memory", "--model", "not-a-model", "--data", str(data), cwd=tmp_path)
+    assert r.returncode == 2 and "neither a checkpoint directory nor an MLflow model URI" in r.stderr

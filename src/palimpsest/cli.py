@@ -26,7 +26,7 @@ from rich.table import Table
 from palimpsest.platform import Ledger, Runtime
 from palimpsest.platform.compiler import validate_budget
 from palimpsest.platform.policies import default_configs, load_policy_file, parse_policy_config
-from palimpsest.platform.types import PalimpsestError, Resolution
+from palimpsest.platform.types import PalimpsestError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, help="Palimpsest: compress the view, never the source.")
 out = Console()

@@ -70,3 +70,12 @@ def test_actor_takes_exactly_one_of_ids_or_embeds_and_stays_frozen():
     assert torch.allclose(actor(input_ids=ids), actor(inputs_embeds=actor.embed(ids)), atol=1e-5)
     actor.train()
     assert not actor.model.training and not any(p.requires_grad for p in actor.parameters())
+
+
+def test_every_parameter_gets_a_gradient_whatever_branch_runs():
+    # data-parallel gradient reduction needs the same parameters on every rank
+    m = net()
+    for feats, summary in ((torch.randn(10, 64), None), (torch.randn(64, 64), torch.randn(3, 64))):
+        m.zero_grad(set_to_none=True)
+        m(feats, summary).sum().backward()
+        assert all(p.grad is not None for p in m.parameters())

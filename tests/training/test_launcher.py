@@ -1,7 +1,6 @@
 """Ray Train + DeepSpeed on 2 CPU workers with a tiny actor: training, a killed worker, resume, registry."""
 
 import json
-import os
 from pathlib import Path
 
 import pytest

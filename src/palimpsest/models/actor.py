@@ -60,11 +60,14 @@ class FrozenActor(nn.Module):
         """Mean L2 norm of the token embedding table: the scale soft tokens are given."""
         return float(self.model.get_input_embeddings().weight.detach().float().norm(dim=-1).mean())
 
-    def forward(self, input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (N, T, V) from exactly one of ``input_ids`` (N, T) or ``inputs_embeds`` (N, T, d)."""
+    def forward(self, input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
+                last: int = 0) -> torch.Tensor:
+        """Logits (N, T, V) from exactly one of ``input_ids`` (N, T) or ``inputs_embeds`` (N, T, d).
+        ``last`` > 0 computes only the last ``last`` positions' logits (a full-vocabulary row per
+        position is the largest tensor of a long sequence: 49,152 floats for SmolLM2)."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("give exactly one of input_ids or inputs_embeds")
-        return self.model(input_ids=input_ids, inputs_embeds=inputs_embeds, use_cache=False).logits
+        return self.model(input_ids=input_ids, inputs_embeds=inputs_embeds, use_cache=False, logits_to_keep=last).logits
 
     @torch.no_grad()
     def hidden_states(self, ids: torch.Tensor, layer: int = -1) -> torch.Tensor:

@@ -140,11 +140,20 @@ class MemoryNetwork(nn.Module):
             raise ValueError("the history is empty: there is nothing to remember")
         x = self.in_proj(features.to(self.in_proj.weight.dtype))  # (T, d)
         mem = self._resample(x, self.queries)  # (ceil(T/B)*Q, d)
+        merged = False
         while mem.shape[0] > self.cfg.max_slots:  # hierarchical merge, order preserved
             mem = self._resample(mem, self.merge_queries)
+            merged = True
+        has_summary = summary is not None and summary.shape[0] > 0
         mem = self.summary_attn(mem[None], summary)[0]  # (S, d)
         out = self.out_proj(self.out_norm(mem))  # (S, d_actor)
-        return out * (self.embed_norm / out.norm(dim=-1, keepdim=True).clamp(min=1e-6))
+        out = out * (self.embed_norm / out.norm(dim=-1, keepdim=True).clamp(min=1e-6))
+        # Data-parallel ranks reduce the gradients of the same parameters in the same buckets: a branch
+        # one rank skipped (no merge, no summary) must still join the graph, with a zero contribution.
+        unused = ([] if merged else [self.merge_queries]) + ([] if has_summary else list(self.summary_attn.parameters()))
+        if unused and torch.is_grad_enabled():
+            out = out + 0.0 * sum(p.sum() for p in unused)
+        return out
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad)

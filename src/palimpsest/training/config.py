@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from palimpsest.platform.config import problems, read_yaml
 from palimpsest.platform.types import ConfigError
 
 
@@ -87,14 +87,7 @@ class TrainConfig(_Strict):
 
 
 def load_train_config(path: str | Path) -> TrainConfig:
-    p = Path(path)
-    try:
-        data = yaml.safe_load(p.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"training config not found: {p}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{p} is not valid YAML: {e}") from None
-    return parse_train_config(data, where=str(p))
+    return parse_train_config(read_yaml(path, "training config"), where=str(path))
 
 
 def parse_train_config(data, where: str = "config") -> TrainConfig:
@@ -103,5 +96,4 @@ def parse_train_config(data, where: str = "config") -> TrainConfig:
     try:
         return TrainConfig.model_validate(data)
     except ValidationError as e:
-        problems = "; ".join(f"{'.'.join(str(x) for x in err['loc']) or 'config'}: {err['msg']}" for err in e.errors())
-        raise ConfigError(f"{where}: invalid training config: {problems}") from None
+        raise ConfigError(f"{where}: invalid training config: {problems(e)}") from None

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import tempfile
 import time
 from dataclasses import dataclass
@@ -174,7 +175,7 @@ def train_loop(loop_config: dict) -> None:
         step += 1
         tokens = sum(int(v.numel()) for v in sample.values())
         metrics = {"step": step, "stage": stage, "loss": float(loss.detach()), "resumed_from": resumed_from,
-                   "seconds": time.perf_counter() - t0,
+                   "seconds": time.perf_counter() - t0, "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                    "tokens_per_s": tokens / max(time.perf_counter() - t0, 1e-9)}
         if fault.get("rank") == rank and fault.get("step") == step and not Path(fault["marker"]).exists():
             Path(fault["marker"]).write_text("killed once")  # fault injection for the resume test

@@ -58,9 +58,9 @@ def stage1_loss(memnet: MemoryNetwork, actor: FrozenActor, sample: StageISample)
     span, instr = sample["span"], sample["instruction"]
     mem = memory_of(memnet, actor, span)  # (M, d)
     embeds = torch.cat([mem, actor.embed(instr), actor.embed(span)])[None]  # (1, M + I + T, d)
-    logits = actor(inputs_embeds=embeds)[0]  # (M + I + T, V)
-    start = mem.shape[0] + instr.shape[0] - 1  # the position that predicts span[0]
-    return F.cross_entropy(logits[start: start + span.shape[0]].float(), span)
+    t = span.shape[0]
+    logits = actor(inputs_embeds=embeds, last=t + 1)[0, :t]  # (T, V): the positions that predict the span
+    return F.cross_entropy(logits.float(), span)
 
 
 @torch.no_grad()
@@ -68,9 +68,10 @@ def teacher_pass(actor: FrozenActor, sample: StageIISample, layer: int = -1) -> 
     """One forward over [history; target]: the history's hidden states (H, d) at ``layer`` (what the
     memory reads; causal, so the target does not change them) and the teacher's logits (R, V)."""
     hist, target = sample["history"], sample["target"]
-    out = actor.model(input_ids=torch.cat([hist, target])[None], output_hidden_states=True, use_cache=False)
-    h = hist.shape[0]
-    return out.hidden_states[layer][0, :h], out.logits[0, h - 1: h - 1 + target.shape[0]]
+    r = target.shape[0]
+    out = actor.model(input_ids=torch.cat([hist, target])[None], output_hidden_states=True, use_cache=False,
+                      logits_to_keep=r + 1)  # only the positions that predict the target (+ the last one)
+    return out.hidden_states[layer][0, : hist.shape[0]], out.logits[0, :r]
 
 
 def teacher_logits(actor: FrozenActor, sample: StageIISample) -> torch.Tensor:
@@ -81,8 +82,8 @@ def teacher_logits(actor: FrozenActor, sample: StageIISample) -> torch.Tensor:
 def student_logits(actor: FrozenActor, prefix_embeds: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """(R, V) logits on the target tokens for any student input ``prefix_embeds`` (P, d)."""
     embeds = torch.cat([prefix_embeds, actor.embed(target)])[None]
-    logits = actor(inputs_embeds=embeds)[0]
-    return logits[prefix_embeds.shape[0] - 1: prefix_embeds.shape[0] - 1 + target.shape[0]]
+    r = target.shape[0]
+    return actor(inputs_embeds=embeds, last=r + 1)[0, :r]
 
 
 def stage2_loss(memnet: MemoryNetwork, actor: FrozenActor, sample: StageIISample, decay: float = 0.05) -> torch.Tensor:

@@ -9,9 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Union
 
-import yaml
 from pydantic import Field, TypeAdapter, ValidationError
 
+from palimpsest.platform.config import problems, read_yaml
 from palimpsest.platform.policies.ace import AceConfig, AcePolicy, ElasticDecision, Elasticizer, RuleElasticizer
 from palimpsest.platform.policies.base import ContextPolicy, PolicyConfigBase, PolicyDeps
 from palimpsest.platform.policies.full import FullConfig
@@ -43,18 +43,12 @@ def parse_policy_config(data: Any) -> PolicyConfigBase:
     try:
         return _ADAPTER.validate_python(data)
     except ValidationError as e:
-        problems = "; ".join(f"{'.'.join(str(x) for x in err['loc'][1:]) or 'config'}: {err['msg']}" for err in e.errors())
-        raise ConfigError(f"invalid {kind} policy config: {problems}") from None
+        raise ConfigError(f"invalid {kind} policy config: {problems(e, skip=1)}") from None
 
 
 def load_policy_file(path: str | Path) -> PolicyConfigBase:
     p = Path(path)
-    try:
-        data = yaml.safe_load(p.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"policy config not found: {p}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{p} is not valid YAML: {e}") from None
+    data = read_yaml(p, "policy config")
     try:
         return parse_policy_config(data)
     except ConfigError as e:

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict
 
 from palimpsest.platform.embedding import Embedder, HashingEmbedder
 from palimpsest.platform.tokens import ApproxTokenizer, Tokenizer
-from palimpsest.platform.types import Fold, RenderPlan, Resolution
+from palimpsest.platform.types import ConfigError, Fold, RenderPlan, Resolution
 
 if TYPE_CHECKING:
     from palimpsest.platform.ledger import SessionSnapshot
@@ -81,6 +81,24 @@ def new_plan(policy: str, config_hash: str, snap: "SessionSnapshot", resolution:
         reason_code=reason_code.astype(np.int16), reasons=reasons.items, pinned=pinned, fold=fold,
         new_fold=new_fold, fold_ranges=fold_ranges, info=info or {},
     )
+
+
+def scored_plan_start(snap: "SessionSnapshot", recent: int, embedder, policy: str
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray, Reasons, np.ndarray]:
+    """Columns of a plan that scores old steps by their keys: every step a placeholder until scored,
+    the last ``recent`` steps full and degraded last. Returns (res, score, codes, reasons, recent idx)."""
+    m = snap.t
+    if m and snap.key_model != embedder.name:
+        raise ConfigError(f"{policy} needs keys of {embedder.name!r}; the snapshot holds {snap.key_model!r}")
+    reasons = Reasons()
+    res = np.full(m, Resolution.PLACEHOLDER, dtype=np.int8)
+    score = np.zeros(m, dtype=np.float64)
+    codes = np.full(m, reasons("no key yet: placeholder"), dtype=np.int16)
+    idx = np.arange(max(0, m - recent), m)
+    res[idx] = Resolution.FULL
+    score[idx] = 1e9 + idx  # degraded last, oldest of them first
+    codes[idx] = reasons(f"one of the last {recent} steps")
+    return res, score, codes, reasons, idx
 
 
 def recency(m: int) -> np.ndarray:

@@ -24,12 +24,12 @@ from pydantic import Field, model_validator
 from palimpsest.platform.policies.base import (
     PolicyConfigBase,
     PolicyDeps,
-    Reasons,
     fallback_missing,
     new_plan,
+    scored_plan_start,
 )
 from palimpsest.platform.render import key_text
-from palimpsest.platform.types import ConfigError, RenderPlan, Resolution
+from palimpsest.platform.types import RenderPlan, Resolution
 
 if TYPE_CHECKING:
     from palimpsest.platform.ledger import SessionSnapshot
@@ -91,17 +91,7 @@ class PacePolicy:
 
     def plan(self, snap: "SessionSnapshot", budget: int) -> RenderPlan:
         m, n = snap.t, self.cfg.recent
-        if m and snap.key_model != self.deps.embedder.name:
-            raise ConfigError(f"pace needs keys of {self.deps.embedder.name!r}; the snapshot holds {snap.key_model!r}")
-        reasons = Reasons()
-        res = np.full(m, Resolution.PLACEHOLDER, dtype=np.int8)
-        score = np.zeros(m, dtype=np.float64)
-        codes = np.full(m, reasons("no key yet: placeholder"), dtype=np.int16)
-
-        recent = np.arange(max(0, m - n), m)
-        res[recent] = Resolution.FULL
-        score[recent] = 1e9 + recent  # degraded last, oldest of them first
-        codes[recent] = reasons(f"one of the last {n} steps")
+        res, score, codes, reasons, _ = scored_plan_start(snap, n, self.deps.embedder, self.name)
 
         p = self.pressure(snap, budget)
         alpha, beta, gamma = self.thresholds(p)

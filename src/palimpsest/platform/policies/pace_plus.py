@@ -28,9 +28,15 @@ import numpy as np
 from pydantic import Field, field_validator
 
 from palimpsest.platform.abstraction import extract_salient
-from palimpsest.platform.policies.base import PolicyConfigBase, PolicyDeps, Reasons, fallback_missing, new_plan
+from palimpsest.platform.policies.base import (
+    PolicyConfigBase,
+    PolicyDeps,
+    fallback_missing,
+    new_plan,
+    scored_plan_start,
+)
 from palimpsest.platform.render import key_text
-from palimpsest.platform.types import ConfigError, RenderPlan, Resolution
+from palimpsest.platform.types import RenderPlan, Resolution
 
 if TYPE_CHECKING:
     from palimpsest.platform.ledger import SessionSnapshot
@@ -149,16 +155,7 @@ class PacePlusPolicy:
 
     def plan(self, snap: "SessionSnapshot", budget: int) -> RenderPlan:
         m, n = snap.t, self.cfg.recent
-        if m and snap.key_model != self.deps.embedder.name:
-            raise ConfigError(f"pace_plus needs keys of {self.deps.embedder.name!r}; the snapshot holds {snap.key_model!r}")
-        reasons = Reasons()
-        res = np.full(m, Resolution.PLACEHOLDER, dtype=np.int8)
-        score = np.zeros(m, dtype=np.float64)
-        codes = np.full(m, reasons("no key yet: placeholder"), dtype=np.int16)
-        recent = np.arange(max(0, m - n), m)
-        res[recent] = Resolution.FULL
-        score[recent] = 1e9 + recent
-        codes[recent] = reasons(f"one of the last {n} steps")
+        res, score, codes, reasons, recent = scored_plan_start(snap, n, self.deps.embedder, self.name)
         old = np.flatnonzero(snap.has_key[: max(0, m - n)])
         capacity = self.cfg.fill * budget - snap.prefix_tokens - float(snap.tokens[recent, Resolution.FULL].sum())
         if old.size:
