@@ -286,6 +286,7 @@ def eval_memory(
     max_boundaries: Optional[int] = typer.Option(None, "--max-boundaries", help="a deterministic sample of N"),
     actor: Optional[str] = typer.Option(None, "--actor", help="actor folder or 'smollm2' (default: the model's own)"),
     split: str = typer.Option("all", "--split", help="all, or val: only trajectories a training run held out"),
+    val_fraction: float = typer.Option(0.2, "--val-fraction", help="the training config's data.val_fraction"),
     max_history_tokens: int = typer.Option(2048, "--max-history-tokens"),
     max_observation_chars: int = typer.Option(800, "--max-observation-chars"),
     max_target_tokens: int = typer.Option(48, "--max-target-tokens"),
@@ -315,7 +316,8 @@ def eval_memory(
     act = FrozenActor.from_pretrained(actor)
     if act.tokenizer is None:
         raise PalimpsestError(f"the actor at {actor} has no tokenizer.json")
-    rows = boundaries_from_file(data, act.tokenizer, max_history_tokens, max_observation_chars, max_target_tokens, split)
+    rows = boundaries_from_file(data, act.tokenizer, max_history_tokens, max_observation_chars, max_target_tokens, split,
+                                val_fraction)
     if not rows:
         raise PalimpsestError(f"{data}: no Stage II boundary within {max_history_tokens} tokens ({split} split)")
     result = evaluate(net, act, rows, max_boundaries)
