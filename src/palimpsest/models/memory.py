@@ -86,10 +86,17 @@ class GatedSummaryAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, summary: torch.Tensor | None) -> torch.Tensor:
         # q: (1, S, d); summary: (T_s, d_actor) token embeddings of the summary
-        if summary is None or summary.shape[0] == 0:
-            return q
+        present = summary is not None and summary.shape[0] > 0
+        if not present:
+            if not torch.is_grad_enabled():
+                return q
+            # No summary: run the same modules on one zero token and add nothing. Every rank then uses
+            # the same parameters in the same order, which ZeRO-3's gathering and data-parallel gradient
+            # reduction require (a rank that skipped this branch would send differently sized buckets).
+            summary = q.new_zeros(1, self.proj.in_features)
         kv = self.norm_kv(self.proj(summary.to(q.dtype)))[None]  # (1, T_s, d)
-        return q + torch.tanh(self.gate) * self.attn(self.norm_q(q), kv, kv, need_weights=False)[0]
+        read = torch.tanh(self.gate) * self.attn(self.norm_q(q), kv, kv, need_weights=False)[0]
+        return q + (read if present else 0.0 * read)
 
 
 class MemoryNetwork(nn.Module):
@@ -144,15 +151,14 @@ class MemoryNetwork(nn.Module):
         while mem.shape[0] > self.cfg.max_slots:  # hierarchical merge, order preserved
             mem = self._resample(mem, self.merge_queries)
             merged = True
-        has_summary = summary is not None and summary.shape[0] > 0
         mem = self.summary_attn(mem[None], summary)[0]  # (S, d)
         out = self.out_proj(self.out_norm(mem))  # (S, d_actor)
         out = out * (self.embed_norm / out.norm(dim=-1, keepdim=True).clamp(min=1e-6))
         # Data-parallel ranks reduce the gradients of the same parameters in the same buckets: a branch
-        # one rank skipped (no merge, no summary) must still join the graph, with a zero contribution.
-        unused = ([] if merged else [self.merge_queries]) + ([] if has_summary else list(self.summary_attn.parameters()))
-        if unused and torch.is_grad_enabled():
-            out = out + 0.0 * sum(p.sum() for p in unused)
+        # one rank skipped (no merge here, no summary in GatedSummaryAttention) still joins the graph,
+        # with a zero contribution.
+        if not merged and torch.is_grad_enabled():
+            out = out + 0.0 * self.merge_queries.sum()
         return out
 
     def num_parameters(self) -> int:
