@@ -79,3 +79,10 @@ def test_every_parameter_gets_a_gradient_whatever_branch_runs():
         m.zero_grad(set_to_none=True)
         m(feats, summary).sum().backward()
         assert all(p.grad is not None for p in m.parameters())
+
+
+def test_idle_merge_passes_change_nothing():
+    m = net()
+    feats = torch.randn(20, 64)  # 2 blocks -> 8 slots: no merge needed
+    assert m.merge_passes(20) == 0 and m.merge_passes(64) == 1
+    assert torch.allclose(m(feats, None, min_passes=2), m(feats), atol=1e-6)

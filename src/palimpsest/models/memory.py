@@ -138,28 +138,44 @@ class MemoryNetwork(nn.Module):
             n = math.ceil(n / B) * Q
         return n
 
-    def forward(self, features: torch.Tensor, summary: torch.Tensor | None = None) -> torch.Tensor:
+    def merge_passes(self, positions: int) -> int:
+        """How many hierarchical merges a history of ``positions`` source positions needs."""
+        B, Q, m = self.cfg.block_size, self.cfg.queries, self.cfg.max_slots
+        n, passes = math.ceil(max(positions, 1) / B) * Q, 0
+        while n > m:
+            n, passes = math.ceil(n / B) * Q, passes + 1
+        return passes
+
+    def forward(self, features: torch.Tensor, summary: torch.Tensor | None = None, min_passes: int = 0) -> torch.Tensor:
         """features: (T, d_actor) actor hidden states of the history; summary: (T_s, d_actor) token
-        embeddings of the summary, or None. Returns the soft span (S, d_actor), S = slots_for(T)."""
+        embeddings of the summary, or None. Returns the soft span (S, d_actor), S = slots_for(T).
+
+        ``min_passes``: run at least this many merge passes, the extra ones on a dummy block with a
+        zero contribution. Data-parallel training sets it to the largest count of any rank this step,
+        because ZeRO-3 gathers a module's weights with a collective at every call: all ranks must call
+        the same modules the same number of times."""
         if features.dim() != 2 or features.shape[-1] != self.cfg.d_actor:
             raise ValueError(f"expected features of shape (T, {self.cfg.d_actor}), got {tuple(features.shape)}")
         if features.shape[0] == 0:
             raise ValueError("the history is empty: there is nothing to remember")
         x = self.in_proj(features.to(self.in_proj.weight.dtype))  # (T, d)
         mem = self._resample(x, self.queries)  # (ceil(T/B)*Q, d)
-        merged = False
+        passes = 0
         while mem.shape[0] > self.cfg.max_slots:  # hierarchical merge, order preserved
             mem = self._resample(mem, self.merge_queries)
-            merged = True
+            passes += 1
+        idle = mem.new_zeros(())
+        for _ in range(passes, min_passes):  # keep collective calls in step across ranks (see above)
+            idle = idle + 0.0 * self._resample(mem[:1], self.merge_queries).sum()
         mem = self.summary_attn(mem[None], summary)[0]  # (S, d)
         out = self.out_proj(self.out_norm(mem))  # (S, d_actor)
         out = out * (self.embed_norm / out.norm(dim=-1, keepdim=True).clamp(min=1e-6))
         # Data-parallel ranks reduce the gradients of the same parameters in the same buckets: a branch
         # one rank skipped (no merge here, no summary in GatedSummaryAttention) still joins the graph,
         # with a zero contribution.
-        if not merged and torch.is_grad_enabled():
+        if not passes and torch.is_grad_enabled():
             out = out + 0.0 * self.merge_queries.sum()
-        return out
+        return out + idle
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad)

@@ -162,8 +162,14 @@ def train_loop(loop_config: dict) -> None:
         row = data[(step * world + rank) % len(data)]  # curriculum order, each rank its own sample
         sample = _tensors(row, stage)
         t0 = time.perf_counter()
+        # Every rank runs as many merge passes as the rank that needs most (ZeRO-3 gathers per call).
+        src = sample["span"] if stage == 1 else sample["history"]
+        passes = torch.tensor(memnet.merge_passes(int(src.numel())))
+        if dist.is_initialized():
+            dist.all_reduce(passes, op=dist.ReduceOp.MAX)
         # Calls go through the wrapper (engine or DDP) so its gradient hooks and partitioning apply.
-        loss = stage1_loss(module, actor, sample) if stage == 1 else stage2_loss(module, actor, sample, cfg.optim.kl_decay)
+        loss = (stage1_loss(module, actor, sample, int(passes)) if stage == 1
+                else stage2_loss(module, actor, sample, cfg.optim.kl_decay, int(passes)))
         if engine is not None:
             engine.backward(loss)
             engine.step()

@@ -46,17 +46,17 @@ def reverse_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, weigh
 
 
 def memory_of(memnet: MemoryNetwork, actor: FrozenActor, history: torch.Tensor,
-              summary: torch.Tensor | None = None) -> torch.Tensor:
+              summary: torch.Tensor | None = None, min_passes: int = 0) -> torch.Tensor:
     """The soft span (M, d) for a history (ids), optionally reading the summary's embeddings.
     ``memnet`` may be wrapped (a DeepSpeed engine or DDP): calling the wrapper keeps its hooks."""
     cfg = memnet.module.cfg if hasattr(memnet, "module") else memnet.cfg
     feats = actor.hidden_states(history, cfg.feature_layer)  # (H, d), no grad: the actor is frozen
-    return memnet(feats, actor.embed(summary) if summary is not None and summary.numel() else None)
+    return memnet(feats, actor.embed(summary) if summary is not None and summary.numel() else None, min_passes)
 
 
-def stage1_loss(memnet: MemoryNetwork, actor: FrozenActor, sample: StageISample) -> torch.Tensor:
+def stage1_loss(memnet: MemoryNetwork, actor: FrozenActor, sample: StageISample, min_passes: int = 0) -> torch.Tensor:
     span, instr = sample["span"], sample["instruction"]
-    mem = memory_of(memnet, actor, span)  # (M, d)
+    mem = memory_of(memnet, actor, span, None, min_passes)  # (M, d)
     embeds = torch.cat([mem, actor.embed(instr), actor.embed(span)])[None]  # (1, M + I + T, d)
     t = span.shape[0]
     logits = actor(inputs_embeds=embeds, last=t + 1)[0, :t]  # (T, V): the positions that predict the span
@@ -86,13 +86,14 @@ def student_logits(actor: FrozenActor, prefix_embeds: torch.Tensor, target: torc
     return actor(inputs_embeds=embeds, last=r + 1)[0, :r]
 
 
-def stage2_loss(memnet: MemoryNetwork, actor: FrozenActor, sample: StageIISample, decay: float = 0.05) -> torch.Tensor:
+def stage2_loss(memnet: MemoryNetwork, actor: FrozenActor, sample: StageIISample, decay: float = 0.05,
+                min_passes: int = 0) -> torch.Tensor:
     """Reverse KL of the student [summary; memory; bridge] against the teacher [history]. One actor pass
     gives both the teacher's logits and the history features the memory reads."""
     cfg = memnet.module.cfg if hasattr(memnet, "module") else memnet.cfg
     feats, p = teacher_pass(actor, sample, cfg.feature_layer)
     summary = sample["summary"]
-    mem = memnet(feats, actor.embed(summary) if summary.numel() else None)
+    mem = memnet(feats, actor.embed(summary) if summary.numel() else None, min_passes)
     parts = [actor.embed(sample["summary"]), mem]  # the memory sits right after the summary
     if sample.get("bridge") is not None and sample["bridge"].numel():
         parts.append(actor.embed(sample["bridge"]))
