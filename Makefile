@@ -6,12 +6,20 @@ PYTHON  := $(VENV)/bin/python
 CACHE   := $(CURDIR)/.cache
 
 # Nothing phones home, nothing is downloaded at run time, and every cache stays inside the project.
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0 MLFLOW_DISABLE_TELEMETRY=true DO_NOT_TRACK=true
-export DS_ACCELERATOR=cpu PYTHONWARNINGS=ignore::FutureWarning
-export TORCH_EXTENSIONS_DIR=$(CACHE)/torch_extensions VLLM_CACHE_ROOT=$(CACHE)/vllm HF_HOME=$(CACHE)/hf
+export HF_HUB_OFFLINE=1
+export TRANSFORMERS_OFFLINE=1
+export RAY_USAGE_STATS_ENABLED=0
+export MLFLOW_DISABLE_TELEMETRY=true
+export DO_NOT_TRACK=true
+export DS_ACCELERATOR=cpu
+export PYTHONWARNINGS=ignore::FutureWarning
+export TORCH_EXTENSIONS_DIR=$(CACHE)/torch_extensions
+export VLLM_CACHE_ROOT=$(CACHE)/vllm
+export HF_HOME=$(CACHE)/hf
 export PALIMPSEST_CACHE=$(CACHE)/palimpsest
 # Ray keeps its sockets and logs here (a short path: Unix sockets allow ~107 characters).
-export RAY_TMPDIR=/tmp/palimpsest-ray RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
+export RAY_TMPDIR=/tmp/palimpsest-ray
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
 
 .PHONY: install demo test test-fast bench replay clean
 
