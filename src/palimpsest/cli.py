@@ -344,7 +344,7 @@ def models_prepare() -> None:
 def demo(
     data: Optional[Path] = typer.Option(None, help="trajectories (default: ../shared/data/trajectories/dev.jsonl)"),
     trajectory: Optional[str] = typer.Option(None, help="trajectory id (default: the longest)"),
-    budget: int = typer.Option(8000, help="token budget"),
+    budget: int = typer.Option(16000, help="token budget"),
     ledger: Optional[Path] = typer.Option(None, help="ledger file (default: .palimpsest/demo.db)"),
     embedder: str = EmbedderOpt,
     tokenizer: str = TokenizerOpt,

@@ -10,13 +10,13 @@ from rich.table import Table
 from palimpsest.pipelines.trajectories import import_file
 from palimpsest.platform import Runtime
 from palimpsest.platform.render import gist
-from palimpsest.platform.types import CompiledTurn, PalimpsestError, Segment
+from palimpsest.platform.types import CompiledTurn, PalimpsestError, Resolution, Segment
 
 
 def _excerpt(seg: Segment | None, width: int = 90) -> str:
     if seg is None:
         return "[dim]-[/]"
-    body = seg.text.split("\n", 1)[1] if "\n" in seg.text else seg.text
+    body = seg.text if seg.resolution is Resolution.PLACEHOLDER else seg.text.split("\n", 1)[-1]
     return f"[bold]{seg.resolution.label}[/] ({seg.tokens} tok) {gist(body, width)}".replace("[", "\\[").replace(
         "\\[bold]", "[bold]").replace("\\[/]", "[/]")
 
