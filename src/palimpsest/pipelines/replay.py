@@ -21,7 +21,14 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from palimpsest.pipelines.trajectories import Need, Trajectory, file_sha256, read_trajectories, to_record
+from palimpsest.pipelines.trajectories import (
+    Need,
+    Trajectory,
+    file_sha256,
+    import_trajectory,
+    read_trajectories,
+    to_record,
+)
 from palimpsest.platform.embedding import Embedder
 from palimpsest.platform.ledger import SessionSnapshot
 from palimpsest.platform.policies import PolicyConfigBase
@@ -116,8 +123,7 @@ def prepare_sessions(rt: Runtime, trajs: Sequence[Trajectory], concat: bool, dat
         return [ReplaySession(sid, steps)]
     for traj in trajs:
         try:
-            led.create_session(traj.id, traj.task, traj.system, traj.tools, meta={"group": traj.group})
-            led.append_many(traj.id, [to_record(s) for s in traj.steps])
+            import_trajectory(led, traj)
         except LedgerError as e:
             skipped.append(Skipped(traj.id, f"cannot import: {e}"))
             continue

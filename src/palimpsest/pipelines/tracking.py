@@ -24,7 +24,7 @@ def tracking_uri() -> str:
     return f"sqlite:///{root / 'mlflow.db'}"
 
 
-def _experiment(mlflow, name: str) -> str:
+def experiment_id(mlflow, name: str) -> str:
     exp = mlflow.get_experiment_by_name(name)
     if exp is not None:
         return exp.experiment_id
@@ -48,7 +48,7 @@ def log_replay(summary: dict, out_dir: Path) -> str:
 
     try:
         mlflow.set_tracking_uri(tracking_uri())
-        exp = _experiment(mlflow, EXPERIMENT_REPLAY)
+        exp = experiment_id(mlflow, EXPERIMENT_REPLAY)
     except Exception as e:  # an unreachable server is a clear error, not a stack trace
         raise PalimpsestError(f"MLflow tracking at {tracking_uri()} is not usable: {e}") from None
     data = summary["data"]

@@ -39,7 +39,7 @@ def evaluate_boundary(memory: MemoryNetwork, actor: FrozenActor, sample: dict) -
     summary, bridge, target, history = sample["summary"], sample["bridge"], sample["target"], sample["history"]
     mem = memory(feats, actor.embed(summary) if summary.numel() else None)  # (M, d)
     k = mem.shape[0]
-    recent = history[-(k + bridge.numel()): history.numel() - bridge.numel()] if history.numel() > bridge.numel() else history
+    recent = history[: max(history.numel() - bridge.numel(), 1)]  # the history text before the assistant prompt
     prefixes = {
         "summary": torch.cat([actor.embed(summary), actor.embed(bridge)]),
         "summary_plus_text": torch.cat([actor.embed(summary), actor.embed(recent[-k:]), actor.embed(bridge)]),

@@ -272,11 +272,11 @@ def launch(cfg: TrainConfig, fault: dict | None = None, track: bool = True) -> d
     if track:
         import mlflow
 
-        from palimpsest.pipelines.tracking import _experiment, tracking_uri
+        from palimpsest.pipelines.tracking import experiment_id, tracking_uri
 
         try:
             mlflow.set_tracking_uri(tracking_uri())
-            exp = _experiment(mlflow, cfg.tracking.experiment)
+            exp = experiment_id(mlflow, cfg.tracking.experiment)
             run_id = mlflow.start_run(experiment_id=exp, run_name=cfg.name).info.run_id
             mlflow.end_run()
         except Exception as e:

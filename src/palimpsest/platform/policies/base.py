@@ -17,6 +17,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from palimpsest.platform.embedding import Embedder, HashingEmbedder
+from palimpsest.platform.render import key_text
 from palimpsest.platform.tokens import ApproxTokenizer, Tokenizer
 from palimpsest.platform.types import ConfigError, Fold, RenderPlan, Resolution
 
@@ -99,6 +100,19 @@ def scored_plan_start(snap: "SessionSnapshot", recent: int, embedder, policy: st
     score[idx] = 1e9 + idx  # degraded last, oldest of them first
     codes[idx] = reasons(f"one of the last {recent} steps")
     return res, score, codes, reasons, idx
+
+
+def query_text(snap: "SessionSnapshot", recent: int) -> str:
+    """PACE's query: the task and the last ``recent`` steps' own words (the embedder truncates to L_max)."""
+    steps = range(max(0, snap.t - recent), snap.t)
+    return "\n".join([snap.session.task] + [key_text(snap.steps[i]) for i in steps])
+
+
+def relative_softmax(s: np.ndarray, tau: float) -> np.ndarray:
+    """M * softmax(s / tau): relative weights with mean 1 over the M scored steps."""
+    z = s / tau
+    w = np.exp(z - z.max())
+    return s.size * w / w.sum()
 
 
 def recency(m: int) -> np.ndarray:

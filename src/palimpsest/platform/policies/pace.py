@@ -26,9 +26,10 @@ from palimpsest.platform.policies.base import (
     PolicyDeps,
     fallback_missing,
     new_plan,
+    query_text,
+    relative_softmax,
     scored_plan_start,
 )
-from palimpsest.platform.render import key_text
 from palimpsest.platform.types import RenderPlan, Resolution
 
 if TYPE_CHECKING:
@@ -77,17 +78,13 @@ class PacePolicy:
         return self.cfg.alpha * scale, self.cfg.beta * scale, self.cfg.gamma * scale
 
     def query_text(self, snap: "SessionSnapshot") -> str:
-        recent = range(max(0, snap.t - self.cfg.recent), snap.t)
-        return "\n".join([snap.session.task] + [key_text(snap.steps[i]) for i in recent])
+        return query_text(snap, self.cfg.recent)
 
     def relative_weights(self, snap: "SessionSnapshot", old: np.ndarray) -> np.ndarray:
         """w~ = M · softmax(cos(q, k) / tau) over the old steps that have a key."""
         q = self.deps.embedder.embed([self.query_text(snap)])[0]  # (d,)
         s = (snap.keys @ q)[old]  # (M,) cosine; keys are L2-normalised. Index after the product: no (M, d) copy
-        z = s / self.cfg.tau
-        w = np.exp(z - z.max())
-        w /= w.sum()
-        return len(old) * w
+        return relative_softmax(s, self.cfg.tau)
 
     def plan(self, snap: "SessionSnapshot", budget: int) -> RenderPlan:
         m, n = snap.t, self.cfg.recent

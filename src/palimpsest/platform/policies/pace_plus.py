@@ -33,9 +33,10 @@ from palimpsest.platform.policies.base import (
     PolicyDeps,
     fallback_missing,
     new_plan,
+    query_text,
+    relative_softmax,
     scored_plan_start,
 )
-from palimpsest.platform.render import key_text
 from palimpsest.platform.types import RenderPlan, Resolution
 
 if TYPE_CHECKING:
@@ -133,8 +134,7 @@ class PacePlusPolicy:
         self.config_hash = cfg.config_hash()
 
     def _query(self, snap: "SessionSnapshot") -> tuple[str, frozenset[str]]:
-        recent = range(max(0, snap.t - self.cfg.recent), snap.t)
-        text = "\n".join([snap.session.task] + [key_text(snap.steps[i]) for i in recent])
+        text = query_text(snap, self.cfg.recent)
         ids, paths, urls, _ = extract_salient(text)
         return text, frozenset(ids) | frozenset(paths) | frozenset(urls)
 
@@ -149,9 +149,7 @@ class PacePlusPolicy:
         overlap = shared / np.sqrt(np.maximum(n_ids, 1.0) * max(len(q_ids), 1))
         age = (snap.t - 1 - old).astype(np.float64)
         s = cos + self.cfg.eta * overlap + self.cfg.kappa * np.exp2(-age / self.cfg.half_life)
-        z = s / self.cfg.tau
-        w = np.exp(z - z.max())
-        return old.size * w / w.sum(), n_ids
+        return relative_softmax(s, self.cfg.tau), n_ids
 
     def plan(self, snap: "SessionSnapshot", budget: int) -> RenderPlan:
         m, n = snap.t, self.cfg.recent
