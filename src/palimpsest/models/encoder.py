@@ -16,6 +16,7 @@ from palimpsest.models.actor import FrozenActor
 from palimpsest.models.memory import MemoryConfig, MemoryNetwork
 from palimpsest.platform.types import ConfigError
 
+REGISTERED_MODEL = "palimpsest-memory"  # the MLflow registry name training registers under
 BUNDLE_WEIGHTS = "memory.pt"
 BUNDLE_META = "memory.json"
 

@@ -80,10 +80,18 @@ CREATE INDEX IF NOT EXISTS audit_session ON audit (session_id, t);
 CREATE TABLE IF NOT EXISTS glimpses (
     id INTEGER PRIMARY KEY AUTOINCREMENT, session_id TEXT NOT NULL, t INTEGER NOT NULL,
     step_id INTEGER NOT NULL, created REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS served (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, session_id TEXT NOT NULL REFERENCES sessions(id), t INTEGER NOT NULL,
+    arm TEXT NOT NULL, metrics TEXT NOT NULL, created REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS served_arm ON served (arm);
+CREATE TABLE IF NOT EXISTS outcomes (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, session_id TEXT NOT NULL REFERENCES sessions(id), arm TEXT NOT NULL,
+    value REAL NOT NULL, note TEXT NOT NULL, created REAL NOT NULL);
 """
 
 # Every table but meta is append-only: no code path may rewrite or delete what was stored.
-_APPEND_ONLY = ("sessions", "steps", "representations", "abstractions", "keys", "folds", "audit", "glimpses")
+_APPEND_ONLY = ("sessions", "steps", "representations", "abstractions", "keys", "folds", "audit", "glimpses",
+                "served", "outcomes")
 _TRIGGERS = "\n".join(
     f"CREATE TRIGGER IF NOT EXISTS {t}_no_{op} BEFORE {op.upper()} ON {t} "
     f"BEGIN SELECT RAISE(ABORT, '{t} is append-only'); END;"
@@ -367,6 +375,11 @@ class Ledger:
             raise UnknownStepError(f"no step t={t} in session {session_id!r}")
         return _step_from_row(row)
 
+    def hashes(self, session_id: str) -> list[str]:
+        """The content hash of every step of a session, in order (what idempotent re-sends match against)."""
+        self.session(session_id)
+        return [r[0] for r in self._db.execute("SELECT sha256 FROM steps WHERE session_id=? ORDER BY t", (session_id,))]
+
     def count(self, session_id: str) -> int:
         return self._db.execute("SELECT COUNT(*) FROM steps WHERE session_id=?", (session_id,)).fetchone()[0]
 
@@ -467,6 +480,33 @@ class Ledger:
             db.execute("INSERT INTO glimpses (session_id, t, step_id, created) VALUES (?,?,?,?)",
                        (session_id, t, step_id, time.time()))
             return True
+
+    # -- served turns and outcomes (the A/B record) ------------------------------------------
+
+    def record_served(self, session_id: str, t: int, arm: str, metrics: Mapping[str, float | int]) -> None:
+        """What a served turn cost (tokens, latency per stage, glimpses, error) under its arm."""
+        with self._tx() as db:
+            db.execute("INSERT INTO served (session_id, t, arm, metrics, created) VALUES (?,?,?,?,?)",
+                       (session_id, int(t), arm, json.dumps(dict(metrics)), time.time()))
+
+    def record_outcome(self, session_id: str, arm: str, value: float, note: str = "") -> None:
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:
+            raise LedgerError(f"an outcome must be a finite number, got {value!r}")
+        self.session(session_id)
+        with self._tx() as db:
+            db.execute("INSERT INTO outcomes (session_id, arm, value, note, created) VALUES (?,?,?,?,?)",
+                       (session_id, arm, float(value), note, time.time()))
+
+    def served(self, since: float = 0.0) -> list[dict]:
+        """Every served turn since ``since`` (unix time), oldest first."""
+        return [{"session_id": r[0], "t": r[1], "arm": r[2], **json.loads(r[3]), "created": r[4]}
+                for r in self._db.execute("SELECT session_id, t, arm, metrics, created FROM served WHERE created>=?"
+                                          " ORDER BY id", (since,))]
+
+    def outcomes(self, since: float = 0.0) -> list[dict]:
+        return [{"session_id": r[0], "arm": r[1], "value": r[2], "note": r[3], "created": r[4]}
+                for r in self._db.execute("SELECT session_id, arm, value, note, created FROM outcomes WHERE created>=?"
+                                          " ORDER BY id", (since,))]
 
     # -- snapshot ---------------------------------------------------------------------------
 

@@ -1,0 +1,49 @@
+"""The composed application: ``build_app(config) -> Application``.
+
+Four children bound into the ingress through DeploymentHandles::
+
+    Ingress ──► Actor (vLLM, prompt embeds)
+       │  ├──► Embedder (all-MiniLM-L6-v2)
+       │  ├──► Summarizer ──► Actor
+       │  └──► MemoryEncoder (REMORY) ──► (soft span straight into the Actor call)
+
+`serve run configs/serve/local.yaml` and `serve deploy` call :func:`app_builder` with the config's ``args``;
+`palimpsest serve` calls :func:`build_app` directly. CPU shares come from the config (fractions of a core
+are bookkeeping on one machine: they must add up to what the node has or replicas stay pending).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray.serve import Application
+
+from palimpsest.serving.config import ServeConfig, parse_serve_config
+
+
+def build_app(config: ServeConfig | dict | None = None) -> Application:
+    from palimpsest.serving.deployments import Actor, Embedder, MemoryEncoder, Summarizer, deployment_env
+    from palimpsest.serving.engine import resolve_actor_path
+    from palimpsest.serving.ingress import Ingress
+
+    cfg = parse_serve_config(config)
+    actor_path = str(resolve_actor_path(cfg.actor.model))
+    env = {"env_vars": deployment_env()}
+    res = cfg.resources
+    actor_opts: dict[str, Any] = {"num_cpus": res.actor, "runtime_env": env}
+    if res.actor_gpus:
+        actor_opts["num_gpus"] = res.actor_gpus
+    actor = Actor.options(ray_actor_options=actor_opts).bind(cfg.actor.model_dump() | {"model": actor_path})
+    embedder = Embedder.options(ray_actor_options={"num_cpus": res.embedder, "runtime_env": env}).bind(
+        cfg.embedder, cfg.device)
+    summarizer = Summarizer.options(ray_actor_options={"num_cpus": res.summarizer, "runtime_env": env}).bind(
+        cfg.summarizer.model_dump(), actor, actor_path.rstrip("/").rsplit("/", 1)[-1])
+    memory = MemoryEncoder.options(ray_actor_options={"num_cpus": res.memory, "runtime_env": env}).bind(
+        actor_path, cfg.memory.model, cfg.device, cfg.memory.max_history_tokens)
+    return Ingress.options(ray_actor_options={"num_cpus": res.ingress, "runtime_env": env}).bind(
+        cfg.model_dump(), actor, embedder, summarizer, memory)
+
+
+def app_builder(args: dict[str, Any]) -> Application:
+    """The entry point of `serve run` / `serve deploy` configs: ``args`` are ServeConfig fields."""
+    return build_app(parse_serve_config(args, "serve config args"))

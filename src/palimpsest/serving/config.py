@@ -1,0 +1,157 @@
+"""The serve config: one strict pydantic model, read from YAML by `palimpsest serve --config` and passed as
+``args`` by `serve run` / `serve deploy` to :func:`palimpsest.serving.app.app_builder`.
+
+Every field has a default, so an empty config is the embedded one-machine setup: the SmolLM2 actor,
+all-MiniLM-L6-v2, a SQLite ledger under ``.palimpsest/``, two arms (``pace`` and ``pace`` + memory when a
+memory model is registered). No torch, Ray or vLLM import here: a bad config fails before anything starts.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from palimpsest.platform.config import problems, read_yaml
+from palimpsest.platform.policies import parse_policy_config
+from palimpsest.platform.types import ConfigError
+
+_ARM = re.compile(r"^[A-Za-z0-9][\w.+-]{0,63}$")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ActorConfig(_Strict):
+    model: str = Field("smollm2", description="`smollm2` (the cached SmolLM2-135M-Instruct folder) or a local HF model folder")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    max_model_len: int = Field(8192, ge=64, le=1_048_576, description="the engine's context window")
+    max_tokens: int = Field(128, ge=1, le=8192, description="default cap on generated tokens per turn")
+    max_embeds_len: int = Field(8192, ge=1, description="longest prompt_embeds tensor accepted (rows)")
+    kv_cache_gib: float = Field(1.0, gt=0, description="VLLM_CPU_KVCACHE_SPACE on CPU")
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    tensor_parallel_size: int = Field(1, ge=1)
+
+
+class SummarizerConfig(_Strict):
+    mode: Literal["llm", "rule"] = Field("llm", description="llm: the actor writes summaries; rule: the deterministic writer only")
+    timeout_s: float = Field(20.0, gt=0, description="an LLM summary slower than this falls back to the rule writer")
+    max_tokens: int = Field(96, ge=8, le=1024)
+    max_input_chars: int = Field(4000, ge=100)
+
+
+class MemoryConfigServe(_Strict):
+    model: str | None = Field("auto", description="`auto` (the latest registered palimpsest-memory, else off), "
+                                                  "an MLflow model URI, a bundle directory, or null (off)")
+    stride: int = Field(8, ge=1, description="a compaction boundary every `stride` steps; the soft span is cached per boundary")
+    max_history_tokens: int = Field(1024, ge=16, description="the memory reads at most this many history tokens")
+    min_steps: int = Field(4, ge=1, description="no soft memory before this many steps")
+
+
+class ArmConfig(_Strict):
+    name: str
+    weight: float = Field(1.0, ge=0)
+    policy: dict[str, Any] | str = Field(default_factory=lambda: {"type": "pace"},
+                                         description="an inline policy config, a policy name, or a YAML path")
+    memory: bool = Field(False, description="inject the soft-memory span (needs a memory model)")
+    budget: int | None = Field(None, ge=1, description="token budget of this arm; the server default when unset")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not _ARM.match(v):
+            raise ValueError("an arm name is 1-64 letters, digits, '.', '_', '+' or '-'")
+        return v
+
+    def policy_config(self):
+        if isinstance(self.policy, str) and (self.policy.endswith((".yaml", ".yml")) or "/" in self.policy):
+            from palimpsest.platform.policies import load_policy_file
+
+            return load_policy_file(self.policy)
+        return parse_policy_config(self.policy)
+
+
+class LimitsConfig(_Strict):
+    max_step_chars: int = Field(200_000, ge=1, description="an appended step (thought+action+observation) larger than this is refused")
+    max_messages: int = Field(4096, ge=1, description="longest message list /v1/chat/completions accepts")
+    max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    glimpses_per_turn: int = Field(3, ge=0, le=16)
+
+
+class DeploymentResources(_Strict):
+    ingress: float = Field(0.2, gt=0)
+    embedder: float = Field(0.1, gt=0)
+    summarizer: float = Field(0.1, gt=0)
+    memory: float = Field(0.2, gt=0)
+    actor: float = Field(1.0, gt=0)
+    actor_gpus: float = Field(0.0, ge=0)
+
+
+class ServeConfig(_Strict):
+    name: str = "palimpsest"
+    route_prefix: str = "/"
+    ledger: str = Field(".palimpsest/serve-ledger.db", description="SQLite ledger path")
+    embedder: Literal["minilm", "hashing"] = "minilm"
+    budget: int = Field(8000, ge=64, description="default per-turn context budget (tokens)")
+    device: str = Field("cpu", description="torch device of the embedder and memory encoder")
+    actor: ActorConfig = ActorConfig()
+    summarizer: SummarizerConfig = SummarizerConfig()
+    memory: MemoryConfigServe = MemoryConfigServe()
+    arms: list[ArmConfig] = Field(default_factory=lambda: [
+        ArmConfig(name="pace", policy={"type": "pace"}, memory=False, weight=1.0),
+        ArmConfig(name="pace+memory", policy={"type": "pace"}, memory=True, weight=1.0),
+    ])
+    limits: LimitsConfig = LimitsConfig()
+    resources: DeploymentResources = DeploymentResources()
+    mlflow_experiment: str = "palimpsest-ab"
+
+    @model_validator(mode="after")
+    def _arms(self) -> "ServeConfig":
+        if not self.arms:
+            raise ValueError("at least one arm is needed")
+        names = [a.name for a in self.arms]
+        if len(set(names)) != len(names):
+            raise ValueError(f"arm names must be unique, got {names}")
+        if sum(a.weight for a in self.arms) <= 0:
+            raise ValueError("at least one arm needs a positive weight")
+        for a in self.arms:
+            try:
+                a.policy_config()
+            except Exception as e:
+                raise ValueError(f"arm {a.name!r}: {e}") from None
+        return self
+
+    def arm(self, name: str) -> ArmConfig:
+        for a in self.arms:
+            if a.name == name:
+                return a
+        raise ConfigError(f"unknown arm {name!r}; the arms are {[a.name for a in self.arms]}")
+
+
+def parse_serve_config(data: Any, where: str = "serve config") -> ServeConfig:
+    if isinstance(data, ServeConfig):
+        return data
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
+    try:
+        return ServeConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(f"{where}: {problems(e)}") from None
+
+
+def load_serve_config(path: str | Path | None) -> ServeConfig:
+    """The config of ``path`` (a YAML file of ServeConfig fields, or a `serve` config whose first
+    application's ``args`` hold them); the embedded defaults when None."""
+    if path is None:
+        return ServeConfig()
+    data = read_yaml(Path(path), "serve config")
+    if isinstance(data, dict) and "applications" in data:
+        apps = data["applications"] or [{}]
+        data = apps[0].get("args", {})
+    return parse_serve_config(data, str(path))

@@ -1,0 +1,240 @@
+"""The child deployments of the composed app: Embedder, Summarizer, MemoryEncoder and Actor.
+
+Each wraps one model-side class (no HTTP here; the ingress is the only place that knows HTTP). Tensors
+travel between them through DeploymentHandles: the memory encoder's soft span goes straight into the
+actor call (the ingress passes the response along without awaiting it), so it never crosses the ingress.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections import OrderedDict
+from typing import Any
+
+from ray import serve
+
+from palimpsest.platform.abstraction import Summaries
+from palimpsest.platform.types import StepRecord
+from palimpsest.serving.config import ActorConfig, SummarizerConfig
+
+
+def _replica_rank() -> int:
+    try:
+        return int(serve.get_replica_context().rank)
+    except Exception:
+        return 0
+
+
+@serve.deployment(name="Actor", max_ongoing_requests=32, health_check_period_s=10, graceful_shutdown_timeout_s=20)
+class Actor:
+    """vLLM with prompt embeds; ``generate`` takes token ids, or context ids + a soft span + bridge ids."""
+
+    def __init__(self, cfg: dict):
+        from transformers import AutoTokenizer
+
+        from palimpsest.serving.engine import ActorEngine
+
+        self.cfg = ActorConfig.model_validate(cfg)
+        self.engine = ActorEngine(self.cfg, replica_rank=_replica_rank())
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.engine.path))
+
+    def info(self) -> dict:
+        return {"model": self.engine.model_name, "path": str(self.engine.path), "hidden_size": self.engine.hidden_size,
+                "vocab_size": self.engine.vocab_size, "max_model_len": self.cfg.max_model_len,
+                "max_embeds_len": self.cfg.max_embeds_len, "dtype": self.cfg.dtype}
+
+    async def generate(self, request: dict, memory: dict | None = None) -> dict:
+        """``request``: {"ids": [...]} or {"context": [...], "bridge": [...]} (+ max_tokens, temperature, seed,
+        logprobs), or {"embeds": tensor}. ``memory`` (the encoder's reply) adds its soft span between
+        context and bridge; the reply carries the memory's own timing so the ingress can break latency down."""
+        params = {k: request[k] for k in ("max_tokens", "temperature", "seed", "logprobs") if request.get(k) is not None}
+        soft = memory["soft"] if memory else None
+        if "embeds" in request:
+            out = await self.engine.generate(embeds=request["embeds"], **params)
+        elif soft is not None:
+            embeds = self.engine.compose(request["context"], soft, request.get("bridge", []))
+            out = await self.engine.generate(embeds=embeds, **params)
+        else:
+            ids = request["ids"] if "ids" in request else request["context"] + request.get("bridge", [])
+            out = await self.engine.generate(ids=ids, **params)
+        out["soft_tokens"] = int(soft.shape[0]) if soft is not None else 0
+        if memory:
+            out["memory_ms"] = memory["ms"]
+            out["memory_cached"] = memory["cached"]
+        return out
+
+    async def chat(self, messages: list[dict], max_tokens: int = 96) -> str:
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        ids = list(ids)[-(self.cfg.max_model_len - max_tokens - 1):]
+        return (await self.engine.generate(ids=ids, max_tokens=max_tokens))["text"]
+
+    def embed_ids(self, ids: list[int]):
+        """The actor's own input embeddings of ``ids`` (what a soft span is concatenated with)."""
+        return self.engine.embed(ids)
+
+    def stats(self) -> dict:
+        return dict(self.engine.stats)
+
+    async def reset_prefix_cache(self) -> None:
+        await self.engine.reset_prefix_cache()
+
+    def __del__(self):
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            try:
+                engine.shutdown()
+            except Exception:
+                pass
+
+
+@serve.deployment(name="Embedder", max_ongoing_requests=64)
+class Embedder:
+    """Key embeddings of step texts (all-MiniLM-L6-v2, or the hashing embedder for tiny setups)."""
+
+    def __init__(self, kind: str = "minilm", device: str = "cpu"):
+        if kind == "minilm":
+            from palimpsest.models.embedder import MiniLMEmbedder
+
+            self.model = MiniLMEmbedder(device=device)
+        else:
+            from palimpsest.platform.embedding import HashingEmbedder
+
+            self.model = HashingEmbedder()
+        self._lock = asyncio.Lock()
+
+    def info(self) -> dict:
+        return {"name": self.model.name}
+
+    async def embed(self, texts: list[str]):
+        async with self._lock:  # one batch at a time: the model is not re-entrant and batches are faster
+            return await asyncio.to_thread(self.model.embed, list(texts))
+
+
+@serve.deployment(name="Summarizer", max_ongoing_requests=16)
+class Summarizer:
+    """Detailed, brief and structured summaries by the actor model (the rule writer as the floor)."""
+
+    def __init__(self, cfg: dict, actor, model_name: str = "actor"):
+        from palimpsest.platform.abstraction import RuleSummarizer
+        from palimpsest.serving.summarizer import LLMSummarizer
+
+        self.cfg = SummarizerConfig.model_validate(cfg)
+        self.actor = actor
+        self.rule = RuleSummarizer()
+
+        async def generate(messages: list[dict]) -> str:
+            return await self.actor.chat.remote(messages, self.cfg.max_tokens)
+
+        self.llm = LLMSummarizer(generate, model_name, self.cfg.timeout_s, self.cfg.max_input_chars)
+
+    def info(self) -> dict:
+        return {"mode": self.cfg.mode, "name": self.llm.name if self.cfg.mode == "llm" else self.rule.name,
+                "version": self.llm.version if self.cfg.mode == "llm" else self.rule.version}
+
+    async def summarize(self, record: dict) -> dict:
+        step = StepRecord(**record)
+        if self.cfg.mode == "llm":
+            s, producer, version = await self.llm.summarize(step)
+        else:
+            s, producer, version = self.rule.summarize(step), self.rule.name, self.rule.version
+        return {"abstraction": s.abstraction.to_json(), "detailed": s.detailed, "brief": s.brief,
+                "producer": producer, "version": version}
+
+
+def summaries_from_wire(d: dict) -> Summaries:
+    from palimpsest.platform.abstraction import Abstraction
+
+    return Summaries(Abstraction.from_json(d["abstraction"]), d["detailed"], d["brief"])
+
+
+@serve.deployment(name="MemoryEncoder", max_ongoing_requests=16)
+class MemoryEncoder:
+    """The REMORY soft span at a compaction boundary, cached per (session, boundary)."""
+
+    def __init__(self, actor_path: str, model: str | None, device: str = "cpu", max_history_tokens: int = 1024,
+                 cache_size: int = 4096):
+        from palimpsest.platform.types import ConfigError
+
+        self.ref = resolve_memory_ref(model)
+        self.encoder = None
+        self.note = "no memory model" if self.ref is None else ""
+        if self.ref is not None:
+            from palimpsest.models.actor import FrozenActor
+            from palimpsest.models.encoder import MemoryEncoder as Encoder
+
+            try:
+                self.encoder = Encoder.load(self.ref, FrozenActor.from_pretrained(actor_path, device=device))
+            except ConfigError as e:
+                if model != "auto":
+                    raise
+                # `auto` found a model trained for another actor: serve without soft memory, and say so.
+                self.note, self.ref = f"memory off: {e}", None
+        self.max_slots = self.encoder.slots_for(max_history_tokens) if self.encoder is not None else 0
+        self.cache: OrderedDict[tuple[str, int], Any] = OrderedDict()
+        self.cache_size = cache_size
+        self._lock = asyncio.Lock()
+        self.hits = self.misses = 0
+
+    def info(self) -> dict:
+        return {"enabled": self.encoder is not None, "model": self.ref, "note": self.note, "max_slots": self.max_slots,
+                "hits": self.hits, "misses": self.misses, "cached": len(self.cache)}
+
+    async def encode(self, session_id: str, boundary: int, history: list[int], summary: list[int]) -> dict:
+        import torch
+
+        if self.encoder is None:
+            raise RuntimeError("no memory model is loaded")
+        t0 = time.perf_counter()
+        key = (session_id, int(boundary))
+        if key in self.cache:
+            self.hits += 1
+            self.cache.move_to_end(key)
+            return {"soft": self.cache[key], "ms": (time.perf_counter() - t0) * 1000, "cached": True}
+        async with self._lock:
+            if key not in self.cache:
+                self.misses += 1
+                h = torch.as_tensor(history, dtype=torch.long)
+                s = torch.as_tensor(summary, dtype=torch.long)
+                soft = await asyncio.to_thread(self.encoder.encode, h, s)
+                self.cache[key] = soft.float().cpu().contiguous()
+                while len(self.cache) > self.cache_size:
+                    self.cache.popitem(last=False)
+        return {"soft": self.cache[key], "ms": (time.perf_counter() - t0) * 1000, "cached": False}
+
+
+def resolve_memory_ref(model: str | None) -> str | None:
+    """``auto`` -> the latest registered ``palimpsest-memory`` version if any, else None (memory off)."""
+    if model is None or model == "" or model == "off":
+        return None
+    if model != "auto":
+        return model
+    from palimpsest.models.encoder import REGISTERED_MODEL
+
+    try:
+        import mlflow
+
+        from palimpsest.pipelines.tracking import tracking_uri
+
+        mlflow.set_tracking_uri(tracking_uri())
+        versions = mlflow.MlflowClient().search_model_versions(f"name='{REGISTERED_MODEL}'")
+    except Exception:
+        return None
+    if not versions:
+        return None
+    latest = max(versions, key=lambda v: int(v.version))
+    return f"models:/{REGISTERED_MODEL}/{latest.version}"
+
+
+def deployment_env() -> dict[str, str]:
+    """Variables every replica needs (Ray passes them through runtime_env)."""
+    keys = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "PALIMPSEST_CACHE", "MLFLOW_TRACKING_URI", "VLLM_CACHE_ROOT",
+            "HF_HOME", "VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING", "PALIMPSEST_MLFLOW_ARTIFACTS",
+            "MLFLOW_DISABLE_TELEMETRY", "DO_NOT_TRACK", "TORCH_EXTENSIONS_DIR")
+    env = {k: os.environ[k] for k in keys if k in os.environ}
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    return env

@@ -1,0 +1,143 @@
+"""The actor engine: vLLM's ``AsyncLLM`` with prompt embeds enabled, plus the actor's own token-embedding
+table, so that ``[context ids] + [soft span] + [bridge ids]`` can be sent as one ``prompt_embeds`` tensor.
+
+Without a soft span the engine gets plain token ids (and its prefix cache works on them); with one it
+gets ``cat(E[context], soft, E[bridge])``, validated by :func:`palimpsest.serving.embeds.validate_embeds`.
+No Ray here: the Serve deployment in :mod:`palimpsest.serving.deployments` wraps this class, and the
+benchmarks use it directly.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from palimpsest.platform.types import ConfigError
+from palimpsest.serving.config import ActorConfig
+from palimpsest.serving.embeds import validate_embeds
+
+_EMBED_KEYS = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight")
+
+
+def resolve_actor_path(model: str) -> Path:
+    """``smollm2`` -> the cached SmolLM2 folder (prepared offline); anything else is a local HF folder."""
+    if model == "smollm2":
+        from palimpsest.models.assets import smollm2_dir
+
+        return smollm2_dir()
+    path = Path(model)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"actor model {model!r}: no HF model folder there (config.json missing)")
+    return path
+
+
+def load_embedding_table(path: Path) -> torch.Tensor:
+    """The input-embedding matrix (V, d) read straight from the checkpoint's safetensors (no full model load)."""
+    from safetensors import safe_open
+
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for key in st.keys():
+                if key.endswith(_EMBED_KEYS):
+                    return st.get_tensor(key).float()
+    raise ConfigError(f"{path}: no input-embedding table found in its safetensors files")
+
+
+def cpu_env(cfg: ActorConfig, replica_rank: int = 0) -> None:
+    """vLLM-CPU settings that must exist before the engine starts (GPUs ignore them)."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{max(1, int(round(cfg.kv_cache_gib)))}")
+    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    if not torch.cuda.is_available():
+        # Two replicas on one node would both pin their threads to core 0.
+        n = os.cpu_count() or 1
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(replica_rank % n))
+
+
+class ActorEngine:
+    def __init__(self, cfg: ActorConfig, replica_rank: int = 0):
+        self.cfg = cfg
+        self.path = resolve_actor_path(cfg.model)
+        cpu_env(cfg, replica_rank)
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        on_gpu = torch.cuda.is_available()
+        args = AsyncEngineArgs(
+            model=str(self.path), enable_prompt_embeds=True, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
+            enforce_eager=not on_gpu, enable_prefix_caching=cfg.enable_prefix_caching, disable_log_stats=True,
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            **({"gpu_memory_utilization": cfg.gpu_memory_utilization} if on_gpu else {}),
+        )
+        self.engine = AsyncLLM.from_engine_args(args)
+        self.dtype = getattr(torch, cfg.dtype)
+        self.table = load_embedding_table(self.path)  # (V, d) fp32 on the CPU: gathers are cheap
+        self.hidden_size = int(self.table.shape[1])
+        self.vocab_size = int(self.table.shape[0])
+        self.model_name = self.path.name
+        self.stats = {"requests": 0, "embeds_requests": 0, "prompt_tokens": 0, "cached_tokens": 0}
+
+    def embed(self, ids: list[int]) -> torch.Tensor:
+        t = torch.as_tensor(ids, dtype=torch.long)
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.vocab_size):
+            raise ConfigError(f"token ids must be within [0, {self.vocab_size})")
+        return self.table[t]
+
+    def compose(self, context: list[int], soft: torch.Tensor | None, bridge: list[int]) -> torch.Tensor:
+        """(T, d) input embeddings for context + soft span + bridge, validated."""
+        parts = [self.embed(context)]
+        if soft is not None:
+            parts.append(validate_embeds(soft, self.hidden_size, self.cfg.max_embeds_len).float())
+        parts.append(self.embed(bridge))
+        return validate_embeds(torch.cat(parts, 0), self.hidden_size, self.cfg.max_embeds_len, dtype=self.dtype)
+
+    async def generate(self, *, ids: list[int] | None = None, embeds: torch.Tensor | None = None,
+                       max_tokens: int | None = None, temperature: float = 0.0, seed: int | None = None,
+                       logprobs: int | None = None) -> dict[str, Any]:
+        """Exactly one of ``ids`` or ``embeds``; returns the text, token ids, prompt/cached token counts, ms."""
+        from vllm import SamplingParams
+
+        if (ids is None) == (embeds is None):
+            raise ValueError("give exactly one of ids or embeds")
+        if ids is not None:
+            if not ids:
+                raise ConfigError("an empty prompt")
+            if len(ids) + 1 > self.cfg.max_model_len:
+                raise ConfigError(f"the prompt has {len(ids)} tokens; the actor's window is {self.cfg.max_model_len}")
+            prompt: dict = {"prompt_token_ids": list(ids)}
+        else:
+            embeds = validate_embeds(embeds, self.hidden_size, self.cfg.max_embeds_len, dtype=self.dtype)
+            if embeds.shape[0] + 1 > self.cfg.max_model_len:
+                raise ConfigError(f"the prompt has {embeds.shape[0]} positions; the actor's window is {self.cfg.max_model_len}")
+            prompt = {"prompt_embeds": embeds}
+        n_prompt = len(ids) if ids is not None else int(embeds.shape[0])
+        limit = min(max_tokens or self.cfg.max_tokens, self.cfg.max_model_len - n_prompt)
+        params = SamplingParams(max_tokens=limit, temperature=temperature, seed=seed, logprobs=logprobs)
+        t0 = time.perf_counter()
+        (p,) = await self.engine.renderer.render_cmpl_async([prompt])
+        last = None
+        async for out in self.engine.generate(p, params, request_id=uuid.uuid4().hex):
+            last = out
+        ms = (time.perf_counter() - t0) * 1000
+        o = last.outputs[0]
+        cached = int(last.num_cached_tokens or 0)
+        self.stats["requests"] += 1
+        self.stats["embeds_requests"] += int(embeds is not None)
+        self.stats["prompt_tokens"] += n_prompt
+        self.stats["cached_tokens"] += cached
+        out = {"text": o.text, "token_ids": list(o.token_ids), "prompt_tokens": n_prompt, "cached_tokens": cached,
+               "finish_reason": o.finish_reason, "actor_ms": ms}
+        if logprobs:
+            out["logprobs"] = [{int(k): float(v.logprob) for k, v in step.items()} for step in (o.logprobs or [])]
+        return out
+
+    async def reset_prefix_cache(self) -> None:
+        await self.engine.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()

@@ -1,0 +1,417 @@
+"""The HTTP ingress (FastAPI inside a Serve deployment): the only place that knows HTTP.
+
+A turn: the session's arm -> plan + compile over a ledger snapshot (the platform runtime, as replay
+runs it) -> the compiled prompt as the actor's chat ids -> [soft span from the memory encoder at the
+latest compaction boundary] -> the actor -> a glimpse call is answered with the step's full text and the
+actor asked again (at most the per-turn limit) -> the served turn is recorded under its arm.
+
+Appends return once the step is durable; summaries and key embeddings are computed by a background
+worker through the Summarizer and Embedder deployments, and a turn never waits for them (policies
+fall back to what exists). Every error the caller can fix is a 4xx with a one-line message; nothing
+stored is lost and the server stays up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+from ray import serve
+
+from palimpsest.platform import Ledger, Runtime
+from palimpsest.platform.abstraction import RuleSummarizer
+from palimpsest.platform.types import (
+    BudgetError,
+    ConfigError,
+    GlimpseLimitError,
+    LedgerError,
+    PalimpsestError,
+    StepRecord,
+    UnknownSessionError,
+    UnknownStepError,
+)
+from palimpsest.serving.ab import Router
+from palimpsest.serving.config import parse_serve_config
+from palimpsest.serving.embeds import EmbedsError, decode_embeds
+from palimpsest.serving.metrics import Metrics
+from palimpsest.serving.openai_proxy import HistoryConflict, new_steps, parse_messages
+from palimpsest.serving.prompting import chat_ids, glimpse_call, history_messages, prompt_messages
+from palimpsest.serving.schemas import (
+    ChatIn,
+    CompletionIn,
+    GlimpseIn,
+    GlimpseOut,
+    OutcomeIn,
+    SessionIn,
+    SessionOut,
+    StepIn,
+    StepOut,
+    TurnIn,
+    TurnOut,
+)
+
+log = logging.getLogger("palimpsest.ingress")
+SESSION_HEADER = "x-palimpsest-session"
+ARM_HEADER = "x-palimpsest-arm"
+
+app = FastAPI(title="Palimpsest", version="1.0",
+              description="Working memory for long-horizon agents: sessions, steps, compiled turns with soft memory, "
+                          "glimpse, audit, A/B arms, and an OpenAI-compatible chat endpoint.")
+
+
+class HTTPProblem(Exception):
+    def __init__(self, status: int, message: str):
+        self.status, self.message = status, message
+
+
+_STATUS = ((UnknownSessionError, 404), (UnknownStepError, 404), (GlimpseLimitError, 429), (HistoryConflict, 409),
+           (EmbedsError, 400), (BudgetError, 422), (ConfigError, 422), (LedgerError, 409), (PalimpsestError, 400))
+
+
+@app.exception_handler(HTTPProblem)
+async def _problem(_: Request, e: HTTPProblem):
+    return JSONResponse({"error": e.message}, status_code=e.status)
+
+
+@app.exception_handler(PalimpsestError)
+async def _palimpsest_error(_: Request, e: PalimpsestError):
+    status = next(code for cls, code in _STATUS if isinstance(e, cls))
+    return JSONResponse({"error": str(e)}, status_code=status)
+
+
+@app.exception_handler(RequestValidationError)
+async def _invalid(_: Request, e: RequestValidationError):
+    msgs = []
+    for err in e.errors()[:5]:
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        msgs.append(f"{loc or 'body'}: {err.get('msg')}")
+    return JSONResponse({"error": "; ".join(msgs)}, status_code=422)
+
+
+class HandleEmbedder:
+    """The Embedder deployment behind the platform's Embedder protocol. Policies call it from a worker
+    thread (plans run off the event loop), where blocking on a handle is allowed."""
+
+    def __init__(self, handle, name: str):
+        self.handle, self.name = handle, name
+
+    def embed(self, texts):
+        return np.asarray(self.handle.embed.remote(list(texts)).result(), dtype=np.float32)
+
+
+@serve.deployment(name="Ingress", max_ongoing_requests=64, health_check_period_s=10)
+@serve.ingress(app)
+class Ingress:
+    def __init__(self, config: dict, actor, embedder, summarizer, memory):
+        self.cfg = parse_serve_config(config)
+        self.actor, self.embedder_h, self.summarizer, self.memory = actor, embedder, summarizer, memory
+        self.router = Router.of(self.cfg.arms)
+        self.metrics = Metrics([a.name for a in self.cfg.arms])
+        self._ready: asyncio.Future | None = None
+        self._queue: asyncio.Queue | None = None
+        self._queued: set[str] = set()
+        self._tried: set[int] = set()
+        self.runtime: Runtime | None = None
+
+    # -- start-up ---------------------------------------------------------------------------
+
+    async def _start(self) -> None:
+        from transformers import AutoTokenizer
+
+        info = await self.actor.info.remote()
+        self.actor_info = info
+        self.tokenizer = AutoTokenizer.from_pretrained(info["path"])
+        emb = await self.embedder_h.info.remote()
+        self.memory_info = await self.memory.info.remote()
+        self.summarizer_info = await self.summarizer.info.remote()
+        ledger = await asyncio.to_thread(Ledger, self.cfg.ledger, info["path"])
+        self.runtime = Runtime(ledger, embedder=HandleEmbedder(self.embedder_h, emb["name"]), summarizer=RuleSummarizer(),
+                               glimpse_limit=self.cfg.limits.glimpses_per_turn)
+        self.policies = {a.name: self.runtime.policy(a.policy_config()) for a in self.cfg.arms}
+        self._queue = asyncio.Queue()
+        asyncio.get_running_loop().create_task(self._enrich_worker())
+
+    async def _ensure(self) -> None:
+        if self._ready is None:
+            self._ready = asyncio.ensure_future(self._start())
+        try:
+            await asyncio.shield(self._ready)
+        except Exception as e:
+            self._ready = None
+            raise HTTPProblem(503, f"not ready: {e}") from None
+
+    def reconfigure(self, user_config: dict) -> None:
+        """`serve deploy` with new arm weights shifts traffic live (existing sessions keep their arm)."""
+        weights = (user_config or {}).get("weights") or {}
+        unknown = set(weights) - set(self.router.names)
+        if unknown:
+            raise ConfigError(f"weights for unknown arms {sorted(unknown)}")
+        self.router = Router(self.router.names, tuple(float(weights.get(n, w)) for n, w in
+                                                      zip(self.router.names, self.router.weights)))
+
+    # -- background enrichment ----------------------------------------------------------------
+
+    def _enqueue(self, session_id: str) -> None:
+        if self._queue is not None and session_id not in self._queued:
+            self._queued.add(session_id)
+            self._queue.put_nowait(session_id)
+
+    async def _enrich_worker(self) -> None:
+        while True:
+            sid = await self._queue.get()
+            self._queued.discard(sid)
+            try:
+                await self._enrich(sid)
+            except Exception as e:  # a failing enrichment never takes the server down; policies fall back
+                self.metrics.errors.labels(arm="-", kind="enrich").inc()
+                log.warning("enrichment of %s failed: %s", sid, e)
+
+    async def _enrich(self, sid: str) -> None:
+        rt = self.runtime
+        # Rule summaries and keys first (fast): every step soon has all four resolutions and a key.
+        await asyncio.to_thread(rt.enrich, sid)
+        if self.summarizer_info["mode"] != "llm":
+            return
+        producer = (self.summarizer_info["name"], self.summarizer_info["version"])
+        todo, _ = await asyncio.to_thread(rt.ledger.pending, sid, None, producer)
+        todo = [s for s in todo if s.id not in self._tried][-8:]  # the most recent first matter most
+        replies = await asyncio.gather(*(self.summarizer.summarize.remote(_record_dict(s.record())) for s in todo),
+                                       return_exceptions=True)
+        from palimpsest.serving.deployments import summaries_from_wire
+
+        for s, r in zip(todo, replies):
+            self._tried.add(s.id)
+            if isinstance(r, dict) and r["producer"] == producer[0]:
+                await asyncio.to_thread(rt.ledger.add_summaries, sid, s.id, summaries_from_wire(r), r["producer"], r["version"])
+
+    # -- sessions and steps -------------------------------------------------------------------
+
+    def _arm_of(self, session) -> str:
+        arm = session.meta.get("arm")
+        return arm if arm in self.router.names else self.router.assign(session.id)
+
+    @app.post("/v1/sessions", response_model=SessionOut, summary="Create a session (idempotent)")
+    async def create_session(self, body: SessionIn, request: Request) -> SessionOut:
+        await self._ensure()
+        sid = body.session_id or uuid.uuid4().hex
+        arm = self.router.choose(sid, body.arm or request.headers.get(ARM_HEADER))
+        s = await asyncio.to_thread(self.runtime.ledger.create_session, sid, body.task, body.system, body.tools, {"arm": arm})
+        n = await asyncio.to_thread(self.runtime.ledger.count, sid)
+        return SessionOut(session_id=sid, arm=self._arm_of(s), steps=n)
+
+    @app.post("/v1/sessions/{session_id}/steps", response_model=StepOut, summary="Append a step (durable on return)")
+    async def append_step(self, session_id: str, body: StepIn) -> StepOut:
+        await self._ensure()
+        size = len(body.thought) + len(body.action) + len(body.observation or "")
+        if size > self.cfg.limits.max_step_chars:
+            raise HTTPProblem(413, f"the step has {size} characters; at most {self.cfg.limits.max_step_chars} are accepted")
+        ledger = self.runtime.ledger
+        t = body.t if body.t is not None else await asyncio.to_thread(ledger.count, session_id)
+        rec = StepRecord(t=t, kind=body.kind, thought=body.thought, action=body.action, observation=body.observation,
+                         authority=body.authority, tool=body.tool)
+        step = await asyncio.to_thread(ledger.append, session_id, rec)
+        self._enqueue(session_id)
+        return StepOut(session_id=session_id, step_id=step.id, t=step.t)
+
+    @app.post("/v1/sessions/{session_id}/turn", response_model=TurnOut, summary="Compile the context and generate the next action")
+    async def turn(self, session_id: str, body: TurnIn | None = None) -> TurnOut:
+        await self._ensure()
+        return await self._turn(session_id, body or TurnIn())
+
+    @app.post("/v1/sessions/{session_id}/glimpse", response_model=GlimpseOut, summary="The full text of a step (counts against the turn's limit)")
+    async def glimpse(self, session_id: str, body: GlimpseIn) -> GlimpseOut:
+        await self._ensure()
+        text = await asyncio.to_thread(self.runtime.glimpse, session_id, body.step_id)
+        return GlimpseOut(session_id=session_id, step_id=body.step_id, text=text)
+
+    @app.get("/v1/sessions/{session_id}/audit", summary="Every audited turn of a session")
+    async def audit(self, session_id: str, plans: bool = False) -> dict:
+        await self._ensure()
+        turns = await asyncio.to_thread(self.runtime.ledger.audit, session_id)
+        if not plans:
+            for t in turns:
+                t.pop("plan")
+        return {"session_id": session_id, "turns": turns}
+
+    @app.post("/v1/sessions/{session_id}/outcome", summary="Post the session's outcome (A/B feedback)")
+    async def outcome(self, session_id: str, body: OutcomeIn) -> dict:
+        await self._ensure()
+        s = await asyncio.to_thread(self.runtime.ledger.session, session_id)
+        arm = self._arm_of(s)
+        await asyncio.to_thread(self.runtime.ledger.record_outcome, session_id, arm, body.value, body.note)
+        self.metrics.outcomes.labels(arm=arm).observe(body.value)
+        return {"session_id": session_id, "arm": arm, "value": body.value}
+
+    # -- the turn -------------------------------------------------------------------------------
+
+    async def _turn(self, sid: str, body: TurnIn) -> TurnOut:
+        t_start = time.perf_counter()
+        ledger = self.runtime.ledger
+        session = await asyncio.to_thread(ledger.session, sid)
+        arm = self._arm_of(session)
+        armcfg = self.cfg.arm(arm)
+        try:
+            return await self._turn_inner(sid, session, arm, armcfg, body, t_start)
+        except Exception as e:
+            self.metrics.errors.labels(arm=arm, kind=type(e).__name__).inc()
+            raise
+
+    async def _turn_inner(self, sid, session, arm, armcfg, body: TurnIn, t_start: float) -> TurnOut:
+        budget = body.budget or armcfg.budget or self.cfg.budget
+        ct = await asyncio.to_thread(self.runtime.turn, sid, self.policies[arm], budget)
+        plan_ms = (time.perf_counter() - t_start) * 1000
+        memory = None
+        if armcfg.memory and self.memory_info["enabled"]:
+            memory = await self._memory_request(sid, session, ct.t, chat_ids(self.tokenizer, prompt_messages(ct.prompt)))
+        request: dict[str, Any] = {"max_tokens": body.max_tokens or self.cfg.actor.max_tokens,
+                                   "temperature": body.temperature, "seed": body.seed}
+        extra: list[str] = []
+        glimpsed: list[int] = []
+        actor_ms = 0.0
+        while True:
+            ids = chat_ids(self.tokenizer, prompt_messages(ct.prompt, extra))
+            room = self.actor_info["max_model_len"] - request["max_tokens"] - (self.memory_info["max_slots"] if memory is not None else 0)
+            if len(ids) > room:
+                if not extra:
+                    raise HTTPProblem(422, f"the compiled prompt has {len(ids)} tokens; the actor's window leaves "
+                                           f"{room} (lower the budget or max_tokens)")
+                # A glimpse that does not fit the actor's window is not shown; the model is told so.
+                extra[-1] = f"## Glimpse of step #{glimpsed[-1]}\n(too long for the actor's window)\n\n"
+                ids = chat_ids(self.tokenizer, prompt_messages(ct.prompt, extra))
+            out = await self.actor.generate.remote({**request, "context": ids.context, "bridge": ids.bridge}, memory=memory)
+            actor_ms += out["actor_ms"]
+            step_id = glimpse_call(out["text"])
+            if step_id is None or len(glimpsed) >= self.cfg.limits.glimpses_per_turn:
+                break
+            try:
+                text = await asyncio.to_thread(self.runtime.glimpse, sid, step_id)
+                extra.append(f"## Glimpse of step #{step_id}\n{text.rstrip()}\n\n")
+            except (UnknownStepError, GlimpseLimitError) as e:
+                extra.append(f"## Glimpse of step #{step_id}\n(unavailable: {e})\n\n")
+            glimpsed.append(step_id)
+        total_ms = (time.perf_counter() - t_start) * 1000
+        memory_ms = float(out.get("memory_ms", 0.0))
+        tokens = {"context": ct.prompt.tokens, "prefix": ct.prompt.prefix_tokens, "soft": out["soft_tokens"],
+                  "prompt": out["prompt_tokens"], "completion": len(out["token_ids"]), "cached": out["cached_tokens"]}
+        latency = {"plan": plan_ms, "memory": memory_ms, "actor": actor_ms, "total": total_ms}
+        await asyncio.to_thread(self.runtime.ledger.record_served, sid, ct.t, arm, {
+            **{f"tokens_{k}": v for k, v in tokens.items()}, **{f"{k}_ms": v for k, v in latency.items()},
+            "glimpses": len(glimpsed), "budget": ct.budget, "memory_cached": bool(out.get("memory_cached", False))})
+        self.metrics.observe_turn(arm, tokens, latency, len(glimpsed))
+        return TurnOut(session_id=sid, t=ct.t, arm=arm, action=out["text"], finish_reason=out.get("finish_reason"),
+                       plan=ct.plan.counts(), tokens=tokens, latency_ms=latency, glimpses=glimpsed,
+                       prompt_hash=ct.prompt.prompt_hash)
+
+    async def _memory_request(self, sid, session, t: int, ids):
+        """The soft span of the latest compaction boundary (a handle response: it is not awaited here, so the
+        tensor goes from the encoder to the actor directly), or None before the first boundary."""
+        m = self.cfg.memory
+        boundary = (t // m.stride) * m.stride
+        if boundary < m.min_steps:
+            return None
+        steps = await asyncio.to_thread(lambda: self.runtime.ledger.snapshot(sid, upto=boundary).steps)
+        history = chat_ids(self.tokenizer, history_messages(session, steps)).all[-m.max_history_tokens:]
+        return self.memory.encode.remote(sid, boundary, history, ids.context[-m.max_history_tokens:])
+
+    # -- OpenAI-compatible --------------------------------------------------------------------
+
+    @app.get("/v1/models", summary="The served actor (OpenAI-compatible)")
+    async def models(self) -> dict:
+        await self._ensure()
+        return {"object": "list", "data": [{"id": self.actor_info["model"], "object": "model", "created": 0,
+                                            "owned_by": "palimpsest"}]}
+
+    @app.post("/v1/chat/completions", summary="OpenAI-compatible chat: the history is recorded and the context compiled")
+    async def chat_completions(self, body: ChatIn, request: Request) -> dict:
+        await self._ensure()
+        if body.stream:
+            raise HTTPProblem(400, "stream=true is not supported; send stream=false")
+        if len(body.messages) > self.cfg.limits.max_messages:
+            raise HTTPProblem(413, f"{len(body.messages)} messages; at most {self.cfg.limits.max_messages} are accepted")
+        sid = request.headers.get(SESSION_HEADER) or body.user
+        if not sid:
+            raise HTTPProblem(400, f"name the session: the {SESSION_HEADER!r} header or the 'user' field")
+        parsed = parse_messages(body.messages)
+        for s in parsed.steps:
+            size = len(s.action) + len(s.observation or "")
+            if size > self.cfg.limits.max_step_chars:
+                raise HTTPProblem(413, f"step t={s.t} has {size} characters; at most {self.cfg.limits.max_step_chars}")
+        ledger = self.runtime.ledger
+        arm = self.router.choose(sid, request.headers.get(ARM_HEADER))
+        await asyncio.to_thread(ledger.create_session, sid, parsed.task, parsed.system, None, {"arm": arm})
+
+        def record() -> int:
+            fresh = new_steps(ledger.hashes(sid), parsed.steps)
+            if fresh:
+                ledger.append_many(sid, fresh)
+            return len(fresh)
+
+        if await asyncio.to_thread(record):
+            self._enqueue(sid)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        turn = await self._turn(sid, TurnIn(max_tokens=max_tokens, temperature=body.temperature or 0.0, seed=body.seed))
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+            "model": self.actor_info["model"],
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": turn.action},
+                         "finish_reason": turn.finish_reason or "stop", "logprobs": None}],
+            "usage": {"prompt_tokens": turn.tokens["prompt"], "completion_tokens": turn.tokens["completion"],
+                      "total_tokens": turn.tokens["prompt"] + turn.tokens["completion"]},
+            "palimpsest": {"session_id": sid, "arm": turn.arm, "t": turn.t, "plan": turn.plan, "tokens": turn.tokens,
+                           "latency_ms": turn.latency_ms, "glimpses": turn.glimpses},
+        }
+
+    @app.post("/v1/completions", summary="Raw completion from a prompt or from prompt_embeds (base64 of torch.save)")
+    async def completions(self, body: CompletionIn) -> dict:
+        await self._ensure()
+        if (body.prompt is None) == (body.prompt_embeds is None):
+            raise HTTPProblem(400, "give exactly one of prompt or prompt_embeds")
+        req: dict[str, Any] = {"max_tokens": body.max_tokens or self.cfg.actor.max_tokens,
+                               "temperature": body.temperature, "seed": body.seed}
+        if body.prompt_embeds is not None:
+            req["embeds"] = decode_embeds(body.prompt_embeds, self.actor_info["hidden_size"],
+                                          self.actor_info["max_embeds_len"], self.cfg.limits.max_request_bytes)
+        else:
+            ids = self.tokenizer.encode(body.prompt, add_special_tokens=False)
+            if not ids:
+                raise HTTPProblem(400, "the prompt is empty")
+            req["ids"] = ids
+        out = await self.actor.generate.remote(req)
+        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": self.actor_info["model"],
+                "choices": [{"index": 0, "text": out["text"], "token_ids": out["token_ids"],
+                             "finish_reason": out["finish_reason"] or "stop"}],
+                "usage": {"prompt_tokens": out["prompt_tokens"], "completion_tokens": len(out["token_ids"]),
+                          "total_tokens": out["prompt_tokens"] + len(out["token_ids"])}}
+
+    # -- operations ---------------------------------------------------------------------------
+
+    @app.get("/healthz", summary="Liveness")
+    async def healthz(self) -> dict:
+        return {"status": "ok"}
+
+    @app.get("/readyz", summary="Readiness: every deployment answered and the ledger is open")
+    async def readyz(self):
+        try:
+            await self._ensure()
+        except HTTPProblem as e:
+            return JSONResponse({"ready": False, "error": e.message}, status_code=503)
+        return {"ready": True, "arms": dict(zip(self.router.names, self.router.weights)),
+                "actor": self.actor_info["model"], "memory": self.memory_info, "summarizer": self.summarizer_info,
+                "embedder": self.runtime.embedder.name}
+
+    @app.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse)
+    async def prometheus(self):
+        return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+def _record_dict(r: StepRecord) -> dict:
+    return {"t": r.t, "kind": r.kind, "action": r.action, "thought": r.thought, "observation": r.observation,
+            "authority": r.authority, "tool": r.tool}

@@ -1,0 +1,103 @@
+"""OpenAI chat messages -> a session and its steps.
+
+An agent framework resends its whole message list every turn. The proxy reads it as: leading
+system/developer messages = the session's system prompt, the first user message = the task, then each
+assistant message with the user/tool messages that follow it = one step (action, observation). A step is
+recorded once its observation has arrived; a trailing assistant message without one is not recorded
+yet. Matching is by position and content hash: steps already in the ledger must hash the same (resending
+history is a no-op), a changed one is a conflict, new ones are appended.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from palimpsest.platform.types import Authority, PalimpsestError, StepRecord
+
+
+class HistoryConflict(PalimpsestError):
+    """The message list rewrites history the ledger already holds."""
+
+
+def _text(content) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for p in content:  # OpenAI content parts: keep the text ones
+        if isinstance(p, dict) and p.get("type") in ("text", "input_text") and isinstance(p.get("text"), str):
+            parts.append(p["text"])
+    return "\n".join(parts)
+
+
+def _tool_calls(m) -> str:
+    calls = (getattr(m, "model_extra", None) or {}).get("tool_calls")
+    if not isinstance(calls, list) or not calls:
+        return ""
+    out = []
+    for c in calls:
+        f = (c or {}).get("function", {}) if isinstance(c, dict) else {}
+        out.append(f"{f.get('name', 'tool')}({f.get('arguments', '')})")
+    return "\n".join(out)
+
+
+@dataclass(frozen=True)
+class ParsedChat:
+    system: str
+    task: str
+    steps: list[StepRecord]
+
+
+def parse_messages(messages) -> ParsedChat:
+    i, n = 0, len(messages)
+    system = []
+    while i < n and messages[i].role in ("system", "developer"):
+        system.append(_text(messages[i].content))
+        i += 1
+    if i >= n or messages[i].role != "user":
+        raise PalimpsestError("the message list needs a user message (the task) after the system messages")
+    task = _text(messages[i].content)
+    if not task.strip():
+        raise PalimpsestError("the first user message (the task) is empty")
+    i += 1
+    steps: list[StepRecord] = []
+    while i < n:
+        m = messages[i]
+        if m.role != "assistant":
+            # Users may speak twice in a row before the agent acts: fold it into the task's step 0 as an observation.
+            obs, j = [], i
+            while j < n and messages[j].role != "assistant":
+                obs.append(_text(messages[j].content))
+                j += 1
+            steps.append(StepRecord(t=len(steps), kind="message", action="", observation="\n".join(obs),
+                                    authority=Authority.USER))
+            i = j
+            continue
+        action = "\n".join(x for x in (_text(m.content), _tool_calls(m)) if x)
+        j = i + 1
+        obs_msgs = []
+        while j < n and messages[j].role != "assistant":
+            obs_msgs.append(messages[j])
+            j += 1
+        if not obs_msgs:
+            break  # the latest action has no observation yet: recorded with it next time
+        authority = Authority.TOOL if any(o.role in ("tool", "function") for o in obs_msgs) else Authority.USER
+        tool = next((o.name for o in obs_msgs if o.role in ("tool", "function") and o.name), None)
+        steps.append(StepRecord(t=len(steps), kind="tool_call" if authority is Authority.TOOL else "message",
+                                action=action, observation="\n".join(_text(o.content) for o in obs_msgs),
+                                authority=authority, tool=tool))
+        i = j
+    return ParsedChat(system="\n\n".join(s for s in system if s), task=task, steps=steps)
+
+
+def new_steps(existing_hashes: list[str], steps: list[StepRecord]) -> list[StepRecord]:
+    """The steps not recorded yet; a recorded position whose content differs is a :class:`HistoryConflict`."""
+    for k, (have, step) in enumerate(zip(existing_hashes, steps)):
+        if have != step.sha256():
+            raise HistoryConflict(f"message list rewrites recorded step t={k} (messages are matched by position "
+                                  "and content hash; recorded history cannot change)")
+    if len(steps) < len(existing_hashes):
+        raise HistoryConflict(f"message list holds {len(steps)} steps but the session already has "
+                              f"{len(existing_hashes)}: history cannot be removed")
+    return steps[len(existing_hashes):]

@@ -1,0 +1,107 @@
+"""Wire schemas of the HTTP API (pydantic; they make the OpenAPI document)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from palimpsest.platform.types import Authority
+
+
+class _In(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SessionIn(_In):
+    session_id: str | None = Field(None, description="1-200 characters of letters, digits and ._:/@+-; generated when absent")
+    task: str = Field(..., min_length=1)
+    system: str = ""
+    tools: str | None = None
+    arm: str | None = Field(None, description="an arm name; assigned by a sticky hash of the session id when absent")
+
+
+class SessionOut(BaseModel):
+    session_id: str
+    arm: str
+    steps: int
+
+
+class StepIn(_In):
+    t: int | None = Field(None, ge=0, description="the step index; the next one when absent")
+    kind: str = "message"
+    thought: str = ""
+    action: str = ""
+    observation: str | None = None
+    authority: Authority = Authority.TOOL
+    tool: str | None = None
+
+
+class StepOut(BaseModel):
+    session_id: str
+    step_id: int
+    t: int
+
+
+class TurnIn(_In):
+    budget: int | None = Field(None, ge=1, description="context budget in tokens; the arm's or the server's default")
+    max_tokens: int | None = Field(None, ge=1, le=8192)
+    temperature: float = Field(0.0, ge=0.0, le=2.0)
+    seed: int | None = None
+
+
+class TurnOut(BaseModel):
+    session_id: str
+    t: int
+    arm: str
+    action: str
+    finish_reason: str | None
+    plan: dict[str, int] = Field(description="how many history steps at each resolution")
+    tokens: dict[str, int] = Field(description="context (text), prefix, soft (memory positions), prompt (actor input), completion, cached")
+    latency_ms: dict[str, float] = Field(description="plan (plan+compile), memory, actor, total")
+    glimpses: list[int] = Field(description="step ids the model glimpsed in this turn")
+    prompt_hash: str
+
+
+class GlimpseIn(_In):
+    step_id: int = Field(..., ge=0)
+
+
+class GlimpseOut(BaseModel):
+    session_id: str
+    step_id: int
+    text: str
+
+
+class OutcomeIn(_In):
+    value: float = Field(..., description="the session's outcome, e.g. 1 = task solved, 0 = failed")
+    note: str = Field("", max_length=2000)
+
+
+class CompletionIn(_In):
+    prompt: str | None = None
+    prompt_embeds: str | None = Field(None, description="base64 of torch.save(tensor[T, hidden])")
+    max_tokens: int | None = Field(None, ge=1, le=8192)
+    temperature: float = Field(0.0, ge=0.0, le=2.0)
+    seed: int | None = None
+    model: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatIn(BaseModel):
+    model_config = ConfigDict(extra="allow")  # OpenAI clients send many optional fields
+    model: str | None = None
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_tokens: int | None = Field(None, ge=1, le=8192)
+    max_completion_tokens: int | None = Field(None, ge=1, le=8192)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    seed: int | None = None
+    user: str | None = None
+    stream: bool | None = False
+    n: int | None = Field(1, ge=1, le=1)
