@@ -1,0 +1,71 @@
+"""A tiny actor on disk (random Llama + byte-level BPE, vLLM loads it) and one composed app over it,
+shared by the end-to-end tests of this folder (starting vLLM inside Serve costs ~40 s)."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+import torch
+
+from tests.models.tiny import tiny_actor
+from tests.models.tiny_tokenizer import tiny_tokenizer
+
+HIDDEN = 128  # vLLM's CPU attention needs head_dim >= 32: 2 heads of 64
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny-actor")
+    actor = tiny_actor(seed=3, hidden=HIDDEN, vocab=256, heads=2)
+    actor.model.save_pretrained(d)
+    tiny_tokenizer().save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="session")
+def tiny_memory(tiny_dir, tmp_path_factory):
+    """A memory bundle for the tiny actor, as training exports it (random weights: the plumbing is under test)."""
+    from palimpsest.models.actor import FrozenActor
+    from palimpsest.models.encoder import BUNDLE_META, BUNDLE_WEIGHTS
+    from palimpsest.models.memory import MemoryConfig, MemoryNetwork
+
+    actor = FrozenActor.from_pretrained(tiny_dir)
+    cfg = MemoryConfig(d_actor=HIDDEN, d_model=64, n_heads=2, n_layers=1, block_size=32, queries=4, max_slots=16)
+    torch.manual_seed(0)
+    net = MemoryNetwork(cfg, embed_norm=actor.embed_norm())
+    d = tmp_path_factory.mktemp("tiny-memory")
+    torch.save(net.state_dict(), d / BUNDLE_WEIGHTS)
+    meta = {"memory": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}, "embed_norm": actor.embed_norm()}
+    (d / BUNDLE_META).write_text(json.dumps(meta))
+    return d
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tiny_config(tiny_dir, memory_dir, ledger) -> dict:
+    return {
+        "ledger": str(ledger), "embedder": "hashing", "budget": 320,
+        "actor": {"model": str(tiny_dir), "max_model_len": 1024, "max_tokens": 6, "max_embeds_len": 1024},
+        "summarizer": {"mode": "llm", "timeout_s": 10, "max_tokens": 16},
+        "memory": {"model": str(memory_dir), "stride": 4, "min_steps": 4, "max_history_tokens": 256},
+        "arms": [{"name": "pace", "policy": {"type": "pace"}, "weight": 1.0},
+                 {"name": "pace+memory", "policy": {"type": "pace"}, "memory": True, "weight": 1.0}],
+        "limits": {"max_step_chars": 20_000, "glimpses_per_turn": 3},
+    }
+
+
+@pytest.fixture(scope="session")
+def server(tiny_dir, tiny_memory, tmp_path_factory):
+    from palimpsest.serving.local import LocalServer
+
+    ledger = tmp_path_factory.mktemp("serve") / "ledger.db"
+    srv = LocalServer(tiny_config(tiny_dir, tiny_memory, ledger), port=free_port())
+    srv.start(timeout_s=600)
+    yield srv
+    srv.stop()

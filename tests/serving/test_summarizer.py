@@ -1,0 +1,53 @@
+"""The LLM summary keeps what the rule extractor found and falls back to the rule writer when the model
+is slow or writes nothing usable."""
+
+import asyncio
+
+from palimpsest.platform.abstraction import RuleSummarizer
+from palimpsest.platform.types import Authority, StepRecord
+from palimpsest.serving.summarizer import LLMSummarizer, parse_reply
+
+STEP = StepRecord(t=3, kind="bash", action="pytest tests/test_loader.py -x",
+                  observation="FAILED tests/test_loader.py::test_url - KeyError: 'DATABASE_URL'\n1 failed in 0.42s",
+                  authority=Authority.TOOL, tool="bash")
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_the_model_reply_is_merged_and_ids_survive():
+    async def generate(messages):
+        assert "Keep every id" in messages[0]["content"] and "DATABASE_URL" in messages[1]["content"]
+        return "SUMMARY: Ran the loader tests; one failed on a missing setting.\nOUTCOME: ok\nFACTS:\n- the url test fails"
+
+    s, producer, _ = run(LLMSummarizer(generate, "m").summarize(STEP))
+    assert producer == "llm:m"
+    assert s.abstraction.summary.startswith("Ran the loader tests")
+    assert s.abstraction.outcome == "error"  # the rule extractor saw the failure: the model cannot hide it
+    assert "tests/test_loader.py" in s.detailed and "DATABASE_URL" in s.detailed
+    assert "the url test fails" in s.detailed
+
+
+def test_slow_or_broken_models_fall_back_to_the_rule_writer():
+    async def slow(messages):
+        await asyncio.sleep(5)
+        return "SUMMARY: too late"
+
+    async def broken(messages):
+        raise RuntimeError("actor down")
+
+    async def junk(messages):
+        return "\n\n\n"
+
+    rule = RuleSummarizer().summarize(STEP)
+    for gen in (slow, broken, junk):
+        s, producer, _ = run(LLMSummarizer(gen, "m", timeout_s=0.2).summarize(STEP))
+        assert producer == RuleSummarizer.name
+        assert (s.detailed, s.brief) == (rule.detailed, rule.brief)
+
+
+def test_parse_reply():
+    assert parse_reply("SUMMARY: did x\nOUTCOME: error\nFACTS:\n- a\n- b") == ("did x", "error", ["a", "b"])
+    assert parse_reply("Listed the files in src.") == ("Listed the files in src.", None, [])
+    assert parse_reply("!!!") is None
