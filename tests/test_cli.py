@@ -14,7 +14,7 @@ FAST = ["--embedder", "hashing", "--tokenizer", "approx"]  # the real models are
 
 def cli(*args, cwd, env=None):
     args = list(args)
-    if args and args[0] in ("import", "render", "replay", "demo") and "--embedder" not in args:
+    if args and args[0] in ("import", "render", "replay", "view") and "--embedder" not in args:
         args += FAST
     return subprocess.run([sys.executable, "-m", "palimpsest.cli", *args], capture_output=True, text=True, cwd=cwd,
                           env={**os.environ, "COLUMNS": "200", **(env or {})}, timeout=300)
@@ -88,7 +88,7 @@ SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "trajectories
 @pytest.mark.slow
 @pytest.mark.skipif(not SHARED.is_file(), reason="the shared dev trajectories are not beside this checkout")
 def test_demo_on_the_dev_trajectories_with_the_real_models(tmp_path):
-    r = cli("demo", "--data", str(SHARED), "--ledger", str(tmp_path / "demo.db"), "--budget", "16000",
+    r = cli("view", "--data", str(SHARED), "--ledger", str(tmp_path / "demo.db"), "--budget", "16000",
             "--embedder", "minilm", "--tokenizer", "smollm2", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "imported 10 trajectories" in r.stdout and "PACE (" in r.stdout and "ACE (" in r.stdout

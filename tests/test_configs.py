@@ -32,3 +32,36 @@ def test_a_broken_config_file_names_the_file_and_the_field(tmp_path):
 
     with pytest.raises(ConfigError, match=r"bad.yaml: invalid pace policy config: tau"):
         load_policy_file(bad)
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("serve/*.yaml")), ids=lambda p: p.name)
+def test_serve_configs_validate(path):
+    from palimpsest.serving.config import load_serve_config
+
+    cfg = load_serve_config(path)
+    assert {a.name for a in cfg.arms} == {"pace", "pace+memory"}
+    data = yaml.safe_load(path.read_text())
+    if "applications" in data:  # a `serve run` / `serve deploy` file: Ray's own schema accepts it
+        from ray.serve.schema import ServeDeploySchema
+
+        schema = ServeDeploySchema.model_validate(data) if hasattr(ServeDeploySchema, "model_validate") else ServeDeploySchema.parse_obj(data)
+        app = schema.applications[0]
+        assert app.import_path == "palimpsest.serving.app:app_builder" and data["http_options"]["host"] == "127.0.0.1"
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"arms": []}, "at least one arm"),
+    ({"arms": [{"name": "a"}, {"name": "a"}]}, "unique"),
+    ({"arms": [{"name": "a", "weight": 0}]}, "positive weight"),
+    ({"arms": [{"name": "a", "policy": {"type": "magic"}}]}, "magic"),
+    ({"arms": [{"name": "bad name!"}]}, "arm name"),
+    ({"budget": 0}, "budget"),
+    ({"actor": {"dtype": "int8"}}, "dtype"),
+    ({"colour": "blue"}, "colour"),
+])
+def test_bad_serve_configs_are_refused_before_anything_starts(bad, match):
+    from palimpsest.platform import ConfigError
+    from palimpsest.serving.config import parse_serve_config
+
+    with pytest.raises(ConfigError, match=match):
+        parse_serve_config(bad)

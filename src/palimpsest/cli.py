@@ -5,7 +5,10 @@
     palimpsest glimpse --session ID STEP_ID     the raw text of one step
     palimpsest audit --session ID               every audited turn of a session
     palimpsest policies                         names and default configs
-    palimpsest demo                             PACE and ACE side by side on a real trajectory
+    palimpsest view                             PACE and ACE side by side on a real trajectory
+    palimpsest serve [--config F]               the composed HTTP app (Ray Serve + vLLM) on this machine
+    palimpsest ab report                        per-arm A/B comparison with confidence intervals
+    palimpsest demo                             the main job: memory, serving, live A/B traffic, report
 
 The ledger is ``--ledger PATH``, else ``$PALIMPSEST_LEDGER``, else ``.palimpsest/ledger.db``.
 Every refused input ends with one line on stderr naming the problem and exit status 2.
@@ -341,7 +344,7 @@ def models_prepare() -> None:
 
 
 @app.command()
-def demo(
+def view(
     data: Optional[Path] = typer.Option(None, help="trajectories (default: ../shared/data/trajectories/dev.jsonl)"),
     trajectory: Optional[str] = typer.Option(None, help="trajectory id (default: the longest)"),
     budget: int = typer.Option(16000, help="token budget"),
@@ -349,7 +352,7 @@ def demo(
     embedder: str = EmbedderOpt,
     tokenizer: str = TokenizerOpt,
 ) -> None:
-    """Import the dev trajectories and show PACE and ACE side by side on one of them."""
+    """Import the dev trajectories and show PACE and ACE side by side on one of them (offline, no server)."""
     from palimpsest.pipelines.demo import run_demo
 
     path = data or shared_dev_file()
@@ -359,6 +362,87 @@ def demo(
 
     validate_budget(budget)
     run_demo(out, path, trajectory, budget, open_runtime(ledger or Path(".palimpsest/demo.db"), embedder, tokenizer))
+
+
+@app.command()
+def demo(
+    data: Optional[Path] = typer.Option(None, help="trajectories (default: ../shared/data/trajectories/dev.jsonl)"),
+    config: Path = typer.Option(Path("configs/serve/demo.yaml"), "--config", help="serve config of the live run"),
+    train_config: Path = typer.Option(Path("configs/train/remory_demo.yaml"), "--train-config",
+                                      help="memory training config used when no memory model is registered"),
+    port: int = typer.Option(8000, min=1, max=65535),
+    every: int = typer.Option(8, min=1, help="a turn every N steps of each trajectory"),
+    max_turns: int = typer.Option(6, min=1, help="turns per session"),
+    concurrency: int = typer.Option(4, min=1, max=64, help="sessions driven at once"),
+    limit: Optional[int] = typer.Option(None, min=1, help="only the first N trajectories"),
+) -> None:
+    """The main job: models, memory training if needed, the composed app, live A/B traffic, the report."""
+    from palimpsest.demo import run_main_demo
+
+    run_main_demo(out, data or shared_dev_file(), config, train_config, port=port, every=every, max_turns=max_turns,
+                  concurrency=concurrency, limit=limit)
+
+
+@app.command()
+def serve(
+    config: Optional[Path] = typer.Option(None, "--config", help="a ServeConfig YAML or a `serve run` config (default: embedded)"),
+    host: str = typer.Option("127.0.0.1", "--host"),
+    port: int = typer.Option(8000, "--port", min=1, max=65535),
+) -> None:
+    """Run the composed app locally until SIGTERM or Ctrl-C (then shut it down cleanly)."""
+    import signal
+    import threading
+
+    from palimpsest.serving.config import load_serve_config
+    from palimpsest.serving.local import LocalServer
+
+    cfg = load_serve_config(config)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    server = LocalServer(cfg, host=host, port=port).start()
+    try:
+        err.print(f"serving at {server.url} (OpenAPI: {server.url}/docs; OpenAI base URL: {server.url}/v1); "
+                  f"arms {server.info['arms']}; memory {server.info['memory']['model'] or 'off'}")
+        stop.wait()
+    finally:
+        err.print("shutting down ...")
+        server.stop()
+
+
+ab_app = typer.Typer(help="A/B rollouts of policies and memory models.", no_args_is_help=True)
+app.add_typer(ab_app, name="ab")
+
+
+@ab_app.command("report")
+def ab_report(
+    ledger: Path = typer.Option(Path(".palimpsest/serve-ledger.db"), "--ledger", help="the serving ledger"),
+    since: float = typer.Option(0.0, "--since", help="only turns served after this unix time"),
+    prefix: str = typer.Option("", "--prefix", help="only sessions whose id starts with this"),
+    arms: Optional[str] = typer.Option(None, "--arms", help="comma-separated arms, control first (default: all)"),
+    as_json: bool = typer.Option(False, "--json", help="print the summary as JSON only"),
+    track: bool = typer.Option(False, "--mlflow/--no-mlflow", help="also log the comparison as an MLflow run"),
+    experiment: str = typer.Option("palimpsest-ab", "--experiment"),
+) -> None:
+    """Per-arm comparison (tokens, latency by stage, glimpses, errors, outcomes) with 95% intervals."""
+    import json as _json
+
+    from palimpsest.pipelines.ab import ab_summary, log_ab, summary_markdown
+
+    with Ledger(_existing(ledger)) as led:
+        served = [r for r in led.served(since) if r["session_id"].startswith(prefix)]
+        outcomes = [o for o in led.outcomes(since) if o["session_id"].startswith(prefix)]
+    summary = ab_summary(served, outcomes, [a.strip() for a in arms.split(",")] if arms else None)
+    md = summary_markdown(summary)
+    if track:
+        run_id, uri = log_ab(summary, experiment, {"ledger": str(ledger), "since": since, "prefix": prefix}, md)
+        summary["mlflow"] = {"run_id": run_id, "tracking_uri": uri}
+    if as_json:
+        print(_json.dumps(summary, default=float))
+        return
+    out.print(md, markup=False, highlight=False)
+    if track:
+        out.print(f"MLflow run {summary['mlflow']['run_id']} at {summary['mlflow']['tracking_uri']}")
 
 
 def main() -> None:

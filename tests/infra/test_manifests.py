@@ -71,3 +71,34 @@ def test_training_configs_validate(path):
     from palimpsest.training.config import load_train_config
 
     assert load_train_config(path).name
+
+
+def test_the_rayservice_deploys_a_serve_config_that_ray_and_palimpsest_accept():
+    from ray.serve.schema import ServeDeploySchema
+
+    from palimpsest.serving.config import parse_serve_config
+
+    doc = yaml.safe_load((ROOT / "infra" / "rayservice-palimpsest.yaml").read_text())
+    serve_cfg = yaml.safe_load(doc["spec"]["serveConfigV2"])
+    schema = ServeDeploySchema.model_validate(serve_cfg)
+    (app,) = schema.applications
+    assert app.import_path == "palimpsest.serving.app:app_builder"
+    cfg = parse_serve_config(serve_cfg["applications"][0]["args"])
+    assert cfg.resources.actor_gpus == 1.0 and cfg.actor.dtype == "bfloat16"
+    import importlib
+
+    module, attr = app.import_path.split(":")
+    assert callable(getattr(importlib.import_module(module), attr))
+
+
+def test_the_dockerfile_copies_what_exists_and_runs_the_serve_command():
+    lines = [ln.strip() for ln in (ROOT / "infra" / "Dockerfile").read_text().splitlines()]
+    for ln in lines:
+        if ln.startswith("COPY "):
+            for src in ln.split()[1:-1]:
+                assert (ROOT / src).exists(), f"Dockerfile copies {src}, which is not in the repository"
+    assert any(ln.startswith("FROM ") for ln in lines) and any(ln.startswith("USER ") for ln in lines)
+    cmd = next(ln for ln in lines if ln.startswith("CMD "))
+    assert "palimpsest" in cmd and "serve" in cmd
+    config = cmd.split("--config", 1)[1].split('"')[2]
+    assert (ROOT / config).is_file()

@@ -170,3 +170,38 @@ def test_pace_refuses_keys_of_another_embedder(runtime, session):
     pol = build_policy("pace", PolicyDeps(embedder=HashingEmbedder(dim=64)))
     with pytest.raises(ConfigError, match="needs keys of 'hashing-64-512'"):
         pol.plan(runtime.snapshot(session), BUDGET)
+
+
+def test_the_llm_elasticizer_refines_recent_decisions_and_keeps_the_rule_floor(runtime, session):
+    from palimpsest.platform.policies import build_policy
+    from palimpsest.platform.policies.base import PolicyDeps
+
+    asked = []
+
+    def chat(prompts):
+        asked.extend(prompts)
+        return ["RAW because it matters", None, "maybe?"] + ["drop"] * (len(prompts) - 3)
+
+    deps = PolicyDeps(embedder=runtime.embedder, tokenizer=runtime.ledger.tokenizer, chat=chat)
+    snap = runtime.snapshot(session)
+    rule_plan = build_policy({"type": "ace"}, deps).plan(snap, 100_000)
+    llm_plan = build_policy({"type": "ace", "elasticizer": "llm", "llm_window": 4}, deps).plan(snap, 100_000)
+    m = snap.t
+    judged = list(range(m - 1 - 4, m - 1))
+    assert len(asked) == 4 and "Answer with one word" in asked[0][0]["content"]
+    entries = llm_plan.entries()
+    assert entries[judged[0]].resolution.label == "full" and entries[judged[0]].reason == "the model judged it raw"
+    for j in judged[1:3]:  # no reply / an unusable reply: the rule decision stands
+        assert entries[j].resolution == rule_plan.entries()[j].resolution
+    assert entries[judged[3]].resolution.label == "drop"
+    assert entries[-1].resolution.label == "full"  # the latest step is always raw
+    older = range(0, judged[0])
+    assert [entries[i].resolution for i in older] == [rule_plan.entries()[i].resolution for i in older]
+
+
+def test_the_llm_elasticizer_needs_a_served_model():
+    from palimpsest.platform import ConfigError
+    from palimpsest.platform.policies import build_policy
+
+    with pytest.raises(ConfigError, match="served actor"):
+        build_policy({"type": "ace", "elasticizer": "llm"})

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import io
 import time
 
 import httpx
@@ -68,6 +67,22 @@ def test_glimpse_returns_the_raw_step_and_is_limited_per_turn(client):
     assert other["arm"] in ("pace", "pace+memory")
     r = client.post("/v1/sessions/gl-2/glimpse", json={"step_id": ids[0]})
     assert r.status_code == 404
+
+
+def test_the_llm_elasticizer_arm_serves_turns(server, client):
+    new_session(client, "ace-1", arm="ace-llm", steps=6)
+    ledger = Ledger(server.cfg.ledger)
+    deadline = time.time() + 120
+    while ledger.pending("ace-1", None)[0] and time.time() < deadline:  # abstractions are what ace reads
+        time.sleep(0.5)
+    r = client.post("/v1/sessions/ace-1/turn", json={"max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert r.json()["arm"] == "ace-llm" and r.json()["plan"]["full"] >= 1
+
+
+def test_session_ids_with_slashes_route(client):
+    new_session(client, "group/trajectory-1", steps=2)
+    assert client.get("/v1/sessions/group/trajectory-1/audit").json()["session_id"] == "group/trajectory-1"
 
 
 def test_ab_assignment_is_sticky_by_session_hash(client):
@@ -164,6 +179,6 @@ def test_metrics_and_openapi(client):
     text = client.get("/metrics").text
     assert 'palimpsest_turns_total{arm="pace"}' in text and "palimpsest_turn_latency_ms_bucket" in text
     paths = client.get("/openapi.json").json()["paths"]
-    for p in ("/v1/sessions", "/v1/sessions/{session_id}/turn", "/v1/sessions/{session_id}/glimpse",
+    for p in ("/v1/sessions", "/v1/sessions/{session_id}/turn", "/v1/sessions/{session_id}/glimpse", "/v1/sessions/{session_id}/audit",
               "/v1/chat/completions", "/v1/models", "/healthz", "/readyz", "/metrics"):
         assert p in paths

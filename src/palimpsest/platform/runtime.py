@@ -36,12 +36,12 @@ class Runtime:
     """Drives turns of any number of sessions over one ledger."""
 
     def __init__(self, ledger: Ledger, embedder: Embedder | None = None, summarizer: Summarizer | None = None,
-                 glimpse_limit: int = 3):
+                 glimpse_limit: int = 3, chat=None):
         self.ledger = ledger
         self.embedder = embedder or HashingEmbedder()
         self.summarizer = summarizer or RuleSummarizer()
         self.glimpse_limit = glimpse_limit
-        self.deps = PolicyDeps(embedder=self.embedder, tokenizer=ledger.tokenizer)
+        self.deps = PolicyDeps(embedder=self.embedder, tokenizer=ledger.tokenizer, chat=chat)
 
     def policy(self, config: PolicyConfigBase | dict | str) -> ContextPolicy:
         return build_policy(config, self.deps)

@@ -133,7 +133,7 @@ class Ingress:
         self.summarizer_info = await self.summarizer.info.remote()
         ledger = await asyncio.to_thread(Ledger, self.cfg.ledger, info["path"])
         self.runtime = Runtime(ledger, embedder=HandleEmbedder(self.embedder_h, emb["name"]), summarizer=RuleSummarizer(),
-                               glimpse_limit=self.cfg.limits.glimpses_per_turn)
+                               glimpse_limit=self.cfg.limits.glimpses_per_turn, chat=self._chat)
         self.policies = {a.name: self.runtime.policy(a.policy_config()) for a in self.cfg.arms}
         self._queue = asyncio.Queue()
         asyncio.get_running_loop().create_task(self._enrich_worker())
@@ -146,6 +146,20 @@ class Ingress:
         except Exception as e:
             self._ready = None
             raise HTTPProblem(503, f"not ready: {e}") from None
+
+    def _chat(self, prompts: list[list[dict]]) -> list[str | None]:
+        """The actor as a policy's language model (the `ace` LLM elasticizer): every prompt is sent at once
+        (vLLM batches them), each reply waited for until the summarizer's timeout; failures are None.
+        Policies plan in a worker thread, where blocking on handles is allowed."""
+        responses = [self.actor.chat.remote(p, 4) for p in prompts]
+        deadline = time.monotonic() + self.cfg.summarizer.timeout_s
+        out: list[str | None] = []
+        for r in responses:
+            try:
+                out.append(r.result(timeout_s=max(0.1, deadline - time.monotonic())))
+            except Exception:
+                out.append(None)
+        return out
 
     def reconfigure(self, user_config: dict) -> None:
         """`serve deploy` with new arm weights shifts traffic live (existing sessions keep their arm)."""
@@ -206,7 +220,7 @@ class Ingress:
         n = await asyncio.to_thread(self.runtime.ledger.count, sid)
         return SessionOut(session_id=sid, arm=self._arm_of(s), steps=n)
 
-    @app.post("/v1/sessions/{session_id}/steps", response_model=StepOut, summary="Append a step (durable on return)")
+    @app.post("/v1/sessions/{session_id:path}/steps", response_model=StepOut, summary="Append a step (durable on return)")
     async def append_step(self, session_id: str, body: StepIn) -> StepOut:
         await self._ensure()
         size = len(body.thought) + len(body.action) + len(body.observation or "")
@@ -220,18 +234,18 @@ class Ingress:
         self._enqueue(session_id)
         return StepOut(session_id=session_id, step_id=step.id, t=step.t)
 
-    @app.post("/v1/sessions/{session_id}/turn", response_model=TurnOut, summary="Compile the context and generate the next action")
+    @app.post("/v1/sessions/{session_id:path}/turn", response_model=TurnOut, summary="Compile the context and generate the next action")
     async def turn(self, session_id: str, body: TurnIn | None = None) -> TurnOut:
         await self._ensure()
         return await self._turn(session_id, body or TurnIn())
 
-    @app.post("/v1/sessions/{session_id}/glimpse", response_model=GlimpseOut, summary="The full text of a step (counts against the turn's limit)")
+    @app.post("/v1/sessions/{session_id:path}/glimpse", response_model=GlimpseOut, summary="The full text of a step (counts against the turn's limit)")
     async def glimpse(self, session_id: str, body: GlimpseIn) -> GlimpseOut:
         await self._ensure()
         text = await asyncio.to_thread(self.runtime.glimpse, session_id, body.step_id)
         return GlimpseOut(session_id=session_id, step_id=body.step_id, text=text)
 
-    @app.get("/v1/sessions/{session_id}/audit", summary="Every audited turn of a session")
+    @app.get("/v1/sessions/{session_id:path}/audit", summary="Every audited turn of a session")
     async def audit(self, session_id: str, plans: bool = False) -> dict:
         await self._ensure()
         turns = await asyncio.to_thread(self.runtime.ledger.audit, session_id)
@@ -240,7 +254,7 @@ class Ingress:
                 t.pop("plan")
         return {"session_id": session_id, "turns": turns}
 
-    @app.post("/v1/sessions/{session_id}/outcome", summary="Post the session's outcome (A/B feedback)")
+    @app.post("/v1/sessions/{session_id:path}/outcome", summary="Post the session's outcome (A/B feedback)")
     async def outcome(self, session_id: str, body: OutcomeIn) -> dict:
         await self._ensure()
         s = await asyncio.to_thread(self.runtime.ledger.session, session_id)
@@ -261,6 +275,8 @@ class Ingress:
             return await self._turn_inner(sid, session, arm, armcfg, body, t_start)
         except Exception as e:
             self.metrics.errors.labels(arm=arm, kind=type(e).__name__).inc()
+            if not isinstance(e, (UnknownSessionError, BudgetError, HTTPProblem)):  # the caller's mistakes are not the arm's
+                await asyncio.to_thread(ledger.record_served, sid, ledger.count(sid), arm, {"error": type(e).__name__})
             raise
 
     async def _turn_inner(self, sid, session, arm, armcfg, body: TurnIn, t_start: float) -> TurnOut:

@@ -22,7 +22,7 @@ from palimpsest.platform.policies.base import (
     fallback_missing,
     new_plan,
 )
-from palimpsest.platform.types import RenderPlan, Resolution
+from palimpsest.platform.types import ConfigError, RenderPlan, Resolution
 
 if TYPE_CHECKING:
     from palimpsest.platform.ledger import SessionSnapshot
@@ -83,8 +83,53 @@ class RuleElasticizer:
         return ElasticDecision(decision, codes, reasons.items, score.astype(np.float64))
 
 
+_LLM_DECISIONS = {"raw": RAW, "abstract": ABSTRACT, "summary": ABSTRACT, "drop": DROP}
+
+
+def elastic_prompt(task: str, latest: str, candidate: str) -> list[dict]:
+    return [{"role": "system", "content": "You manage an agent's context. Decide how an earlier step must be shown "
+                                          "for the agent's next action. Answer with one word: RAW (needed verbatim), "
+                                          "ABSTRACT (a summary is enough) or DROP (not needed)."},
+            {"role": "user", "content": f"TASK:\n{task[:1500]}\n\nLATEST STEP:\n{latest[:2000]}\n\n"
+                                        f"EARLIER STEP (summary):\n{candidate[:1500]}\n\nDecision:"}]
+
+
+class LLMElasticizer:
+    """The served actor judges the most recent ``window`` old steps (RAW / ABSTRACT / DROP) from their
+    structured abstraction, the task and the latest step; older steps and every unusable reply keep the
+    rule elasticizer's decision, so a slow or silly model can only refine, never break, a plan."""
+
+    def __init__(self, chat, fallback: RuleElasticizer, window: int = 16):
+        self.chat = chat
+        self.fallback = fallback
+        self.window = window
+        self.name = f"llm-elasticizer(window={window}, fallback={fallback.name})"
+
+    def decide(self, snap: "SessionSnapshot", old: np.ndarray) -> ElasticDecision:
+        base = self.fallback.decide(snap, old)
+        judged = old[-self.window:]
+        if not judged.size:
+            return base
+        latest = snap.body(snap.t - 1, Resolution.FULL) or ""
+        prompts = [elastic_prompt(snap.session.task, latest, snap.body(int(i), Resolution.DETAILED) or "")
+                   for i in judged]
+        replies = self.chat(prompts)
+        decision, codes = base.decision.copy(), base.reason_code.copy()
+        reasons = list(base.reasons)
+        for k, reply in enumerate(replies):
+            word = (reply or "").strip().split(maxsplit=1)[0].strip(".:,").lower() if (reply or "").strip() else ""
+            if word in _LLM_DECISIONS:
+                j = old.size - judged.size + k
+                decision[j] = _LLM_DECISIONS[word]
+                why = f"the model judged it {word}"
+                if why not in reasons:
+                    reasons.append(why)
+                codes[j] = reasons.index(why)
+        return ElasticDecision(decision, codes, reasons, base.score)
+
+
 class AceConfig(PolicyConfigBase):
-    """ACE with the deterministic rule elasticizer."""
+    """ACE with the deterministic rule elasticizer, or the served actor as the elasticizer."""
 
     type: Literal["ace"] = "ace"
     name: ClassVar[str] = "ace"
@@ -92,9 +137,17 @@ class AceConfig(PolicyConfigBase):
     abstract_recent: int = Field(3, ge=0, description="steps just before the latest one are at least abstract")
     drop_as: Literal["drop", "placeholder"] = Field(
         "drop", description="render a dropped step as nothing (paper) or as a one-line placeholder")
+    elasticizer: Literal["rule", "llm"] = Field(
+        "rule", description="rule: deterministic; llm: the served actor judges recent steps (rule as fallback)")
+    llm_window: int = Field(16, ge=1, le=256, description="how many of the most recent old steps the model judges")
 
     def build(self, deps: PolicyDeps | None = None) -> "AcePolicy":
-        return AcePolicy(self, RuleElasticizer(self.raw_min_overlap, self.abstract_recent))
+        rule = RuleElasticizer(self.raw_min_overlap, self.abstract_recent)
+        if self.elasticizer == "llm":
+            if deps is None or deps.chat is None:
+                raise ConfigError("the llm elasticizer needs a served actor (it runs inside `palimpsest serve`)")
+            return AcePolicy(self, LLMElasticizer(deps.chat, rule, self.llm_window))
+        return AcePolicy(self, rule)
 
 
 class AcePolicy:

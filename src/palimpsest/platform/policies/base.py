@@ -11,7 +11,7 @@ import abc
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import TYPE_CHECKING, Callable, ClassVar, Protocol
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict
@@ -38,6 +38,9 @@ class PolicyDeps:
 
     embedder: Embedder = field(default_factory=HashingEmbedder)
     tokenizer: Tokenizer = field(default_factory=ApproxTokenizer)
+    # A served language model, when there is one: chat message lists in, one reply each out (None where a
+    # reply failed or timed out). The LLM elasticizer of `ace` uses it; it is absent offline.
+    chat: Callable[[list[list[dict]]], list[str | None]] | None = None
 
 
 class PolicyConfigBase(BaseModel):
