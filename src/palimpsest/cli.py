@@ -372,7 +372,7 @@ def demo(
                                       help="memory training config used when no memory model is registered"),
     port: int = typer.Option(8000, min=1, max=65535),
     every: int = typer.Option(8, min=1, help="a turn every N steps of each trajectory"),
-    max_turns: int = typer.Option(6, min=1, help="turns per session"),
+    max_turns: int = typer.Option(4, min=1, help="turns per session"),
     concurrency: int = typer.Option(4, min=1, max=64, help="sessions driven at once"),
     limit: Optional[int] = typer.Option(None, min=1, help="only the first N trajectories"),
 ) -> None:
@@ -398,12 +398,14 @@ def serve(
 
     cfg = load_serve_config(config)
     stop = threading.Event()
+    server = LocalServer(cfg, host=host, port=port).start()
+    # After Ray's start-up: its core worker installs its own SIGTERM handler, which would end the process
+    # without shutting Serve down.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    server = LocalServer(cfg, host=host, port=port).start()
     try:
         err.print(f"serving at {server.url} (OpenAPI: {server.url}/docs; OpenAI base URL: {server.url}/v1); "
-                  f"arms {server.info['arms']}; memory {server.info['memory']['model'] or 'off'}")
+                  f"arms {server.info['arms']}; memory {server.info['memory']['models']['default']['model'] or 'off'}")
         stop.wait()
     finally:
         err.print("shutting down ...")

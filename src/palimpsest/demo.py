@@ -52,7 +52,7 @@ def ensure_memory(out: Console, train_config: Path, data: Path) -> str | None:
 
 
 def run_main_demo(out: Console, data: Path, serve_config: Path = DEMO_SERVE, train_config: Path = DEMO_TRAIN,
-                  port: int = 8000, every: int = 8, max_turns: int = 6, concurrency: int = 4,
+                  port: int = 8000, every: int = 8, max_turns: int = 4, concurrency: int = 4,
                   limit: int | None = None, track: bool = True) -> dict:
     from palimpsest.models.assets import minilm_dir, smollm2_dir, smollm2_tokenizer_dir
     from palimpsest.pipelines.ab import ab_summary, log_ab, summary_markdown
@@ -76,7 +76,7 @@ def run_main_demo(out: Console, data: Path, serve_config: Path = DEMO_SERVE, tra
     info = server.info
     out.print(f"composed app ready at {server.url} in {timings['serve_start_s']:.0f} s: actor {info['actor']}, "
               f"embedder {info['embedder']}, summarizer {info['summarizer']['name']}, "
-              f"memory {info['memory']['model'] or 'off'}; arms {info['arms']}")
+              f"memory {info['memory']['models']['default']['model'] or 'off'}; arms {info['arms']}")
     try:
         out.rule("4. live A/B traffic")
         prefix = f"demo-{time.strftime('%Y%m%d-%H%M%S')}/"

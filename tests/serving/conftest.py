@@ -56,6 +56,8 @@ def tiny_config(tiny_dir, memory_dir, ledger) -> dict:
         "memory": {"model": str(memory_dir), "stride": 4, "min_steps": 4, "max_history_tokens": 256},
         "arms": [{"name": "pace", "policy": {"type": "pace"}, "weight": 1.0},
                  {"name": "pace+memory", "policy": {"type": "pace"}, "memory": True, "weight": 1.0},
+                 {"name": "memory-b", "policy": {"type": "pace"}, "memory": True, "memory_model": str(memory_dir),
+                  "weight": 0.0},
                  {"name": "ace-llm", "policy": {"type": "ace", "elasticizer": "llm", "llm_window": 4}, "weight": 0.0}],
         "limits": {"max_step_chars": 20_000, "glimpses_per_turn": 3},
     }

@@ -50,6 +50,10 @@ def test_a_turn_with_soft_memory_goes_through_prompt_embeds(client):
     assert again["tokens"]["soft"] == with_memory["tokens"]["soft"]  # the same boundary: served from the cache
     audit = client.get("/v1/sessions/mem-1/audit").json()["turns"]
     assert [t["t"] for t in audit] == [9, 9]
+    # An arm with its own memory model (here the same bundle, loaded under the arm's name).
+    new_session(client, "mem-b", arm="memory-b", steps=9)
+    own = client.post("/v1/sessions/mem-b/turn", json={"max_tokens": 4}).json()
+    assert own["arm"] == "memory-b" and own["tokens"]["soft"] == with_memory["tokens"]["soft"]
 
 
 def test_glimpse_returns_the_raw_step_and_is_limited_per_turn(client):

@@ -39,7 +39,7 @@ def build_app(config: ServeConfig | dict | None = None) -> Application:
     summarizer = Summarizer.options(ray_actor_options={"num_cpus": res.summarizer, "runtime_env": env}).bind(
         cfg.summarizer.model_dump(), actor, actor_path.rstrip("/").rsplit("/", 1)[-1])
     memory = MemoryEncoder.options(ray_actor_options={"num_cpus": res.memory, "runtime_env": env}).bind(
-        actor_path, cfg.memory.model, cfg.device, cfg.memory.max_history_tokens)
+        actor_path, cfg.memory_models(), cfg.device, cfg.memory.max_history_tokens)
     return Ingress.options(ray_actor_options={"num_cpus": res.ingress, "runtime_env": env}).bind(
         cfg.model_dump(), actor, embedder, summarizer, memory)
 

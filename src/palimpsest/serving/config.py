@@ -58,6 +58,8 @@ class ArmConfig(_Strict):
     policy: dict[str, Any] | str = Field(default_factory=lambda: {"type": "pace"},
                                          description="an inline policy config, a policy name, or a YAML path")
     memory: bool = Field(False, description="inject the soft-memory span (needs a memory model)")
+    memory_model: str | None = Field(None, description="this arm's memory model (MLflow URI or bundle directory); "
+                                                       "the server's memory.model when unset")
     budget: int | None = Field(None, ge=1, description="token budget of this arm; the server default when unset")
 
     @field_validator("name")
@@ -124,6 +126,14 @@ class ServeConfig(_Strict):
             except Exception as e:
                 raise ValueError(f"arm {a.name!r}: {e}") from None
         return self
+
+    def memory_models(self) -> dict[str, str | None]:
+        """What the MemoryEncoder loads: ``default`` (memory.model) and every arm that names its own."""
+        models: dict[str, str | None] = {"default": self.memory.model}
+        for a in self.arms:
+            if a.memory and a.memory_model:
+                models[a.name] = a.memory_model
+        return models
 
     def arm(self, name: str) -> ArmConfig:
         for a in self.arms:

@@ -153,57 +153,69 @@ def summaries_from_wire(d: dict) -> Summaries:
 
 @serve.deployment(name="MemoryEncoder", max_ongoing_requests=16)
 class MemoryEncoder:
-    """The REMORY soft span at a compaction boundary, cached per (session, boundary)."""
+    """REMORY soft spans at compaction boundaries, cached per (model, session, boundary).
 
-    def __init__(self, actor_path: str, model: str | None, device: str = "cpu", max_history_tokens: int = 1024,
-                 cache_size: int = 4096):
+    It holds every memory model the arms use (``default`` and per-arm ones) over one frozen actor copy, so an
+    A/B test can compare two memory models as well as memory against none."""
+
+    def __init__(self, actor_path: str, models: dict[str, str | None], device: str = "cpu",
+                 max_history_tokens: int = 1024, cache_size: int = 4096):
         from palimpsest.platform.types import ConfigError
 
-        self.ref = resolve_memory_ref(model)
-        self.encoder = None
-        self.note = "no memory model" if self.ref is None else ""
-        if self.ref is not None:
-            from palimpsest.models.actor import FrozenActor
-            from palimpsest.models.encoder import MemoryEncoder as Encoder
+        self.models: dict[str, dict] = {}
+        encoders: dict[str, Any] = {}
+        actor = None
+        for key, wanted in models.items():
+            ref = resolve_memory_ref(wanted)
+            entry = {"enabled": False, "model": ref, "note": "no memory model" if ref is None else "", "max_slots": 0}
+            if ref is not None and ref not in encoders:
+                from palimpsest.models.actor import FrozenActor
+                from palimpsest.models.encoder import MemoryEncoder as Encoder
 
-            try:
-                self.encoder = Encoder.load(self.ref, FrozenActor.from_pretrained(actor_path, device=device))
-            except ConfigError as e:
-                if model != "auto":
-                    raise
-                # `auto` found a model trained for another actor: serve without soft memory, and say so.
-                self.note, self.ref = f"memory off: {e}", None
-        self.max_slots = self.encoder.slots_for(max_history_tokens) if self.encoder is not None else 0
-        self.cache: OrderedDict[tuple[str, int], Any] = OrderedDict()
+                actor = actor or FrozenActor.from_pretrained(actor_path, device=device)
+                try:
+                    encoders[ref] = Encoder.load(ref, actor)
+                except ConfigError as e:
+                    if wanted != "auto":
+                        raise
+                    # `auto` found a model trained for another actor: serve without soft memory, and say so.
+                    encoders[ref] = None
+                    entry["note"] = f"memory off: {e}"
+            if ref is not None and encoders.get(ref) is not None:
+                entry.update(enabled=True, max_slots=encoders[ref].slots_for(max_history_tokens))
+            else:
+                entry["model"] = None
+            self.models[key] = entry
+        self.encoders = {k: encoders[e["model"]] for k, e in self.models.items() if e["enabled"]}
+        self.cache: OrderedDict[tuple[str, str, int], Any] = OrderedDict()
         self.cache_size = cache_size
         self._lock = asyncio.Lock()
         self.hits = self.misses = 0
 
     def info(self) -> dict:
-        return {"enabled": self.encoder is not None, "model": self.ref, "note": self.note, "max_slots": self.max_slots,
-                "hits": self.hits, "misses": self.misses, "cached": len(self.cache)}
+        return {"models": self.models, "hits": self.hits, "misses": self.misses, "cached": len(self.cache)}
 
-    async def encode(self, session_id: str, boundary: int, history: list[int], summary: list[int]) -> dict:
+    async def encode(self, key: str, session_id: str, boundary: int, history: list[int], summary: list[int]) -> dict:
         import torch
 
-        if self.encoder is None:
-            raise RuntimeError("no memory model is loaded")
+        if key not in self.encoders:
+            raise RuntimeError(f"no memory model is loaded for {key!r}")
         t0 = time.perf_counter()
-        key = (session_id, int(boundary))
-        if key in self.cache:
+        ck = (self.models[key]["model"], session_id, int(boundary))
+        if ck in self.cache:
             self.hits += 1
-            self.cache.move_to_end(key)
-            return {"soft": self.cache[key], "ms": (time.perf_counter() - t0) * 1000, "cached": True}
+            self.cache.move_to_end(ck)
+            return {"soft": self.cache[ck], "ms": (time.perf_counter() - t0) * 1000, "cached": True}
         async with self._lock:
-            if key not in self.cache:
+            if ck not in self.cache:
                 self.misses += 1
                 h = torch.as_tensor(history, dtype=torch.long)
                 s = torch.as_tensor(summary, dtype=torch.long)
-                soft = await asyncio.to_thread(self.encoder.encode, h, s)
-                self.cache[key] = soft.float().cpu().contiguous()
+                soft = await asyncio.to_thread(self.encoders[key].encode, h, s)
+                self.cache[ck] = soft.float().cpu().contiguous()
                 while len(self.cache) > self.cache_size:
                     self.cache.popitem(last=False)
-        return {"soft": self.cache[key], "ms": (time.perf_counter() - t0) * 1000, "cached": False}
+        return {"soft": self.cache[ck], "ms": (time.perf_counter() - t0) * 1000, "cached": False}
 
 
 def resolve_memory_ref(model: str | None) -> str | None:

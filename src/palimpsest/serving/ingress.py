@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 import uuid
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -27,6 +29,7 @@ from ray import serve
 
 from palimpsest.platform import Ledger, Runtime
 from palimpsest.platform.abstraction import RuleSummarizer
+from palimpsest.platform.render import key_text
 from palimpsest.platform.types import (
     BudgetError,
     ConfigError,
@@ -97,13 +100,45 @@ async def _invalid(_: Request, e: RequestValidationError):
 
 class HandleEmbedder:
     """The Embedder deployment behind the platform's Embedder protocol. Policies call it from a worker
-    thread (plans run off the event loop), where blocking on a handle is allowed."""
+    thread (plans run off the event loop), where blocking on a handle is allowed.
 
-    def __init__(self, handle, name: str):
+    Query embeddings are primed: right after a step is appended, the enrichment lane embeds the query the
+    next turn's policy will ask for (the task and the latest steps), so the turn finds it in this cache
+    instead of waiting for the embedder."""
+
+    def __init__(self, handle, name: str, cache_size: int = 4096):
         self.handle, self.name = handle, name
+        self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._size = cache_size
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
 
     def embed(self, texts):
-        return np.asarray(self.handle.embed.remote(list(texts)).result(), dtype=np.float32)
+        texts = list(texts)
+        if len(texts) == 1:
+            with self._lock:
+                hit = self._cache.get(texts[0])
+            if hit is not None:
+                self.hits += 1
+                return hit[None]
+            self.misses += 1
+        out = np.asarray(self.handle.embed.remote(texts).result(), dtype=np.float32)
+        if len(texts) == 1:
+            self._remember(texts, out)
+        return out
+
+    def prime(self, texts: list[str]) -> None:
+        fresh = [t for t in texts if t not in self._cache]
+        if fresh:
+            self._remember(fresh, np.asarray(self.handle.embed.remote(fresh).result(), dtype=np.float32))
+
+    def _remember(self, texts, vectors) -> None:
+        with self._lock:
+            for t, v in zip(texts, vectors):
+                self._cache[t] = v
+                self._cache.move_to_end(t)
+            while len(self._cache) > self._size:
+                self._cache.popitem(last=False)
 
 
 @serve.deployment(name="Ingress", max_ongoing_requests=64, health_check_period_s=10)
@@ -117,6 +152,7 @@ class Ingress:
         self._ready: asyncio.Future | None = None
         self._queue: asyncio.Queue | None = None
         self._queued: set[str] = set()
+        self._llm_queued: set[str] = set()
         self._tried: set[int] = set()
         self.runtime: Runtime | None = None
 
@@ -135,8 +171,9 @@ class Ingress:
         self.runtime = Runtime(ledger, embedder=HandleEmbedder(self.embedder_h, emb["name"]), summarizer=RuleSummarizer(),
                                glimpse_limit=self.cfg.limits.glimpses_per_turn, chat=self._chat)
         self.policies = {a.name: self.runtime.policy(a.policy_config()) for a in self.cfg.arms}
-        self._queue = asyncio.Queue()
-        asyncio.get_running_loop().create_task(self._enrich_worker())
+        self._queue, self._llm_queue = asyncio.Queue(), asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        self._workers = [loop.create_task(self._enrich_worker()), loop.create_task(self._llm_worker())]
 
     async def _ensure(self) -> None:
         if self._ready is None:
@@ -178,32 +215,59 @@ class Ingress:
             self._queue.put_nowait(session_id)
 
     async def _enrich_worker(self) -> None:
+        """Fast lane: rule summaries and key embeddings, so every step soon has all four resolutions and a key."""
         while True:
             sid = await self._queue.get()
             self._queued.discard(sid)
             try:
-                await self._enrich(sid)
+                await asyncio.to_thread(self.runtime.enrich, sid)
+                await asyncio.to_thread(self._prime_queries, sid)
             except Exception as e:  # a failing enrichment never takes the server down; policies fall back
                 self.metrics.errors.labels(arm="-", kind="enrich").inc()
                 log.warning("enrichment of %s failed: %s", sid, e)
+                self._retry_later(sid)
+                continue
+            if self.summarizer_info["mode"] == "llm" and sid not in self._llm_queued:
+                self._llm_queued.add(sid)
+                self._llm_queue.put_nowait(sid)
 
-    async def _enrich(self, sid: str) -> None:
-        rt = self.runtime
-        # Rule summaries and keys first (fast): every step soon has all four resolutions and a key.
-        await asyncio.to_thread(rt.enrich, sid)
-        if self.summarizer_info["mode"] != "llm":
+    def _prime_queries(self, sid: str) -> None:
+        """Embed the query each arm's policy will use on the next turn (PACE: the task + the last N steps)."""
+        recents = {p.cfg.recent for p in self.policies.values() if p.name in ("pace", "pace_plus")}
+        if not recents:
             return
-        producer = (self.summarizer_info["name"], self.summarizer_info["version"])
-        todo, _ = await asyncio.to_thread(rt.ledger.pending, sid, None, producer)
-        todo = [s for s in todo if s.id not in self._tried][-8:]  # the most recent first matter most
-        replies = await asyncio.gather(*(self.summarizer.summarize.remote(_record_dict(s.record())) for s in todo),
-                                       return_exceptions=True)
+        ledger = self.runtime.ledger
+        session, n = ledger.session(sid), ledger.count(sid)
+        texts = []
+        for recent in sorted(recents):
+            steps = [ledger.step_at(sid, t) for t in range(max(0, n - recent), n)]
+            texts.append("\n".join([session.task] + [key_text(s) for s in steps]))
+        self.runtime.embedder.prime(texts)
+
+    def _retry_later(self, sid: str, delay_s: float = 5.0) -> None:
+        asyncio.get_running_loop().call_later(delay_s, self._enqueue, sid)
+
+    async def _llm_worker(self) -> None:
+        """Slow lane: summaries written by the actor for the most recent steps (they replace the rule ones)."""
         from palimpsest.serving.deployments import summaries_from_wire
 
-        for s, r in zip(todo, replies):
-            self._tried.add(s.id)
-            if isinstance(r, dict) and r["producer"] == producer[0]:
-                await asyncio.to_thread(rt.ledger.add_summaries, sid, s.id, summaries_from_wire(r), r["producer"], r["version"])
+        producer = (self.summarizer_info["name"], self.summarizer_info["version"])
+        while True:
+            sid = await self._llm_queue.get()
+            self._llm_queued.discard(sid)
+            try:
+                todo, _ = await asyncio.to_thread(self.runtime.ledger.pending, sid, None, producer)
+                todo = [s for s in todo if s.id not in self._tried][-8:]  # the most recent matter most
+                replies = await asyncio.gather(*(self.summarizer.summarize.remote(_record_dict(s.record())) for s in todo),
+                                               return_exceptions=True)
+                for s, r in zip(todo, replies):
+                    self._tried.add(s.id)
+                    if isinstance(r, dict) and r["producer"] == producer[0]:
+                        await asyncio.to_thread(self.runtime.ledger.add_summaries, sid, s.id, summaries_from_wire(r),
+                                                r["producer"], r["version"])
+            except Exception as e:
+                self.metrics.errors.labels(arm="-", kind="summarize").inc()
+                log.warning("LLM summaries of %s failed: %s", sid, e)
 
     # -- sessions and steps -------------------------------------------------------------------
 
@@ -283,9 +347,9 @@ class Ingress:
         budget = body.budget or armcfg.budget or self.cfg.budget
         ct = await asyncio.to_thread(self.runtime.turn, sid, self.policies[arm], budget)
         plan_ms = (time.perf_counter() - t_start) * 1000
-        memory = None
-        if armcfg.memory and self.memory_info["enabled"]:
-            memory = await self._memory_request(sid, session, ct.t, chat_ids(self.tokenizer, prompt_messages(ct.prompt)))
+        memory, mem = None, self._memory_of(armcfg)
+        if mem is not None:
+            memory = await self._memory_request(mem, sid, session, ct.t, chat_ids(self.tokenizer, prompt_messages(ct.prompt)))
         request: dict[str, Any] = {"max_tokens": body.max_tokens or self.cfg.actor.max_tokens,
                                    "temperature": body.temperature, "seed": body.seed}
         extra: list[str] = []
@@ -293,7 +357,7 @@ class Ingress:
         actor_ms = 0.0
         while True:
             ids = chat_ids(self.tokenizer, prompt_messages(ct.prompt, extra))
-            room = self.actor_info["max_model_len"] - request["max_tokens"] - (self.memory_info["max_slots"] if memory is not None else 0)
+            room = self.actor_info["max_model_len"] - request["max_tokens"] - (self.memory_info["models"][mem]["max_slots"] if memory is not None else 0)
             if len(ids) > room:
                 if not extra:
                     raise HTTPProblem(422, f"the compiled prompt has {len(ids)} tokens; the actor's window leaves "
@@ -325,7 +389,15 @@ class Ingress:
                        plan=ct.plan.counts(), tokens=tokens, latency_ms=latency, glimpses=glimpsed,
                        prompt_hash=ct.prompt.prompt_hash)
 
-    async def _memory_request(self, sid, session, t: int, ids):
+    def _memory_of(self, armcfg) -> str | None:
+        """The memory encoder's key for this arm (its own model, else the default), or None: no soft memory."""
+        if not armcfg.memory:
+            return None
+        models = self.memory_info["models"]
+        key = armcfg.name if armcfg.name in models else "default"
+        return key if models[key]["enabled"] else None
+
+    async def _memory_request(self, key: str, sid, session, t: int, ids):
         """The soft span of the latest compaction boundary (a handle response: it is not awaited here, so the
         tensor goes from the encoder to the actor directly), or None before the first boundary."""
         m = self.cfg.memory
@@ -334,7 +406,7 @@ class Ingress:
             return None
         steps = await asyncio.to_thread(lambda: self.runtime.ledger.snapshot(sid, upto=boundary).steps)
         history = chat_ids(self.tokenizer, history_messages(session, steps)).all[-m.max_history_tokens:]
-        return self.memory.encode.remote(sid, boundary, history, ids.context[-m.max_history_tokens:])
+        return self.memory.encode.remote(key, sid, boundary, history, ids.context[-m.max_history_tokens:])
 
     # -- OpenAI-compatible --------------------------------------------------------------------
 
