@@ -84,7 +84,7 @@ def serve_phase(args, trajs):
            "arms": [{"name": "pace", "policy": {"type": "pace"}}, {"name": "pace+memory", "policy": {"type": "pace"}, "memory": True}]}
     results = {}
     with LocalServer(cfg, port=args.port) as srv, httpx.Client(base_url=srv.url, timeout=600) as client:
-        results["memory_model"] = srv.info["memory"]["model"]
+        results["memory_model"] = srv.info["memory"]["models"]["default"]["model"]
         stamp = time.strftime("%H%M%S")
         # 1. sequential turns, both arms (arm fixed per session by header-free sticky hash: we pick explicitly)
         replies = {"pace": [], "pace+memory": []}

@@ -65,3 +65,21 @@ def test_bad_serve_configs_are_refused_before_anything_starts(bad, match):
 
     with pytest.raises(ConfigError, match=match):
         parse_serve_config(bad)
+
+
+def test_listening_beyond_loopback_needs_api_keys(tmp_path):
+    import hashlib
+
+    from palimpsest.platform import ConfigError
+    from palimpsest.serving.config import parse_serve_config
+
+    open_cfg = parse_serve_config({})
+    open_cfg.check_exposure("127.0.0.1")
+    with pytest.raises(ConfigError, match="needs API keys"):
+        open_cfg.check_exposure("0.0.0.0")
+    (tmp_path / "tenants.yaml").write_text(f"tenants:\n  acme: {{key_sha256: {hashlib.sha256(b'k').hexdigest()}}}\n")
+    keyed = parse_serve_config({"auth": {"tenants_file": str(tmp_path / "tenants.yaml")}})
+    keyed.check_exposure("0.0.0.0")
+    assert set(keyed.auth.resolved()) == {"acme"}
+    with pytest.raises(ConfigError, match="key_sha256"):
+        parse_serve_config({"auth": {"tenants": {"acme": {"key_sha256": "plaintext-key"}}}})

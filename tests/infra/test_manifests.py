@@ -85,6 +85,7 @@ def test_the_rayservice_deploys_a_serve_config_that_ray_and_palimpsest_accept():
     assert app.import_path == "palimpsest.serving.app:app_builder"
     cfg = parse_serve_config(serve_cfg["applications"][0]["args"])
     assert cfg.resources.actor_gpus == 1.0 and cfg.actor.dtype == "bfloat16"
+    assert serve_cfg["http_options"]["host"] == "0.0.0.0" and cfg.auth.tenants_file  # exposed: keys required
     import importlib
 
     module, attr = app.import_path.split(":")

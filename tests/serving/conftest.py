@@ -3,6 +3,7 @@ shared by the end-to-end tests of this folder (starting vLLM inside Serve costs 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import socket
 
@@ -13,6 +14,7 @@ from tests.models.tiny import tiny_actor
 from tests.models.tiny_tokenizer import tiny_tokenizer
 
 HIDDEN = 128  # vLLM's CPU attention needs head_dim >= 32: 2 heads of 64
+KEYS = {"alice": "alice-secret-key", "bob": "bob-secret-key"}
 
 
 @pytest.fixture(scope="session")
@@ -60,6 +62,9 @@ def tiny_config(tiny_dir, memory_dir, ledger) -> dict:
                   "weight": 0.0},
                  {"name": "ace-llm", "policy": {"type": "ace", "elasticizer": "llm", "llm_window": 4}, "weight": 0.0}],
         "limits": {"max_step_chars": 20_000, "glimpses_per_turn": 3},
+        "auth": {"tenants": {
+            "alice": {"key_sha256": hashlib.sha256(KEYS["alice"].encode()).hexdigest(), "allow_prompt_embeds": True},
+            "bob": {"key_sha256": hashlib.sha256(KEYS["bob"].encode()).hexdigest()}}},
     }
 
 

@@ -12,15 +12,26 @@ import torch
 from palimpsest.platform import Ledger
 from palimpsest.serving.ab import Router
 from palimpsest.serving.embeds import encode_embeds
+from tests.serving.conftest import KEYS
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.vllm]
 
 OBS = "def parse_config(env): return env['database_url']\nsettings/loader.py:12: KeyError"
 
 
+def bearer(tenant: str) -> dict:
+    return {"Authorization": f"Bearer {KEYS[tenant]}"}
+
+
 @pytest.fixture(scope="module")
 def client(server):
-    with httpx.Client(base_url=server.url, timeout=120) as c:
+    with httpx.Client(base_url=server.url, timeout=120, headers=bearer("alice")) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def bob(server):
+    with httpx.Client(base_url=server.url, timeout=120, headers=bearer("bob")) as c:
         yield c
 
 
@@ -77,7 +88,7 @@ def test_the_llm_elasticizer_arm_serves_turns(server, client):
     new_session(client, "ace-1", arm="ace-llm", steps=6)
     ledger = Ledger(server.cfg.ledger)
     deadline = time.time() + 120
-    while ledger.pending("ace-1", None)[0] and time.time() < deadline:  # abstractions are what ace reads
+    while ledger.pending("alice::ace-1", None)[0] and time.time() < deadline:  # abstractions are what ace reads
         time.sleep(0.5)
     r = client.post("/v1/sessions/ace-1/turn", json={"max_tokens": 2})
     assert r.status_code == 200, r.text
@@ -95,7 +106,7 @@ def test_ab_assignment_is_sticky_by_session_hash(client):
     for i in range(12):
         sid = f"ab-{i}"
         arms[sid] = new_session(client, sid)["arm"]
-        assert arms[sid] == router.assign(sid)
+        assert arms[sid] == router.assign(f"alice::{sid}")  # the hash of the tenant's namespaced session id
     assert set(arms.values()) == {"pace", "pace+memory"}
     for sid, arm in arms.items():  # creating again (or from another replica) keeps the arm
         assert new_session(client, sid)["arm"] == arm
@@ -107,7 +118,7 @@ def test_ab_assignment_is_sticky_by_session_hash(client):
 
 def test_an_openai_client_gets_context_management_by_changing_its_base_url(server, client):
     openai = pytest.importorskip("openai")
-    oc = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    oc = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEYS["alice"])
     model = oc.models.list().data[0].id
     history = [{"role": "system", "content": "You are a careful agent."},
                {"role": "user", "content": "Fix the failing test in settings"}]
@@ -170,7 +181,7 @@ def test_enrichment_runs_in_the_background(server, client):
     ledger = Ledger(server.cfg.ledger)
     deadline = time.time() + 120
     while time.time() < deadline:
-        no_summary, no_key = ledger.pending("enrich-1", "hashing-256-512")
+        no_summary, no_key = ledger.pending("alice::enrich-1", "hashing-256-512")
         if not no_summary and not no_key:
             break
         time.sleep(0.5)
@@ -186,3 +197,23 @@ def test_metrics_and_openapi(client):
     for p in ("/v1/sessions", "/v1/sessions/{session_id}/turn", "/v1/sessions/{session_id}/glimpse", "/v1/sessions/{session_id}/audit",
               "/v1/chat/completions", "/v1/models", "/healthz", "/readyz", "/metrics"):
         assert p in paths
+
+
+def test_tenants_are_isolated_and_keys_are_required(client, bob, server):
+    new_session(client, "shared-name", steps=2)
+    step_id = client.post("/v1/sessions/shared-name/steps", json={"action": "cat secret.txt", "observation": "alice's secret"}).json()["step_id"]
+    # Bob cannot see, extend, turn, audit or glimpse Alice's session, even knowing its id and a step id.
+    assert bob.post("/v1/sessions/shared-name/steps", json={"action": "ls"}).status_code == 404
+    assert bob.post("/v1/sessions/shared-name/turn", json={}).status_code == 404
+    assert bob.get("/v1/sessions/shared-name/audit").status_code == 404
+    assert bob.post("/v1/sessions/shared-name/glimpse", json={"step_id": step_id}).status_code == 404
+    # The same name is a different session for Bob, and Alice's step ids are not his to read through it.
+    assert bob.post("/v1/sessions", json={"session_id": "shared-name", "task": "bob's task"}).json()["steps"] == 0
+    r = bob.post("/v1/sessions/shared-name/glimpse", json={"step_id": step_id})
+    assert r.status_code == 404 and "secret" not in r.text
+    # No key, a wrong key: 401; raw prompt embeds only for tenants allowed to send them.
+    assert httpx.post(f"{server.url}/v1/sessions", json={"task": "x"}).status_code == 401
+    assert httpx.post(f"{server.url}/v1/sessions", json={"task": "x"}, headers={"Authorization": "Bearer nope"}).status_code == 401
+    r = bob.post("/v1/completions", json={"prompt_embeds": encode_embeds(torch.randn(3, 128))})
+    assert r.status_code == 403 and "prompt_embeds" in r.json()["error"]
+    assert client.post("/v1/completions", json={"prompt_embeds": encode_embeds(torch.randn(3, 128)), "max_tokens": 2}).status_code == 200

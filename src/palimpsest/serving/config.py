@@ -82,6 +82,41 @@ class LimitsConfig(_Strict):
     max_messages: int = Field(4096, ge=1, description="longest message list /v1/chat/completions accepts")
     max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     glimpses_per_turn: int = Field(3, ge=0, le=16)
+    allow_prompt_embeds: bool = Field(False, description="without tenants: may clients send raw prompt_embeds")
+
+
+class TenantConfig(_Strict):
+    key_sha256: str = Field(..., pattern=r"^[0-9a-f]{64}$", description="SHA-256 (hex) of the tenant's API key; the key itself is never stored")
+    allow_prompt_embeds: bool = Field(False, description="may this tenant send raw prompt_embeds to /v1/completions")
+
+
+class AuthConfig(_Strict):
+    """API keys per tenant. Without tenants the server is single-tenant and must listen on loopback only."""
+
+    tenants: dict[str, TenantConfig] = Field(default_factory=dict)
+    tenants_file: str | None = Field(None, description="a YAML file of tenants (e.g. a mounted Kubernetes Secret), merged in")
+
+    @field_validator("tenants")
+    @classmethod
+    def _names(cls, v: dict) -> dict:
+        for name in v:
+            if not re.match(r"^[A-Za-z0-9_-]{1,64}$", name):
+                raise ValueError(f"tenant name {name!r}: 1-64 letters, digits, '_' or '-'")
+        return v
+
+    def resolved(self) -> dict[str, TenantConfig]:
+        tenants = dict(self.tenants)
+        if self.tenants_file:
+            data = read_yaml(Path(self.tenants_file), "tenants file") or {}
+            try:
+                extra = AuthConfig.model_validate({"tenants": data.get("tenants", data)}).tenants
+            except ValidationError as e:
+                raise ConfigError(f"{self.tenants_file}: {problems(e)}") from None
+            tenants.update(extra)
+        return tenants
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 class DeploymentResources(_Strict):
@@ -108,6 +143,7 @@ class ServeConfig(_Strict):
         ArmConfig(name="pace+memory", policy={"type": "pace"}, memory=True, weight=1.0),
     ])
     limits: LimitsConfig = LimitsConfig()
+    auth: AuthConfig = AuthConfig()
     resources: DeploymentResources = DeploymentResources()
     mlflow_experiment: str = "palimpsest-ab"
 
@@ -126,6 +162,12 @@ class ServeConfig(_Strict):
             except Exception as e:
                 raise ValueError(f"arm {a.name!r}: {e}") from None
         return self
+
+    def check_exposure(self, host: str) -> None:
+        """API keys are required whenever the server listens beyond loopback."""
+        if host not in LOOPBACK and not self.auth.resolved():
+            raise ConfigError(f"listening on {host!r} needs API keys: configure auth.tenants (or auth.tenants_file), "
+                              "or listen on 127.0.0.1")
 
     def memory_models(self) -> dict[str, str | None]:
         """What the MemoryEncoder loads: ``default`` (memory.model) and every arm that names its own."""

@@ -14,11 +14,14 @@ stored is lost and the server stays up.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import logging
 import threading
 import time
 import uuid
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -98,6 +101,22 @@ async def _invalid(_: Request, e: RequestValidationError):
     return JSONResponse({"error": "; ".join(msgs)}, status_code=422)
 
 
+@dataclass(frozen=True)
+class Tenant:
+    name: str | None  # None: the single-tenant (no keys, loopback) server
+    allow_prompt_embeds: bool
+
+    def internal(self, session_id: str) -> str:
+        """The ledger's id of a tenant's session: tenants live in disjoint namespaces, so another tenant's
+        session (and every step id inside it) is simply not found."""
+        if not isinstance(session_id, str) or not session_id:
+            raise HTTPProblem(422, "a session id is required")
+        return session_id if self.name is None else f"{self.name}::{session_id}"
+
+    def external(self, internal_id: str) -> str:
+        return internal_id if self.name is None else internal_id.split("::", 1)[1]
+
+
 class HandleEmbedder:
     """The Embedder deployment behind the platform's Embedder protocol. Policies call it from a worker
     thread (plans run off the event loop), where blocking on a handle is allowed.
@@ -149,6 +168,7 @@ class Ingress:
         self.actor, self.embedder_h, self.summarizer, self.memory = actor, embedder, summarizer, memory
         self.router = Router.of(self.cfg.arms)
         self.metrics = Metrics([a.name for a in self.cfg.arms])
+        self.tenants = {t.key_sha256: (name, t.allow_prompt_embeds) for name, t in self.cfg.auth.resolved().items()}
         self._ready: asyncio.Future | None = None
         self._queue: asyncio.Queue | None = None
         self._queued: set[str] = set()
@@ -206,6 +226,19 @@ class Ingress:
             raise ConfigError(f"weights for unknown arms {sorted(unknown)}")
         self.router = Router(self.router.names, tuple(float(weights.get(n, w)) for n, w in
                                                       zip(self.router.names, self.router.weights)))
+
+    def _tenant(self, request: Request) -> Tenant:
+        """The caller's tenant from ``Authorization: Bearer <key>`` (or ``X-API-Key``); 401 without a valid key
+        when tenants are configured."""
+        if not self.tenants:
+            return Tenant(None, self.cfg.limits.allow_prompt_embeds)
+        auth = request.headers.get("authorization", "")
+        key = auth[7:].strip() if auth.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
+        digest = hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest() if key else ""
+        for known, (name, embeds) in self.tenants.items():
+            if digest and hmac.compare_digest(known, digest):
+                return Tenant(name, embeds)
+        raise HTTPProblem(401, "a valid API key is required (Authorization: Bearer <key>)")
 
     # -- background enrichment ----------------------------------------------------------------
 
@@ -278,15 +311,18 @@ class Ingress:
     @app.post("/v1/sessions", response_model=SessionOut, summary="Create a session (idempotent)")
     async def create_session(self, body: SessionIn, request: Request) -> SessionOut:
         await self._ensure()
-        sid = body.session_id or uuid.uuid4().hex
+        tenant = self._tenant(request)
+        ext = body.session_id or uuid.uuid4().hex
+        sid = tenant.internal(ext)
         arm = self.router.choose(sid, body.arm or request.headers.get(ARM_HEADER))
         s = await asyncio.to_thread(self.runtime.ledger.create_session, sid, body.task, body.system, body.tools, {"arm": arm})
         n = await asyncio.to_thread(self.runtime.ledger.count, sid)
-        return SessionOut(session_id=sid, arm=self._arm_of(s), steps=n)
+        return SessionOut(session_id=ext, arm=self._arm_of(s), steps=n)
 
     @app.post("/v1/sessions/{session_id:path}/steps", response_model=StepOut, summary="Append a step (durable on return)")
-    async def append_step(self, session_id: str, body: StepIn) -> StepOut:
+    async def append_step(self, session_id: str, body: StepIn, request: Request) -> StepOut:
         await self._ensure()
+        ext, session_id = session_id, self._tenant(request).internal(session_id)
         size = len(body.thought) + len(body.action) + len(body.observation or "")
         if size > self.cfg.limits.max_step_chars:
             raise HTTPProblem(413, f"the step has {size} characters; at most {self.cfg.limits.max_step_chars} are accepted")
@@ -296,34 +332,36 @@ class Ingress:
                          authority=body.authority, tool=body.tool)
         step = await asyncio.to_thread(ledger.append, session_id, rec)
         self._enqueue(session_id)
-        return StepOut(session_id=session_id, step_id=step.id, t=step.t)
+        return StepOut(session_id=ext, step_id=step.id, t=step.t)
 
     @app.post("/v1/sessions/{session_id:path}/turn", response_model=TurnOut, summary="Compile the context and generate the next action")
-    async def turn(self, session_id: str, body: TurnIn | None = None) -> TurnOut:
+    async def turn(self, session_id: str, request: Request, body: TurnIn | None = None) -> TurnOut:
         await self._ensure()
-        return await self._turn(session_id, body or TurnIn())
+        out = await self._turn(self._tenant(request).internal(session_id), body or TurnIn())
+        return out.model_copy(update={"session_id": session_id})
 
     @app.post("/v1/sessions/{session_id:path}/glimpse", response_model=GlimpseOut, summary="The full text of a step (counts against the turn's limit)")
-    async def glimpse(self, session_id: str, body: GlimpseIn) -> GlimpseOut:
+    async def glimpse(self, session_id: str, body: GlimpseIn, request: Request) -> GlimpseOut:
         await self._ensure()
-        text = await asyncio.to_thread(self.runtime.glimpse, session_id, body.step_id)
+        text = await asyncio.to_thread(self.runtime.glimpse, self._tenant(request).internal(session_id), body.step_id)
         return GlimpseOut(session_id=session_id, step_id=body.step_id, text=text)
 
     @app.get("/v1/sessions/{session_id:path}/audit", summary="Every audited turn of a session")
-    async def audit(self, session_id: str, plans: bool = False) -> dict:
+    async def audit(self, session_id: str, request: Request, plans: bool = False) -> dict:
         await self._ensure()
-        turns = await asyncio.to_thread(self.runtime.ledger.audit, session_id)
+        turns = await asyncio.to_thread(self.runtime.ledger.audit, self._tenant(request).internal(session_id))
         if not plans:
             for t in turns:
                 t.pop("plan")
         return {"session_id": session_id, "turns": turns}
 
     @app.post("/v1/sessions/{session_id:path}/outcome", summary="Post the session's outcome (A/B feedback)")
-    async def outcome(self, session_id: str, body: OutcomeIn) -> dict:
+    async def outcome(self, session_id: str, body: OutcomeIn, request: Request) -> dict:
         await self._ensure()
-        s = await asyncio.to_thread(self.runtime.ledger.session, session_id)
+        sid = self._tenant(request).internal(session_id)
+        s = await asyncio.to_thread(self.runtime.ledger.session, sid)
         arm = self._arm_of(s)
-        await asyncio.to_thread(self.runtime.ledger.record_outcome, session_id, arm, body.value, body.note)
+        await asyncio.to_thread(self.runtime.ledger.record_outcome, sid, arm, body.value, body.note)
         self.metrics.outcomes.labels(arm=arm).observe(body.value)
         return {"session_id": session_id, "arm": arm, "value": body.value}
 
@@ -411,8 +449,9 @@ class Ingress:
     # -- OpenAI-compatible --------------------------------------------------------------------
 
     @app.get("/v1/models", summary="The served actor (OpenAI-compatible)")
-    async def models(self) -> dict:
+    async def models(self, request: Request) -> dict:
         await self._ensure()
+        self._tenant(request)
         return {"object": "list", "data": [{"id": self.actor_info["model"], "object": "model", "created": 0,
                                             "owned_by": "palimpsest"}]}
 
@@ -423,9 +462,11 @@ class Ingress:
             raise HTTPProblem(400, "stream=true is not supported; send stream=false")
         if len(body.messages) > self.cfg.limits.max_messages:
             raise HTTPProblem(413, f"{len(body.messages)} messages; at most {self.cfg.limits.max_messages} are accepted")
-        sid = request.headers.get(SESSION_HEADER) or body.user
-        if not sid:
+        tenant = self._tenant(request)
+        ext = request.headers.get(SESSION_HEADER) or body.user
+        if not ext:
             raise HTTPProblem(400, f"name the session: the {SESSION_HEADER!r} header or the 'user' field")
+        sid = tenant.internal(ext)
         parsed = parse_messages(body.messages)
         for s in parsed.steps:
             size = len(s.action) + len(s.observation or "")
@@ -452,15 +493,19 @@ class Ingress:
                          "finish_reason": turn.finish_reason or "stop", "logprobs": None}],
             "usage": {"prompt_tokens": turn.tokens["prompt"], "completion_tokens": turn.tokens["completion"],
                       "total_tokens": turn.tokens["prompt"] + turn.tokens["completion"]},
-            "palimpsest": {"session_id": sid, "arm": turn.arm, "t": turn.t, "plan": turn.plan, "tokens": turn.tokens,
+            "palimpsest": {"session_id": ext, "arm": turn.arm, "t": turn.t, "plan": turn.plan, "tokens": turn.tokens,
                            "latency_ms": turn.latency_ms, "glimpses": turn.glimpses},
         }
 
     @app.post("/v1/completions", summary="Raw completion from a prompt or from prompt_embeds (base64 of torch.save)")
-    async def completions(self, body: CompletionIn) -> dict:
+    async def completions(self, body: CompletionIn, request: Request) -> dict:
         await self._ensure()
+        tenant = self._tenant(request)
         if (body.prompt is None) == (body.prompt_embeds is None):
             raise HTTPProblem(400, "give exactly one of prompt or prompt_embeds")
+        if body.prompt_embeds is not None and not tenant.allow_prompt_embeds:
+            raise HTTPProblem(403, "client-supplied prompt_embeds are not enabled for this caller "
+                                   "(auth.tenants.<name>.allow_prompt_embeds, or limits.allow_prompt_embeds without tenants)")
         req: dict[str, Any] = {"max_tokens": body.max_tokens or self.cfg.actor.max_tokens,
                                "temperature": body.temperature, "seed": body.seed}
         if body.prompt_embeds is not None:

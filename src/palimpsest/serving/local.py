@@ -33,6 +33,7 @@ class LocalServer:
     def __init__(self, config: ServeConfig | dict | None = None, host: str = "127.0.0.1", port: int = 8000,
                  num_cpus: int | None = None):
         self.cfg = parse_serve_config(config)
+        self.cfg.check_exposure(host)
         self.host, self.port = host, port
         self.num_cpus = num_cpus
         self.info: dict = {}
