@@ -20,7 +20,8 @@ KEYS = {"alice": "alice-secret-key", "bob": "bob-secret-key"}
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny-actor")
-    actor = tiny_actor(seed=3, hidden=HIDDEN, vocab=256, heads=2)
+    # The model's vocabulary covers the tokenizer's (256 bytes + 2 special tokens), as real checkpoints' do.
+    actor = tiny_actor(seed=3, hidden=HIDDEN, vocab=320, heads=2)
     actor.model.save_pretrained(d)
     tiny_tokenizer().save_pretrained(d)
     return d

@@ -16,7 +16,8 @@ from palimpsest.platform.types import PalimpsestError
 
 Z95 = 1.959963984540054
 METRICS = (("tokens_context", "context tokens"), ("tokens_prompt", "actor input positions"),
-           ("tokens_soft", "soft-memory positions"), ("plan_ms", "plan+compile ms"), ("memory_ms", "memory ms"),
+           ("tokens_soft", "soft-memory positions"), ("plan_ms", "plan+compile ms"), ("embed_ms", "query-embedding wait ms"),
+           ("memory_ms", "memory ms"),
            ("actor_ms", "actor ms"), ("total_ms", "turn ms"), ("glimpses", "glimpses per turn"))
 
 

@@ -14,6 +14,11 @@ from typing import Protocol, Sequence, runtime_checkable
 import numpy as np
 
 
+class EmbedderUnavailable(RuntimeError):
+    """The key embedder failed or timed out. A turn then plans as if no step had a key yet (PACE's own
+    fallback for keys still being computed): it is served, with less relevance information."""
+
+
 @runtime_checkable
 class Embedder(Protocol):
     name: str  # keys are stored per model name

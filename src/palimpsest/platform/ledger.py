@@ -126,6 +126,12 @@ class SessionSnapshot:
     prefix_tokens: int = 0  # system + tools + task, as the compiler renders them
     _memo: dict = field(default_factory=dict, compare=False, repr=False)  # derived indexes, built once
 
+    def without_keys(self) -> "SessionSnapshot":
+        """The same snapshot with no key embeddings (what a turn plans on when the embedder is down)."""
+        import dataclasses
+
+        return dataclasses.replace(self, has_key=np.zeros_like(self.has_key), keys=np.zeros_like(self.keys))
+
     def salient_index(self) -> "SalientIndex":
         """Each step's identifiers (ids, paths, URLs of its abstraction and action) as one sparse
         matrix, so policies score identifier overlap with numpy instead of a loop per turn."""

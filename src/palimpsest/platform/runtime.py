@@ -82,10 +82,12 @@ class Runtime:
         return CompiledTurn(session_id=snap.session.id, t=snap.t, budget=budget, plan=plan, prompt=prompt)
 
     def turn(self, session_id: str, policy: ContextPolicy | PolicyConfigBase | dict | str, budget: int,
-             at: int | None = None, record: bool = True) -> CompiledTurn:
-        """Compile the context for the next step (or for step ``at``) and audit it."""
+             at: int | None = None, record: bool = True, keys: bool = True) -> CompiledTurn:
+        """Compile the context for the next step (or for step ``at``) and audit it. ``keys=False`` plans as if
+        no key embedding existed (the fallback when the embedder is unavailable)."""
         pol = policy if hasattr(policy, "plan") else self.policy(policy)  # type: ignore[arg-type]
-        turn = self.compile(self.snapshot(session_id, at), pol, budget)
+        snap = self.snapshot(session_id, at)
+        turn = self.compile(snap if keys else snap.without_keys(), pol, budget)
         if turn.plan.new_fold and turn.plan.fold is not None:
             self.ledger.add_fold(session_id, turn.plan.config_hash, turn.plan.fold)
         if record:

@@ -79,6 +79,9 @@ class Actor:
     def stats(self) -> dict:
         return dict(self.engine.stats)
 
+    async def check_health(self) -> None:
+        await self.engine.check_health()
+
     async def reset_prefix_cache(self) -> None:
         await self.engine.reset_prefix_cache()
 

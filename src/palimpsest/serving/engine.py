@@ -107,6 +107,9 @@ class ActorEngine:
         if ids is not None:
             if not ids:
                 raise ConfigError("an empty prompt")
+            if min(ids) < 0 or max(ids) >= self.vocab_size:
+                # An out-of-range id would crash the engine for every request, not just this one.
+                raise ConfigError(f"token ids must be within [0, {self.vocab_size}) (the actor's vocabulary)")
             if len(ids) + 1 > self.cfg.max_model_len:
                 raise ConfigError(f"the prompt has {len(ids)} tokens; the actor's window is {self.cfg.max_model_len}")
             prompt: dict = {"prompt_token_ids": list(ids)}
@@ -117,6 +120,8 @@ class ActorEngine:
             prompt = {"prompt_embeds": embeds}
         n_prompt = len(ids) if ids is not None else int(embeds.shape[0])
         limit = min(max_tokens or self.cfg.max_tokens, self.cfg.max_model_len - n_prompt)
+        if limit < 1:
+            raise ConfigError(f"the prompt has {n_prompt} positions: no room left to generate in {self.cfg.max_model_len}")
         params = SamplingParams(max_tokens=limit, temperature=temperature, seed=seed, logprobs=logprobs)
         t0 = time.perf_counter()
         (p,) = await self.engine.renderer.render_cmpl_async([prompt])
@@ -135,6 +140,10 @@ class ActorEngine:
         if logprobs:
             out["logprobs"] = [{int(k): float(v.logprob) for k, v in step.items()} for step in (o.logprobs or [])]
         return out
+
+    async def check_health(self) -> None:
+        """Raises when the engine is dead (Serve then replaces the replica)."""
+        await self.engine.check_health()
 
     async def reset_prefix_cache(self) -> None:
         await self.engine.reset_prefix_cache()

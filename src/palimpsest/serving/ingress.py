@@ -32,6 +32,7 @@ from ray import serve
 
 from palimpsest.platform import Ledger, Runtime
 from palimpsest.platform.abstraction import RuleSummarizer
+from palimpsest.platform.embedding import EmbedderUnavailable
 from palimpsest.platform.render import key_text
 from palimpsest.platform.types import (
     BudgetError,
@@ -64,6 +65,26 @@ from palimpsest.serving.schemas import (
 )
 
 log = logging.getLogger("palimpsest.ingress")
+
+
+def _retriable() -> tuple[type[BaseException], ...]:
+    """Failures of a child replica (died, restarting, overloaded): the request may simply be retried."""
+    from ray import exceptions as rx
+    from ray.serve import exceptions as sx
+
+    names = ("RayActorError", "ActorDiedError", "ActorUnavailableError", "ActorUnschedulableError", "GetTimeoutError")
+    out = [getattr(rx, n) for n in names if hasattr(rx, n)]
+    out += [getattr(sx, n) for n in ("BackPressureError", "DeploymentUnavailableError", "RequestCancelledError")
+            if hasattr(sx, n)]
+    return tuple(out)
+
+
+_RETRIABLE = _retriable()
+
+
+def _retriable_error(e: BaseException) -> bool:
+    """A replica failure (by class, including a dead vLLM engine, which arrives wrapped by Ray)."""
+    return isinstance(e, _RETRIABLE) or any(c.__name__ == "EngineDeadError" for c in type(e).__mro__)
 SESSION_HEADER = "x-palimpsest-session"
 ARM_HEADER = "x-palimpsest-arm"
 
@@ -83,13 +104,32 @@ _STATUS = ((UnknownSessionError, 404), (UnknownStepError, 404), (GlimpseLimitErr
 
 @app.exception_handler(HTTPProblem)
 async def _problem(_: Request, e: HTTPProblem):
-    return JSONResponse({"error": e.message}, status_code=e.status)
+    return JSONResponse({"error": e.message}, status_code=e.status,
+                        headers={"Retry-After": "5"} if e.status == 503 else None)
 
 
 @app.exception_handler(PalimpsestError)
 async def _palimpsest_error(_: Request, e: PalimpsestError):
     status = next(code for cls, code in _STATUS if isinstance(e, cls))
     return JSONResponse({"error": str(e)}, status_code=status)
+
+
+@app.exception_handler(RecursionError)
+async def _too_deep(_: Request, e: RecursionError):
+    return JSONResponse({"error": "the JSON body is nested too deeply"}, status_code=400)
+
+
+@app.middleware("http")
+async def _body_limit(request: Request, call_next):
+    """Refuse bodies over the configured size before reading them (413), and undecodable ones (400)."""
+    limit = getattr(request.app.state, "max_request_bytes", None)
+    length = request.headers.get("content-length")
+    if limit is not None and length is not None:
+        if not length.isdigit():
+            return JSONResponse({"error": "invalid Content-Length"}, status_code=400)
+        if int(length) > limit:
+            return JSONResponse({"error": f"the body has {length} bytes; at most {limit} are accepted"}, status_code=413)
+    return await call_next(request)
 
 
 @app.exception_handler(RequestValidationError)
@@ -122,34 +162,72 @@ class HandleEmbedder:
     thread (plans run off the event loop), where blocking on a handle is allowed.
 
     Query embeddings are primed: right after a step is appended, the enrichment lane embeds the query the
-    next turn's policy will ask for (the task and the latest steps), so the turn finds it in this cache
-    instead of waiting for the embedder."""
+    next turn's policy will ask for (the task and the latest steps). A turn then finds it in the cache, or
+    waits for the priming request already in flight instead of queueing a second one. The time a turn spends
+    waiting for the embedder is reported separately (``waited_ms``)."""
 
-    def __init__(self, handle, name: str, cache_size: int = 4096):
-        self.handle, self.name = handle, name
+    def __init__(self, handle, name: str, cache_size: int = 4096, timeout_s: float = 10.0):
+        self.handle, self.name, self.timeout_s = handle, name, timeout_s
         self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._inflight: dict[str, object] = {}
         self._size = cache_size
         self._lock = threading.Lock()
+        self._local = threading.local()
         self.hits = self.misses = 0
+
+    def reset_wait(self) -> None:
+        self._local.waited_ms = 0.0
+
+    @property
+    def waited_ms(self) -> float:
+        return getattr(self._local, "waited_ms", 0.0)
 
     def embed(self, texts):
         texts = list(texts)
-        if len(texts) == 1:
-            with self._lock:
-                hit = self._cache.get(texts[0])
-            if hit is not None:
-                self.hits += 1
-                return hit[None]
-            self.misses += 1
-        out = np.asarray(self.handle.embed.remote(texts).result(), dtype=np.float32)
-        if len(texts) == 1:
-            self._remember(texts, out)
-        return out
+        t0 = time.perf_counter()
+        try:
+            if len(texts) == 1:
+                with self._lock:
+                    hit = self._cache.get(texts[0])
+                    pending = self._inflight.get(texts[0])
+                if hit is not None:
+                    self.hits += 1
+                    return hit[None]
+                if pending is not None:  # primed a moment ago and still computing: wait for that one
+                    self.hits += 1
+                    vectors, keys = self._result(pending)
+                    return vectors[keys.index(texts[0])][None]
+                self.misses += 1
+            out, _ = self._result(self.handle.embed.remote(texts), texts)
+            if len(texts) == 1:
+                self._remember(texts, out)
+            return out
+        finally:
+            self._local.waited_ms = self.waited_ms + (time.perf_counter() - t0) * 1000
+
+    def _result(self, response, texts=None):
+        if isinstance(response, tuple):  # an in-flight priming request: (response, texts)
+            response, texts = response
+        try:
+            return np.asarray(response.result(timeout_s=self.timeout_s), dtype=np.float32), texts
+        except Exception as e:  # failed, hung or restarting: the caller falls back (no keys this turn)
+            raise EmbedderUnavailable(f"the embedder did not answer: {type(e).__name__}") from None
 
     def prime(self, texts: list[str]) -> None:
-        fresh = [t for t in texts if t not in self._cache]
-        if fresh:
-            self._remember(fresh, np.asarray(self.handle.embed.remote(fresh).result(), dtype=np.float32))
+        with self._lock:
+            fresh = [t for t in texts if t not in self._cache and t not in self._inflight]
+            if not fresh:
+                return
+            pending = (self.handle.embed.remote(fresh), fresh)
+            for t in fresh:
+                self._inflight[t] = pending
+        try:
+            vectors, _ = self._result(pending)
+            self._remember(fresh, vectors)
+        finally:
+            with self._lock:
+                for t in fresh:
+                    self._inflight.pop(t, None)
 
     def _remember(self, texts, vectors) -> None:
         with self._lock:
@@ -168,6 +246,7 @@ class Ingress:
         self.actor, self.embedder_h, self.summarizer, self.memory = actor, embedder, summarizer, memory
         self.router = Router.of(self.cfg.arms)
         self.metrics = Metrics([a.name for a in self.cfg.arms])
+        app.state.max_request_bytes = self.cfg.limits.max_request_bytes
         self.tenants = {t.key_sha256: (name, t.allow_prompt_embeds) for name, t in self.cfg.auth.resolved().items()}
         self._ready: asyncio.Future | None = None
         self._queue: asyncio.Queue | None = None
@@ -253,8 +332,8 @@ class Ingress:
             sid = await self._queue.get()
             self._queued.discard(sid)
             try:
+                await asyncio.to_thread(self._prime_queries, sid)  # what the next turn waits for comes first
                 await asyncio.to_thread(self.runtime.enrich, sid)
-                await asyncio.to_thread(self._prime_queries, sid)
             except Exception as e:  # a failing enrichment never takes the server down; policies fall back
                 self.metrics.errors.labels(arm="-", kind="enrich").inc()
                 log.warning("enrichment of %s failed: %s", sid, e)
@@ -377,13 +456,30 @@ class Ingress:
             return await self._turn_inner(sid, session, arm, armcfg, body, t_start)
         except Exception as e:
             self.metrics.errors.labels(arm=arm, kind=type(e).__name__).inc()
-            if not isinstance(e, (UnknownSessionError, BudgetError, HTTPProblem)):  # the caller's mistakes are not the arm's
-                await asyncio.to_thread(ledger.record_served, sid, ledger.count(sid), arm, {"error": type(e).__name__})
+            if isinstance(e, (UnknownSessionError, BudgetError, HTTPProblem)):  # the caller's mistakes are not the arm's
+                raise
+            await asyncio.to_thread(ledger.record_served, sid, ledger.count(sid), arm, {"error": type(e).__name__})
+            if _retriable_error(e):
+                raise HTTPProblem(503, f"a model replica is unavailable ({type(e).__name__}); retry shortly") from None
             raise
 
     async def _turn_inner(self, sid, session, arm, armcfg, body: TurnIn, t_start: float) -> TurnOut:
         budget = body.budget or armcfg.budget or self.cfg.budget
-        ct = await asyncio.to_thread(self.runtime.turn, sid, self.policies[arm], budget)
+        fallback = None
+        embedder = self.runtime.embedder
+
+        def plan(keys: bool = True):
+            embedder.reset_wait()
+            return self.runtime.turn(sid, self.policies[arm], budget, None, True, keys), embedder.waited_ms
+
+        try:
+            ct, embed_ms = await asyncio.to_thread(plan)
+        except EmbedderUnavailable:
+            # Served anyway: planned as if no step had a key yet; the keys are written when the embedder is back.
+            fallback = "embedder"
+            self.metrics.fallbacks.labels(arm=arm, kind=fallback).inc()
+            ct, embed_ms = await asyncio.to_thread(plan, False)
+            self._enqueue(sid)
         plan_ms = (time.perf_counter() - t_start) * 1000
         memory, mem = None, self._memory_of(armcfg)
         if mem is not None:
@@ -418,10 +514,11 @@ class Ingress:
         memory_ms = float(out.get("memory_ms", 0.0))
         tokens = {"context": ct.prompt.tokens, "prefix": ct.prompt.prefix_tokens, "soft": out["soft_tokens"],
                   "prompt": out["prompt_tokens"], "completion": len(out["token_ids"]), "cached": out["cached_tokens"]}
-        latency = {"plan": plan_ms, "memory": memory_ms, "actor": actor_ms, "total": total_ms}
+        latency = {"plan": plan_ms, "embed": embed_ms, "memory": memory_ms, "actor": actor_ms, "total": total_ms}
         await asyncio.to_thread(self.runtime.ledger.record_served, sid, ct.t, arm, {
             **{f"tokens_{k}": v for k, v in tokens.items()}, **{f"{k}_ms": v for k, v in latency.items()},
-            "glimpses": len(glimpsed), "budget": ct.budget, "memory_cached": bool(out.get("memory_cached", False))})
+            "glimpses": len(glimpsed), "budget": ct.budget, "memory_cached": bool(out.get("memory_cached", False)),
+            **({"fallback": fallback} if fallback else {})})
         self.metrics.observe_turn(arm, tokens, latency, len(glimpsed))
         return TurnOut(session_id=sid, t=ct.t, arm=arm, action=out["text"], finish_reason=out.get("finish_reason"),
                        plan=ct.plan.counts(), tokens=tokens, latency_ms=latency, glimpses=glimpsed,
@@ -510,13 +607,23 @@ class Ingress:
                                "temperature": body.temperature, "seed": body.seed}
         if body.prompt_embeds is not None:
             req["embeds"] = decode_embeds(body.prompt_embeds, self.actor_info["hidden_size"],
-                                          self.actor_info["max_embeds_len"], self.cfg.limits.max_request_bytes)
+                                          min(self.actor_info["max_embeds_len"],
+                                              self.actor_info["max_model_len"] - req["max_tokens"]),
+                                          self.cfg.limits.max_request_bytes)
         else:
             ids = self.tokenizer.encode(body.prompt, add_special_tokens=False)
             if not ids:
                 raise HTTPProblem(400, "the prompt is empty")
+            if len(ids) + req["max_tokens"] > self.actor_info["max_model_len"]:
+                raise HTTPProblem(422, f"the prompt has {len(ids)} tokens; with max_tokens={req['max_tokens']} it "
+                                       f"exceeds the actor's window of {self.actor_info['max_model_len']}")
             req["ids"] = ids
-        out = await self.actor.generate.remote(req)
+        try:
+            out = await self.actor.generate.remote(req)
+        except Exception as e:
+            if _retriable_error(e):
+                raise HTTPProblem(503, f"the actor is unavailable ({type(e).__name__}); retry shortly") from None
+            raise
         return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": self.actor_info["model"],
                 "choices": [{"index": 0, "text": out["text"], "token_ids": out["token_ids"],

@@ -23,6 +23,8 @@ class Metrics:
                               ["arm"], registry=r)
         self.prompt = Counter("palimpsest_prompt_tokens", "prompt tokens sent to the actor", ["arm"], registry=r)
         self.glimpses = Counter("palimpsest_glimpses", "glimpses made by the model", ["arm"], registry=r)
+        self.fallbacks = Counter("palimpsest_fallbacks", "turns served on a fallback (e.g. the embedder down)",
+                                 ["arm", "kind"], registry=r)
         self.errors = Counter("palimpsest_errors", "failed turns and background jobs", ["arm", "kind"], registry=r)
         self.outcomes = Histogram("palimpsest_outcome", "outcome values posted by clients", ["arm"],
                                   buckets=(0.0, 0.25, 0.5, 0.75, 1.0), registry=r)

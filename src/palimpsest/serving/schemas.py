@@ -4,13 +4,40 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from palimpsest.platform.types import Authority
 
 
-class _In(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+MAX_INT = 2**53  # JSON numbers beyond this are not integers anywhere else either
+
+
+def _valid_text(value: Any, where: str = "") -> None:
+    """JSON may carry lone surrogates (\\ud800); they are not text and no tokenizer or database takes them."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{where or 'a string'} is not valid Unicode (lone surrogate)") from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _valid_text(k, where)
+            _valid_text(v, f"{where}.{k}" if where else str(k))
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _valid_text(v, where)
+
+
+class _Text(BaseModel):
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode(cls, data: Any) -> Any:
+        _valid_text(data)
+        return data
+
+
+class _In(_Text):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class SessionIn(_In):
@@ -28,7 +55,7 @@ class SessionOut(BaseModel):
 
 
 class StepIn(_In):
-    t: int | None = Field(None, ge=0, description="the step index; the next one when absent")
+    t: int | None = Field(None, ge=0, le=MAX_INT, description="the step index; the next one when absent")
     kind: str = "message"
     thought: str = ""
     action: str = ""
@@ -44,10 +71,10 @@ class StepOut(BaseModel):
 
 
 class TurnIn(_In):
-    budget: int | None = Field(None, ge=1, description="context budget in tokens; the arm's or the server's default")
+    budget: int | None = Field(None, ge=1, le=MAX_INT, description="context budget in tokens; the arm's or the server's default")
     max_tokens: int | None = Field(None, ge=1, le=8192)
     temperature: float = Field(0.0, ge=0.0, le=2.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=2**32 - 1)
 
 
 class TurnOut(BaseModel):
@@ -58,13 +85,14 @@ class TurnOut(BaseModel):
     finish_reason: str | None
     plan: dict[str, int] = Field(description="how many history steps at each resolution")
     tokens: dict[str, int] = Field(description="context (text), prefix, soft (memory positions), prompt (actor input), completion, cached")
-    latency_ms: dict[str, float] = Field(description="plan (plan+compile), memory, actor, total")
+    latency_ms: dict[str, float] = Field(description="plan (plan+compile, including embed: waiting for the query "
+                                                     "embedding), memory, actor, total")
     glimpses: list[int] = Field(description="step ids the model glimpsed in this turn")
     prompt_hash: str
 
 
 class GlimpseIn(_In):
-    step_id: int = Field(..., ge=0)
+    step_id: int = Field(..., ge=0, le=MAX_INT)
 
 
 class GlimpseOut(BaseModel):
@@ -83,25 +111,25 @@ class CompletionIn(_In):
     prompt_embeds: str | None = Field(None, description="base64 of torch.save(tensor[T, hidden])")
     max_tokens: int | None = Field(None, ge=1, le=8192)
     temperature: float = Field(0.0, ge=0.0, le=2.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=2**32 - 1)
     model: str | None = None
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(_Text):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
 
 
-class ChatIn(BaseModel):
-    model_config = ConfigDict(extra="allow")  # OpenAI clients send many optional fields
+class ChatIn(_Text):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)  # OpenAI clients send many optional fields
     model: str | None = None
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: int | None = Field(None, ge=1, le=8192)
     max_completion_tokens: int | None = Field(None, ge=1, le=8192)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=2**32 - 1)
     user: str | None = None
     stream: bool | None = False
     n: int | None = Field(1, ge=1, le=1)
