@@ -21,7 +21,7 @@ export PALIMPSEST_CACHE=$(CACHE)/palimpsest
 export RAY_TMPDIR=/tmp/palimpsest-ray
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
 
-.PHONY: install demo test test-fast bench replay clean
+.PHONY: install demo test test-fast bench bench-serve load serve replay clean
 
 install: $(STAMP)
 
@@ -40,6 +40,20 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	$(PYTHON) benchmarks/plan_compile.py
 	$(PYTHON) benchmarks/replay_dev.py
+
+# Serving figures: latency breakdown over 200+ turns, 8 concurrent sessions, prefix-cache hit rate (~25 min).
+bench-serve: $(STAMP)
+	$(PYTHON) benchmarks/serve_latency.py
+
+# A bounded load test on 127.0.0.1 (override: make load SESSIONS=16 LOAD_SECONDS=300).
+SESSIONS ?= 8
+LOAD_SECONDS ?= 120
+load: $(STAMP)
+	$(PYTHON) benchmarks/load_test.py --sessions $(SESSIONS) --seconds $(LOAD_SECONDS)
+
+# The composed app on 127.0.0.1:8000 until Ctrl-C.
+serve: $(STAMP)
+	$(VENV)/bin/palimpsest serve --config configs/serve/local.yaml
 
 # Every policy on the dev trajectories at 16K, with the report (plots) in out/replay-dev-16k.
 replay: $(STAMP)

@@ -77,6 +77,27 @@ def breakdown(replies):
     return out
 
 
+def from_ledger(path: Path) -> dict:
+    """The serve figures from the served-turn records (the ingress records each turn's latency breakdown)."""
+    from palimpsest.platform import Ledger
+
+    rows = [r for r in Ledger(path).served() if not r.get("error")]
+    as_reply = lambda r: {"latency_ms": {k: r.get(f"{k}_ms", 0.0) for k in ("plan", "embed", "memory", "actor", "total")},
+                          "tokens": {"context": r["tokens_context"], "soft": r["tokens_soft"]}}  # noqa: E731
+    seq = {arm: [as_reply(r) for r in rows if "-conc-" not in r["session_id"] and r["arm"] == arm]
+           for arm in ("pace", "pace+memory")}
+    conc_rows = [r for r in rows if "-conc-" in r["session_id"]]
+    conc = [as_reply(r) for r in conc_rows]
+    # Wall time of the concurrent phase: from the first turn's start to the last turn's end.
+    start = min(r["created"] - r["total_ms"] / 1000 for r in conc_rows)
+    wall = max(r["created"] for r in conc_rows) - start
+    return {"sequential": {arm: breakdown(v) for arm, v in seq.items()},
+            "concurrent": {"sessions": len({r["session_id"] for r in conc_rows}), "turns": len(conc), "wall_s": wall,
+                           "turns_per_s": len(conc) / wall, **breakdown(conc)},
+            "sequential_turns_per_s": 1000.0 / statistics.mean(r["latency_ms"]["total"] for r in seq["pace"]),
+            "source": f"served-turn records of {path.name}"}
+
+
 def serve_phase(args, trajs):
     from palimpsest.serving.local import LocalServer
 
@@ -132,6 +153,7 @@ async def prefix_cache_phase(args, trajs):
     from palimpsest.pipelines.trajectories import import_trajectory
     from palimpsest.serving.config import ActorConfig
     from palimpsest.serving.engine import ActorEngine
+    from palimpsest.platform.types import BudgetError
     from palimpsest.serving.prompting import chat_ids, prompt_messages
     from transformers import AutoTokenizer
 
@@ -143,7 +165,10 @@ async def prefix_cache_phase(args, trajs):
         import_trajectory(rt.ledger, traj)
         rt.enrich(traj.id)
         for t in range(4, min(len(traj.steps), 4 + args.prefix_turns)):
-            ct = rt.turn(traj.id, "pace", args.budget, at=t, record=False)
+            try:
+                ct = rt.turn(traj.id, "pace", args.budget, at=t, record=False)
+            except BudgetError:  # the prefix and this step alone exceed the budget: not a servable turn
+                continue
             prompts.append((traj.id, ct.prompt))
     rng = random.Random(0)
     out = {}
@@ -183,23 +208,40 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--work", type=Path, default=ROOT / ".palimpsest" / "bench")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "serve.json")
+    ap.add_argument("--phases", default="serve,prefix", help="serve (latency, concurrency), prefix (cache hit rate)")
+    ap.add_argument("--from-ledger", type=Path, default=None,
+                    help="recompute the serve figures from the served-turn records of an earlier run's ledger")
     args = ap.parse_args()
     from palimpsest.pipelines.trajectories import read_trajectories
 
     if not args.data.is_file():
         sys.exit(f"no trajectories at {args.data}; pass --data FILE")
     args.work.mkdir(parents=True, exist_ok=True)
-    for f in args.work.glob("bench-*.db*"):
-        f.unlink()
+    phases = set(args.phases.split(","))
+    if args.from_ledger is None:
+        for f in args.work.glob("bench-*.db*"):
+            f.unlink()
     trajs = sorted(read_trajectories(args.data).trajectories, key=lambda t: -len(t.steps))
     t0 = time.perf_counter()
-    results = {"machine": f"{os.cpu_count()} CPU cores, no GPU", "budget": args.budget, "max_tokens": args.max_tokens}
-    results.update(serve_phase(args, trajs))
-    results["prefix_cache"] = asyncio.run(prefix_cache_phase(args, trajs))
-    results["skipped_turns"] = len(skipped)
+    results = json.loads(args.out.read_text()) if args.out.is_file() else {}
+    results.update({"machine": f"{os.cpu_count()} CPU cores, no GPU", "budget": args.budget, "max_tokens": args.max_tokens})
+
+    def save():
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2))
+
+    if args.from_ledger is not None:
+        results.update(from_ledger(args.from_ledger))
+        save()
+    elif "serve" in phases:
+        results.update(serve_phase(args, trajs))
+        results["skipped_turns"] = len(skipped)
+        save()
+    if "prefix" in phases:
+        results["prefix_cache"] = asyncio.run(prefix_cache_phase(args, trajs))
+        save()
     results["wall_s"] = time.perf_counter() - t0
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2))
+    save()
     print(json.dumps(results, indent=2))
 
 

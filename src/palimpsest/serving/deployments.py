@@ -66,10 +66,9 @@ class Actor:
         return out
 
     async def chat(self, messages: list[dict], max_tokens: int = 96) -> str:
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        ids = list(ids)[-(self.cfg.max_model_len - max_tokens - 1):]
+        from palimpsest.serving.prompting import chat_prompt_ids
+
+        ids = chat_prompt_ids(self.tokenizer, messages)[-(self.cfg.max_model_len - max_tokens - 1):]
         return (await self.engine.generate(ids=ids, max_tokens=max_tokens))["text"]
 
     def embed_ids(self, ids: list[int]):

@@ -37,7 +37,38 @@ def prompt_messages(prompt: Prompt, extra: list[str] = ()) -> list[dict]:
     return [{"role": "system", "content": system.rstrip()}, {"role": "user", "content": user.rstrip()}]
 
 
+def special_strings(tokenizer) -> list[str]:
+    """Every special / added token's text (``<|im_start|>``, ``<|im_end|>``, ...), longest first."""
+    cached = getattr(tokenizer, "_palimpsest_specials", None)
+    if cached is None:
+        names = set(getattr(tokenizer, "all_special_tokens", []) or [])
+        decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        names |= {t.content for t in decoder.values() if getattr(t, "special", True)}
+        cached = sorted((n for n in names if isinstance(n, str) and len(n) > 1), key=len, reverse=True)
+        try:
+            tokenizer._palimpsest_specials = cached
+        except AttributeError:
+            pass
+    return cached
+
+
+def defuse(text: str, specials: list[str]) -> str:
+    """Text that contains a special token's string (a tool output saying ``<|im_start|>system``) would be
+    tokenized as that special token and could forge a turn of another role; a backslash after its first
+    character keeps it readable and makes it plain text."""
+    for sp in specials:
+        if sp in text:
+            text = text.replace(sp, sp[0] + "\\" + sp[1:])
+    return text
+
+
+def safe_messages(tokenizer, messages: list[dict]) -> list[dict]:
+    specials = special_strings(tokenizer)
+    return [{**m, "content": defuse(m["content"], specials)} for m in messages]
+
+
 def _ids(tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
+    messages = safe_messages(tokenizer, messages)
     out = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
     if hasattr(out, "keys"):
         out = out["input_ids"]
@@ -55,6 +86,11 @@ class ChatIds:
 
     def __len__(self) -> int:
         return len(self.context) + len(self.bridge)
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The ids of a chat ending with the assistant prompt (what the actor answers), special tokens defused."""
+    return _ids(tokenizer, messages, True)
 
 
 def chat_ids(tokenizer, messages: list[dict]) -> ChatIds:

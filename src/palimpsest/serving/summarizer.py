@@ -58,12 +58,16 @@ def parse_reply(text: str) -> tuple[str, str | None, list[str]] | None:
 
 
 def merge(rule: Abstraction, reply: tuple[str, str | None, list[str]]) -> Abstraction:
-    """The model's words over the rule writer's structure; nothing the rule extractor found is lost."""
+    """The model's words added to the rule writer's structure; nothing the rule extractor found is lost.
+
+    The model read the observation, so what it wrote carries the observation's authority: its summary and
+    facts go into ``critical_facts``, which are rendered inside the step's authority block (delimited and
+    untrusted for tool output), never into the action line that stands outside it."""
     summary, outcome, facts = reply
-    kept = list(dict.fromkeys(facts + rule.critical_facts))
+    kept = list(dict.fromkeys([f"summary: {summary}"] + facts + rule.critical_facts))
     # The rule outcome wins when it saw an error: a model must not talk a failure into a success.
     final_outcome = rule.outcome if rule.outcome == "error" or outcome is None else outcome
-    return replace(rule, summary=summary, outcome=final_outcome, critical_facts=kept[:16])
+    return replace(rule, outcome=final_outcome, critical_facts=kept[:16])
 
 
 class LLMSummarizer:
