@@ -47,3 +47,14 @@ def test_enrichment_is_idempotent_and_turns_never_wait_for_it(runtime, session, 
     turn = runtime.turn(session, "pace", 100_000)  # the new step has no key or summary yet
     assert turn.t == 13 and turn.plan.resolution[-1] == 0
     assert runtime.enrich(session).summaries == 1 and runtime.enrich(session).keys == 0
+
+
+def test_a_turn_without_keys_is_planned_on_the_fallback_and_fits(runtime, session):
+    """The embedder down: the turn plans as if no key existed yet (PACE's fallback) and stays in budget."""
+    with_keys = runtime.turn(session, "pace", 2_000, record=False)
+    without = runtime.turn(session, "pace", 2_000, record=False, keys=False)
+    assert without.prompt.tokens <= 2_000
+    reasons = {e.reason for e in without.plan.entries()}
+    assert not any(r.startswith("w~") for r in reasons)  # nothing was scored by relevance
+    assert any(r.startswith("w~") for r in {e.reason for e in with_keys.plan.entries()})
+    assert without.plan.entries()[-1].resolution.label == "full"
