@@ -25,16 +25,9 @@ from pathlib import Path
 
 import httpx
 
+from palimpsest.pipelines.ab import percentile as pct
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def pct(xs, q):
-    s = sorted(xs)
-    if not s:
-        return float("nan")
-    k = (len(s) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 skipped: list[str] = []
