@@ -1,5 +1,5 @@
-"""A tiny actor on disk (random Llama + byte-level BPE, vLLM loads it) and one composed app over it,
-shared by the end-to-end tests of this folder (starting vLLM inside Serve costs ~40 s)."""
+"""A tiny actor on disk (random Llama + byte-level BPE, vLLM loads it) and a composed app over it, shared by
+the end-to-end tests of a module (starting vLLM inside Serve costs ~40 s)."""
 
 from __future__ import annotations
 
@@ -69,8 +69,10 @@ def tiny_config(tiny_dir, memory_dir, ledger) -> dict:
     }
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def server(tiny_dir, tiny_memory, tmp_path_factory):
+    """One app per test module: it is shut down (Serve and Ray) before the next module, so later tiers (Ray
+    Train needs every CPU of this machine) never run beside it."""
     from palimpsest.serving.local import LocalServer
 
     ledger = tmp_path_factory.mktemp("serve") / "ledger.db"
