@@ -31,11 +31,13 @@ $(STAMP): requirements.txt pyproject.toml scripts/install.sh
 demo: $(STAMP)
 	$(VENV)/bin/palimpsest demo
 
+# The PostgreSQL tier runs against a throwaway local server (scripts/postgres.sh), started here unless
+# $$PALIMPSEST_TEST_POSTGRES already names one, and stopped afterwards.
 test: $(STAMP)
-	$(PYTHON) -m pytest tests
+	bash scripts/postgres.sh run -- $(PYTHON) -m pytest tests
 
 test-fast: $(STAMP)
-	$(PYTHON) -m pytest tests -m "not slow"
+	bash scripts/postgres.sh run -- $(PYTHON) -m pytest tests -m "not slow"
 
 bench: $(STAMP)
 	$(PYTHON) benchmarks/plan_compile.py

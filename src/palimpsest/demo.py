@@ -103,9 +103,9 @@ def run_main_demo(out: Console, data: Path, serve_config: Path = DEMO_SERVE, tra
     md = summary_markdown(summary)
     out.print(Markdown(md))
     if track:
-        run_id, uri = log_ab(summary, cfg.mlflow_experiment, {"serve_config": str(serve_config), "data": str(data),
+        run_id, uri = log_ab(summary, cfg.tracking.experiment, {"serve_config": str(serve_config), "data": str(data),
                                                               "every": every, "max_turns": max_turns}, md)
-        out.print(f"MLflow: experiment {cfg.mlflow_experiment!r}, run {run_id} at {uri}")
+        out.print(f"MLflow: experiment {cfg.tracking.experiment!r}, run {run_id} at {uri}")
     timings["total_s"] = time.perf_counter() - t_all
     out.print(f"demo finished in {timings['total_s']:.0f} s (serve start {timings['serve_start_s']:.0f} s, "
               f"traffic {timings['traffic_s']:.0f} s); everything is shut down")

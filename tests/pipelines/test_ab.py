@@ -38,15 +38,13 @@ def test_summary_separates_arms_and_counts_outcomes_per_session():
     assert "| context tokens" in md and "control arm `a`" in md
 
 
-def test_outcomes_are_recorded_append_only(tmp_path):
-    led = Ledger(tmp_path / "l.db")
+def test_outcomes_are_recorded_append_only(ledger_url):
+    led = Ledger(ledger_url)
     led.create_session("s", "task")
     led.record_outcome("s", "a", 1.0, "solved")
     led.record_served("s", 0, "a", {"tokens_context": 10})
     assert led.outcomes()[0]["value"] == 1.0 and led.served()[0]["tokens_context"] == 10
     with pytest.raises(LedgerError):
         led.record_outcome("s", "a", float("nan"))
-    import sqlite3
-
-    with pytest.raises(sqlite3.DatabaseError, match="append-only"):
-        led._db.execute("DELETE FROM outcomes")
+    with pytest.raises(Exception, match="append-only"), led.transaction() as db:
+        db.execute("DELETE FROM outcomes")

@@ -74,6 +74,6 @@ def test_acknowledged_appends_survive_sigkill(tmp_path):
         assert [s.t for s in steps] == list(range(n))  # no gap, no duplicate
         for t, digest in acked.items():
             assert steps[t].sha256 == digest == record(t).sha256()
-        assert led._db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        assert led._read_one("PRAGMA integrity_check")[0] == "ok"
     assert kills >= KILLS and len(acked) >= MIN_APPENDS
     print(f"crash consistency: {kills} SIGKILLs, {len(acked)} acknowledged appends, {n} stored, all verified")

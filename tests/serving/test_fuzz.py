@@ -42,7 +42,7 @@ def anchor(server):
 
     def intact() -> None:
         assert ledger.hashes("alice::fuzz-anchor") == before and ledger.verify("alice::fuzz-anchor") == 3
-        assert ledger._db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        assert ledger._read_one("PRAGMA integrity_check")[0] == "ok"
 
     return intact
 

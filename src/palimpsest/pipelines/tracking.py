@@ -1,18 +1,54 @@
-"""MLflow tracking: one small helper for every run Palimpsest logs (replays now; training and A/B later).
+"""MLflow tracking: one small helper for every run Palimpsest logs (replays, training, A/B reports).
 
-The tracking URI comes from ``$MLFLOW_TRACKING_URI`` (a tracking server in production); by default a
-local SQLite store under ``.palimpsest/`` with artifacts beside it, so nothing needs a server.
+Where runs go, in order of precedence:
+
+1. the config: ``tracking.uri`` / ``tracking.artifact_location`` of a training or serve config, applied
+   with :func:`configure` (which exports them, so Ray workers and Serve replicas inherit them);
+2. ``$MLFLOW_TRACKING_URI`` and ``$PALIMPSEST_MLFLOW_ARTIFACTS``;
+3. a local SQLite store under ``.palimpsest/`` with artifacts beside it, so nothing needs a server.
+
+In production the URI is a tracking server (``http://mlflow:5000``) and the artifact location an
+object store (``s3://bucket/palimpsest``); :func:`check` tells at start-up whether the server answers.
 """
 
 from __future__ import annotations
 
 import os
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 from palimpsest.platform.types import PalimpsestError
 
 EXPERIMENT_REPLAY = "palimpsest-replay"
+
+
+def configure(uri: str | None = None, artifact_location: str | None = None) -> str:
+    """Apply a config's tracking settings (None keeps the environment's); returns the URI in force."""
+    if uri:
+        os.environ["MLFLOW_TRACKING_URI"] = uri
+    if artifact_location:
+        os.environ["PALIMPSEST_MLFLOW_ARTIFACTS"] = artifact_location
+    return tracking_uri()
+
+
+def check(uri: str | None = None, timeout_s: float = 5.0) -> None:
+    """Fail fast, naming the server, when a tracking server does not answer its health check
+    (a local store needs no check)."""
+    uri = uri or tracking_uri()
+    if not uri.startswith(("http://", "https://")):
+        return
+    try:
+        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s) as r:
+            if r.status == 200:
+                return
+            reason = f"HTTP {r.status}"
+    except urllib.error.HTTPError as e:
+        reason = f"HTTP {e.code}"
+    except (urllib.error.URLError, OSError) as e:
+        reason = str(getattr(e, "reason", e))
+    raise PalimpsestError(f"cannot reach the MLflow tracking server at {uri}: {reason}")
 
 
 def tracking_uri() -> str:

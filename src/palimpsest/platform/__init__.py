@@ -17,6 +17,7 @@ from palimpsest.platform.types import (
     ConfigError,
     GlimpseLimitError,
     LedgerError,
+    LedgerUnavailableError,
     PalimpsestError,
     Prompt,
     RenderPlan,
@@ -30,7 +31,7 @@ from palimpsest.platform.types import (
 
 __all__ = [
     "Abstraction", "ApproxTokenizer", "Authority", "BudgetError", "CompiledTurn", "ConfigError", "Embedder",
-    "GlimpseLimitError", "HFTokenizer", "HashingEmbedder", "Ledger", "LedgerError", "PalimpsestError", "Prompt",
+    "GlimpseLimitError", "HFTokenizer", "HashingEmbedder", "Ledger", "LedgerError", "LedgerUnavailableError", "PalimpsestError", "Prompt",
     "RenderPlan", "Resolution", "RuleSummarizer", "Runtime", "Session", "SessionSnapshot", "Step", "StepRecord",
     "Tokenizer", "UnknownSessionError", "UnknownStepError", "abstract_step", "build_policy", "compile_plan",
     "get_tokenizer", "parse_policy_config", "policy_names",

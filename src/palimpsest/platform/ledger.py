@@ -1,8 +1,10 @@
 """The step ledger: an append-only store of every step, its representations, keys and audits.
 
-SQLite in WAL mode with ``synchronous=FULL`` is the embedded default: a step is committed (and
-fsynced) before :meth:`Ledger.append` returns. Triggers make every table append-only, so raw
-text can never be updated or deleted by any code path, this module's included.
+The backend is chosen by URL (:mod:`palimpsest.platform.stores`): SQLite in WAL mode with
+``synchronous=FULL`` is the embedded default, PostgreSQL (``postgresql://...``) serves several
+replicas and machines. Either way a step is committed before :meth:`Ledger.append` returns, and
+triggers make every table append-only, so raw text can never be updated or deleted by any code
+path, this module's included. The schema lives in ``platform/migrations/``.
 
 Reads go through :meth:`Ledger.snapshot`, one read transaction that returns an immutable
 :class:`SessionSnapshot` (columns as numpy arrays), the only input a policy ever sees. Every
@@ -13,18 +15,16 @@ from __future__ import annotations
 
 import json
 import re
-import sqlite3
-import threading
 import time
 import zlib
-from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Iterator, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
 from palimpsest.platform.abstraction import Abstraction, Summaries, step_facts
+from palimpsest.platform.stores import open_store
 from palimpsest.platform.render import render_full_body, render_placeholder_body, render_prefix, render_segment
 from palimpsest.platform.tokens import Tokenizer, get_tokenizer
 from palimpsest.platform.types import (
@@ -40,64 +40,8 @@ from palimpsest.platform.types import (
     UnknownStepError,
 )
 
-SCHEMA_VERSION = 1
 _SESSION_ID = re.compile(r"^[\w.:/@+-]{1,200}$")
 _KIND = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS sessions (
-    id TEXT PRIMARY KEY, task TEXT NOT NULL, system TEXT NOT NULL, tools TEXT,
-    meta TEXT NOT NULL, created REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS steps (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    session_id TEXT NOT NULL REFERENCES sessions(id),
-    t INTEGER NOT NULL, kind TEXT NOT NULL, thought TEXT NOT NULL, action TEXT NOT NULL,
-    observation TEXT, authority TEXT NOT NULL, tool TEXT, sha256 TEXT NOT NULL,
-    tok_thought INTEGER NOT NULL, tok_action INTEGER NOT NULL, tok_observation INTEGER NOT NULL,
-    tok_full INTEGER NOT NULL, created REAL NOT NULL,
-    UNIQUE (session_id, t));
-CREATE TABLE IF NOT EXISTS representations (
-    step_id INTEGER NOT NULL REFERENCES steps(id), resolution TEXT NOT NULL, text TEXT NOT NULL,
-    tokens INTEGER NOT NULL, producer TEXT NOT NULL, producer_version TEXT NOT NULL, created REAL NOT NULL,
-    PRIMARY KEY (step_id, resolution, producer, producer_version));
-CREATE TABLE IF NOT EXISTS abstractions (
-    step_id INTEGER NOT NULL REFERENCES steps(id), producer TEXT NOT NULL, producer_version TEXT NOT NULL,
-    body TEXT NOT NULL, created REAL NOT NULL, PRIMARY KEY (step_id, producer, producer_version));
-CREATE TABLE IF NOT EXISTS keys (
-    step_id INTEGER NOT NULL REFERENCES steps(id), model TEXT NOT NULL, dim INTEGER NOT NULL,
-    vector BLOB NOT NULL, created REAL NOT NULL, PRIMARY KEY (step_id, model));
-CREATE TABLE IF NOT EXISTS folds (
-    session_id TEXT NOT NULL REFERENCES sessions(id), policy_key TEXT NOT NULL, upto INTEGER NOT NULL,
-    text TEXT NOT NULL, tokens INTEGER NOT NULL, producer TEXT NOT NULL, created REAL NOT NULL,
-    PRIMARY KEY (session_id, policy_key, upto));
-CREATE TABLE IF NOT EXISTS audit (
-    id INTEGER PRIMARY KEY AUTOINCREMENT, session_id TEXT NOT NULL REFERENCES sessions(id),
-    t INTEGER NOT NULL, policy TEXT NOT NULL, config_hash TEXT NOT NULL, budget INTEGER NOT NULL,
-    prompt_hash TEXT NOT NULL, prefix_hash TEXT NOT NULL, tokens INTEGER NOT NULL, prefix_tokens INTEGER NOT NULL,
-    counts TEXT NOT NULL, plan BLOB NOT NULL, degradations TEXT NOT NULL, created REAL NOT NULL);
-CREATE INDEX IF NOT EXISTS audit_session ON audit (session_id, t);
-CREATE TABLE IF NOT EXISTS glimpses (
-    id INTEGER PRIMARY KEY AUTOINCREMENT, session_id TEXT NOT NULL, t INTEGER NOT NULL,
-    step_id INTEGER NOT NULL, created REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS served (
-    id INTEGER PRIMARY KEY AUTOINCREMENT, session_id TEXT NOT NULL REFERENCES sessions(id), t INTEGER NOT NULL,
-    arm TEXT NOT NULL, metrics TEXT NOT NULL, created REAL NOT NULL);
-CREATE INDEX IF NOT EXISTS served_arm ON served (arm);
-CREATE TABLE IF NOT EXISTS outcomes (
-    id INTEGER PRIMARY KEY AUTOINCREMENT, session_id TEXT NOT NULL REFERENCES sessions(id), arm TEXT NOT NULL,
-    value REAL NOT NULL, note TEXT NOT NULL, created REAL NOT NULL);
-"""
-
-# Every table but meta is append-only: no code path may rewrite or delete what was stored.
-_APPEND_ONLY = ("sessions", "steps", "representations", "abstractions", "keys", "folds", "audit", "glimpses",
-                "served", "outcomes")
-_TRIGGERS = "\n".join(
-    f"CREATE TRIGGER IF NOT EXISTS {t}_no_{op} BEFORE {op.upper()} ON {t} "
-    f"BEGIN SELECT RAISE(ABORT, '{t} is append-only'); END;"
-    for t in _APPEND_ONLY
-    for op in ("update", "delete")
-)
 
 _REPR_ORDER = (Resolution.DETAILED, Resolution.BRIEF, Resolution.PLACEHOLDER)
 
@@ -213,48 +157,39 @@ class SalientIndex:
 
 
 class Ledger:
-    """Append-only step ledger on SQLite (WAL). Thread-safe; several processes may share the file."""
+    """Append-only step ledger. Thread-safe; several processes (SQLite) or machines (PostgreSQL) may
+    share one.
 
-    def __init__(self, path: str | Path = ":memory:", tokenizer: Tokenizer | str | None = None, *,
-                 synchronous: str = "FULL", timeout_s: float = 30.0):
-        self.path = str(path)
-        if self.path != ":memory:":
-            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-        self._lock = threading.RLock()
-        try:
-            self._db = sqlite3.connect(self.path, timeout=timeout_s, isolation_level=None, check_same_thread=False)
-        except sqlite3.Error as e:
-            raise LedgerError(f"cannot open ledger {self.path}: {e}") from e
-        if synchronous.upper() not in ("FULL", "NORMAL", "EXTRA"):
-            raise LedgerError(f"synchronous must be FULL, NORMAL or EXTRA, got {synchronous!r}")
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute(f"PRAGMA synchronous={synchronous.upper()}")
-        self._db.execute("PRAGMA foreign_keys=ON")
-        with self._tx():
-            for stmt in (_SCHEMA + _TRIGGERS).split(";\n"):
-                if stmt.strip():
-                    self._db.execute(stmt)
-            self._db.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+    ``url``: a file path or ``sqlite:///path`` (the default backend), ``:memory:``, or
+    ``postgresql://user:password@host:port/db`` (``?options=-csearch_path%3Dname`` picks a schema).
+    An unreachable database raises :class:`LedgerUnavailableError` naming it (password hidden).
+    """
+
+    def __init__(self, url: str | Path = ":memory:", tokenizer: Tokenizer | str | None = None, *,
+                 synchronous: str = "FULL", timeout_s: float = 30.0, pool_size: int = 8):
+        self._store = open_store(url, synchronous=synchronous, timeout_s=timeout_s, pool_size=pool_size)
+        self.path = self.url = self._store.url  # the URL with its password hidden
+        self.backend = self._store.backend
+        self._tx = self._store.tx
         self.tokenizer = self._bind_tokenizer(tokenizer)
 
     # -- plumbing ---------------------------------------------------------------------------
 
-    @contextmanager
-    def _tx(self, immediate: bool = True) -> Iterator[sqlite3.Connection]:
-        """One transaction under the ledger's lock: BEGIN IMMEDIATE for writes (the write lock is taken
-        up front, so read-then-write decisions inside cannot race), a plain BEGIN for snapshot reads."""
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE" if immediate else "BEGIN")
-            try:
-                yield self._db
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
+    def transaction(self):
+        """Group several writes into one transaction (all or nothing): ``with ledger.transaction(): ...``."""
+        return self._tx()
+
+    def _read(self, sql: str, params: Sequence = ()) -> list[tuple]:
+        with self._tx(write=False) as db:
+            return [tuple(r) for r in db.execute(sql, params).fetchall()]
+
+    def _read_one(self, sql: str, params: Sequence = ()) -> tuple | None:
+        rows = self._read(sql, params)
+        return rows[0] if rows else None
 
     def _bind_tokenizer(self, tokenizer: Tokenizer | str | None) -> Tokenizer:
         """Token counts are stored, so one ledger counts with one tokenizer for its whole life."""
-        row = self._db.execute("SELECT value FROM meta WHERE key='tokenizer'").fetchone()
+        row = self._read_one("SELECT value FROM meta WHERE key='tokenizer'")
         if tokenizer is None:
             tok = get_tokenizer(json.loads(row[0])["spec"] if row else None)
         elif isinstance(tokenizer, str):
@@ -263,10 +198,11 @@ class Ledger:
             tok = tokenizer
         spec = getattr(tok, "spec", None) or (tokenizer if isinstance(tokenizer, str) else None)
         if row is None:
-            with self._tx():
-                self._db.execute("INSERT OR IGNORE INTO meta VALUES ('tokenizer', ?)",
-                                 (json.dumps({"name": tok.name, "spec": spec}),))
-        elif json.loads(row[0])["name"] != tok.name:
+            with self._tx() as db:
+                db.execute("INSERT OR IGNORE INTO meta VALUES ('tokenizer', ?)",
+                           (json.dumps({"name": tok.name, "spec": spec}),))
+            row = self._read_one("SELECT value FROM meta WHERE key='tokenizer'")  # a concurrent opener may have won
+        if json.loads(row[0])["name"] != tok.name:
             raise LedgerError(
                 f"ledger {self.path} counts tokens with {json.loads(row[0])['name']!r}; "
                 f"it cannot be opened with {tok.name!r}"
@@ -274,8 +210,7 @@ class Ledger:
         return tok
 
     def close(self) -> None:
-        with self._lock:
-            self._db.close()
+        self._store.close()
 
     def __enter__(self) -> "Ledger":
         return self
@@ -293,24 +228,22 @@ class Ledger:
         if not isinstance(task, str) or not task.strip():
             raise LedgerError(f"session {session_id!r}: the task must be a non-empty string")
         with self._tx() as db:
+            # Insert-or-keep, then compare: two replicas creating one session at once both succeed.
+            db.execute("INSERT OR IGNORE INTO sessions (id, task, system, tools, meta, created) VALUES (?,?,?,?,?,?)",
+                       (session_id, task, system or "", tools, json.dumps(dict(meta or {})), time.time()))
             row = db.execute("SELECT task, system, tools FROM sessions WHERE id=?", (session_id,)).fetchone()
-            if row is not None:
-                if tuple(row) != (task, system or "", tools):
-                    raise LedgerError(f"session {session_id!r} already exists with a different task, system or tools")
-            else:
-                db.execute("INSERT INTO sessions VALUES (?,?,?,?,?,?)",
-                           (session_id, task, system or "", tools, json.dumps(dict(meta or {})), time.time()))
+            if tuple(row) != (task, system or "", tools):
+                raise LedgerError(f"session {session_id!r} already exists with a different task, system or tools")
         return self.session(session_id)
 
     def session(self, session_id: str) -> Session:
-        row = self._db.execute("SELECT id, task, system, tools, meta, created FROM sessions WHERE id=?",
-                               (session_id,)).fetchone()
+        row = self._read_one("SELECT id, task, system, tools, meta, created FROM sessions WHERE id=?", (session_id,))
         if row is None:
             raise UnknownSessionError(f"unknown session {session_id!r}")
         return Session(id=row[0], task=row[1], system=row[2], tools=row[3], meta=json.loads(row[4]), created=row[5])
 
     def sessions(self) -> list[str]:
-        return [r[0] for r in self._db.execute("SELECT id FROM sessions ORDER BY created, id")]
+        return [r[0] for r in self._read("SELECT id FROM sessions ORDER BY created, id")]
 
     # -- steps ------------------------------------------------------------------------------
 
@@ -324,7 +257,9 @@ class Ledger:
             _validate_record(session_id, r)
         out: list[int] = []
         with self._tx() as db:
-            if db.execute("SELECT 1 FROM sessions WHERE id=?", (session_id,)).fetchone() is None:
+            # Appends to one session are serialised (SQLite: the write lock; PostgreSQL: the session
+            # row's lock), so the next t and the idempotency check below cannot race another writer.
+            if not self._store.lock_session(db, session_id):
                 raise UnknownSessionError(f"unknown session {session_id!r}")
             (next_t,) = db.execute("SELECT COUNT(*) FROM steps WHERE session_id=?", (session_id,)).fetchone()
             for r in records:
@@ -341,9 +276,9 @@ class Ledger:
                     continue
                 if r.t != next_t:
                     raise LedgerError(f"session {session_id!r}: expected step t={next_t}, got t={r.t} (steps are appended in order)")
-                # We hold the write lock, so the next id is known before the insert; the full segment's
-                # size (its header names the id) is then stored with the row, which is never updated.
-                (sid,) = db.execute("SELECT COALESCE(MAX(id), 0) + 1 FROM steps").fetchone()
+                # The id is drawn before the insert: the full segment's size (its header names the id)
+                # is stored with the row, which is never updated.
+                sid = self._store.next_id(db, "steps")
                 ph_body = render_placeholder_body(r, sid)
                 n_th, n_act, n_obs, n_full, n_ph = self.tokenizer.count_batch([
                     r.thought, r.action, r.observation or "",
@@ -356,7 +291,7 @@ class Ledger:
                     (sid, session_id, r.t, r.kind, r.thought, r.action, r.observation, r.authority.value, r.tool,
                      digest, n_th, n_act, n_obs, n_full, time.time()),
                 )
-                db.execute("INSERT INTO representations VALUES (?,?,?,?,?,?,?)",
+                db.execute(f"INSERT INTO representations ({_REPR_COLS}) VALUES (?,?,?,?,?,?,?)",
                            (sid, "placeholder", ph_body, n_ph, "ledger", "1", time.time()))
                 out.append(sid)
                 next_t += 1
@@ -368,15 +303,17 @@ class Ledger:
             sid = int(str(step_id).lstrip("#"))
         except (TypeError, ValueError):
             raise UnknownStepError(f"invalid step id {step_id!r}") from None
-        row = self._db.execute(f"SELECT {_STEP_COLS} FROM steps WHERE id=? AND session_id=?",
-                               (sid, session_id)).fetchone()
+        if not -(1 << 63) <= sid < (1 << 63):
+            raise UnknownStepError(f"no step #{sid} in session {session_id!r}")
+        row = self._read_one(f"SELECT {_STEP_COLS} FROM steps WHERE id=? AND session_id=?", (sid, session_id))
         if row is None:
             raise UnknownStepError(f"no step #{sid} in session {session_id!r}")
         return _step_from_row(row)
 
     def step_at(self, session_id: str, t: int) -> Step:
-        row = self._db.execute(f"SELECT {_STEP_COLS} FROM steps WHERE session_id=? AND t=?",
-                               (session_id, t)).fetchone()
+        if not isinstance(t, int) or not 0 <= t < (1 << 63):
+            raise UnknownStepError(f"no step t={t} in session {session_id!r}")
+        row = self._read_one(f"SELECT {_STEP_COLS} FROM steps WHERE session_id=? AND t=?", (session_id, t))
         if row is None:
             raise UnknownStepError(f"no step t={t} in session {session_id!r}")
         return _step_from_row(row)
@@ -384,10 +321,10 @@ class Ledger:
     def hashes(self, session_id: str) -> list[str]:
         """The content hash of every step of a session, in order (what idempotent re-sends match against)."""
         self.session(session_id)
-        return [r[0] for r in self._db.execute("SELECT sha256 FROM steps WHERE session_id=? ORDER BY t", (session_id,))]
+        return [r[0] for r in self._read("SELECT sha256 FROM steps WHERE session_id=? ORDER BY t", (session_id,))]
 
     def count(self, session_id: str) -> int:
-        return self._db.execute("SELECT COUNT(*) FROM steps WHERE session_id=?", (session_id,)).fetchone()[0]
+        return self._read_one("SELECT COUNT(*) FROM steps WHERE session_id=?", (session_id,))[0]
 
     # -- enrichment (added later, never replacing raw) --------------------------------------
 
@@ -398,9 +335,10 @@ class Ledger:
         n_det, n_brief = self.tokenizer.count_batch(texts)
         now = time.time()
         with self._tx() as db:
-            db.execute("INSERT OR IGNORE INTO abstractions VALUES (?,?,?,?,?)",
+            db.execute("INSERT OR IGNORE INTO abstractions (step_id, producer, producer_version, body, created)"
+                       " VALUES (?,?,?,?,?)",
                        (step.id, producer, version, s.abstraction.to_json(), now))
-            db.executemany("INSERT OR IGNORE INTO representations VALUES (?,?,?,?,?,?,?)",
+            db.executemany(f"INSERT OR IGNORE INTO representations ({_REPR_COLS}) VALUES (?,?,?,?,?,?,?)",
                            [(step.id, "detailed", s.detailed, n_det, producer, version, now),
                             (step.id, "brief", s.brief, n_brief, producer, version, now)])
 
@@ -423,18 +361,19 @@ class Ledger:
         """(steps without a summary [of this (producer, version)], steps without a key for ``key_model``)."""
         cols = ", ".join(f"s.{c.strip()}" for c in _STEP_COLS.split(","))
         which = "" if producer is None else " AND a.producer=? AND a.producer_version=?"
-        no_sum = self._db.execute(
+        no_sum = self._read(
             f"SELECT {cols} FROM steps s WHERE s.session_id=? AND NOT EXISTS "
             f"(SELECT 1 FROM abstractions a WHERE a.step_id=s.id{which}) ORDER BY s.t",
-            (session_id, *(producer or ()))).fetchall()
-        no_key = [] if key_model is None else self._db.execute(
+            (session_id, *(producer or ())))
+        no_key = [] if key_model is None else self._read(
             f"SELECT {cols} FROM steps s WHERE s.session_id=? AND NOT EXISTS "
-            "(SELECT 1 FROM keys k WHERE k.step_id=s.id AND k.model=?) ORDER BY s.t", (session_id, key_model)).fetchall()
+            "(SELECT 1 FROM keys k WHERE k.step_id=s.id AND k.model=?) ORDER BY s.t", (session_id, key_model))
         return [_step_from_row(r) for r in no_sum], [_step_from_row(r) for r in no_key]
 
     def add_fold(self, session_id: str, policy_key: str, fold: Fold) -> None:
         with self._tx() as db:
-            db.execute("INSERT OR IGNORE INTO folds VALUES (?,?,?,?,?,?,?)",
+            db.execute("INSERT OR IGNORE INTO folds (session_id, policy_key, upto, text, tokens, producer, created)"
+                       " VALUES (?,?,?,?,?,?,?)",
                        (session_id, policy_key, fold.upto, fold.text, fold.tokens, fold.producer, time.time()))
 
     # -- audit ------------------------------------------------------------------------------
@@ -458,12 +397,12 @@ class Ledger:
     def audit(self, session_id: str) -> list[dict]:
         """Every recorded turn of a session, oldest first, with its full plan decoded."""
         self.session(session_id)
-        rows = self._db.execute(
+        rows = self._read(
             "SELECT t, policy, config_hash, budget, prompt_hash, prefix_hash, tokens, prefix_tokens, counts, plan,"
-            " degradations, created FROM audit WHERE session_id=? ORDER BY id", (session_id,)).fetchall()
+            " degradations, created FROM audit WHERE session_id=? ORDER BY id", (session_id,))
         out = []
         for r in rows:
-            head, blob = r[9].split(b"\0", 1)
+            head, blob = bytes(r[9]).split(b"\0", 1)
             meta = json.loads(head)
             n = meta["n"]
             raw = zlib.decompress(blob)
@@ -479,6 +418,7 @@ class Ledger:
     def record_glimpse(self, session_id: str, step_id: int, limit: int) -> bool:
         """Count a glimpse against the current turn (t = steps so far); False once ``limit`` are used."""
         with self._tx() as db:
+            self._store.lock_session(db, session_id)  # count-then-insert must not race another replica
             (t,) = db.execute("SELECT COUNT(*) FROM steps WHERE session_id=?", (session_id,)).fetchone()
             (used,) = db.execute("SELECT COUNT(*) FROM glimpses WHERE session_id=? AND t=?", (session_id, t)).fetchone()
             if used >= limit:
@@ -486,6 +426,24 @@ class Ledger:
             db.execute("INSERT INTO glimpses (session_id, t, step_id, created) VALUES (?,?,?,?)",
                        (session_id, t, step_id, time.time()))
             return True
+
+    # -- work leases (background enrichment from several replicas) ---------------------------
+
+    def claim(self, name: str, owner: str, ttl_s: float) -> bool:
+        """Take (or renew) the lease ``name`` for ``owner`` until ``ttl_s`` from now; False while
+        another owner holds an unexpired one. A crashed holder's lease lapses by itself."""
+        now = time.time()
+        with self._tx() as db:
+            row = db.execute(
+                "INSERT INTO leases (name, owner, expires) VALUES (?,?,?) ON CONFLICT (name) DO UPDATE"
+                " SET owner=excluded.owner, expires=excluded.expires"
+                " WHERE leases.expires < ? OR leases.owner = excluded.owner RETURNING owner",
+                (name, owner, now + ttl_s, now)).fetchone()
+        return row is not None
+
+    def release(self, name: str, owner: str) -> None:
+        with self._tx() as db:
+            db.execute("DELETE FROM leases WHERE name=? AND owner=?", (name, owner))
 
     # -- served turns and outcomes (the A/B record) ------------------------------------------
 
@@ -506,19 +464,19 @@ class Ledger:
     def served(self, since: float = 0.0) -> list[dict]:
         """Every served turn since ``since`` (unix time), oldest first."""
         return [{"session_id": r[0], "t": r[1], "arm": r[2], **json.loads(r[3]), "created": r[4]}
-                for r in self._db.execute("SELECT session_id, t, arm, metrics, created FROM served WHERE created>=?"
-                                          " ORDER BY id", (since,))]
+                for r in self._read("SELECT session_id, t, arm, metrics, created FROM served WHERE created>=?"
+                                    " ORDER BY id", (since,))]
 
     def outcomes(self, since: float = 0.0) -> list[dict]:
         return [{"session_id": r[0], "arm": r[1], "value": r[2], "note": r[3], "created": r[4]}
-                for r in self._db.execute("SELECT session_id, arm, value, note, created FROM outcomes WHERE created>=?"
-                                          " ORDER BY id", (since,))]
+                for r in self._read("SELECT session_id, arm, value, note, created FROM outcomes WHERE created>=?"
+                                    " ORDER BY id", (since,))]
 
     # -- snapshot ---------------------------------------------------------------------------
 
     def snapshot(self, session_id: str, upto: int | None = None, key_model: str | None = None) -> SessionSnapshot:
         """A consistent, immutable view of the steps with t < upto (all steps when None)."""
-        with self._tx(immediate=False) as db:
+        with self._tx(write=False, snapshot=True) as db:
             session = self.session(session_id)
             lim = upto if upto is not None else 1 << 62
             if lim < 0:
@@ -576,7 +534,7 @@ class Ledger:
     def verify(self, session_id: str) -> int:
         """Recompute every stored hash of a session; returns the number of steps checked."""
         n = 0
-        for row in self._db.execute(f"SELECT {_STEP_COLS} FROM steps WHERE session_id=? ORDER BY t", (session_id,)):
+        for row in self._read(f"SELECT {_STEP_COLS} FROM steps WHERE session_id=? ORDER BY t", (session_id,)):
             step = _step_from_row(row)
             if step.record().sha256() != step.sha256:
                 raise LedgerError(f"session {session_id!r} step t={step.t}: stored hash does not match its content")
@@ -584,6 +542,7 @@ class Ledger:
         return n
 
 
+_REPR_COLS = "step_id, resolution, text, tokens, producer, producer_version, created"
 _STEP_COLS = ("id, session_id, t, kind, thought, action, observation, authority, tool, sha256, tok_thought,"
               " tok_action, tok_observation, tok_full, created")
 

@@ -6,6 +6,9 @@ this class, so what replay measures is what production serves.
 
 from __future__ import annotations
 
+import os
+import socket
+import uuid
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -33,11 +36,20 @@ class EnrichResult:
 
 
 class Runtime:
-    """Drives turns of any number of sessions over one ledger."""
+    """Drives turns of any number of sessions over one ledger.
+
+    Several runtimes (serving replicas, on one machine or many) may share a ledger: appends to one
+    session are serialised by the ledger, and with ``leases`` (the default on PostgreSQL) background
+    enrichment of a session runs on one of them at a time, so no step is summarised or embedded twice
+    and none is left out (see :meth:`enrich`).
+    """
 
     def __init__(self, ledger: Ledger, embedder: Embedder | None = None, summarizer: Summarizer | None = None,
-                 glimpse_limit: int = 3, chat=None):
+                 glimpse_limit: int = 3, chat=None, leases: bool | None = None, lease_s: float = 60.0):
         self.ledger = ledger
+        self.leases = ledger.backend == "postgresql" if leases is None else leases
+        self.lease_s = lease_s
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.embedder = embedder or HashingEmbedder()
         self.summarizer = summarizer or RuleSummarizer()
         self.glimpse_limit = glimpse_limit
@@ -57,13 +69,39 @@ class Runtime:
         return step
 
     def enrich(self, session_id: str, batch: int = 64) -> EnrichResult:
-        """Write every missing summary and key of a session. Safe to repeat; never touches raw steps."""
-        no_sum, no_key = self.ledger.pending(session_id, self.embedder.name,
-                                             (self.summarizer.name, self.summarizer.version))
-        for step in no_sum:
+        """Write every missing summary and key of a session. Safe to repeat; never touches raw steps.
+
+        With leases, one runtime at a time enriches a session: a caller that finds the lease held
+        returns at once (the holder does the work), and the holder looks for pending steps again after
+        it lets go, so a step appended while it worked is not left out (its writer saw the lease held).
+        """
+        if not self.leases:
+            return self._enrich(session_id, batch, None)
+        name = f"enrich/{session_id}/{self.summarizer.name}:{self.summarizer.version}/{self.embedder.name}"
+        done = EnrichResult(0, 0)
+        while self.ledger.claim(name, self.owner, self.lease_s):
+            try:
+                r = self._enrich(session_id, batch, name)
+            finally:
+                self.ledger.release(name, self.owner)
+            done = EnrichResult(done.summaries + r.summaries, done.keys + r.keys)
+            if not any(self._pending(session_id)):
+                break
+        return done
+
+    def _pending(self, session_id: str):
+        return self.ledger.pending(session_id, self.embedder.name, (self.summarizer.name, self.summarizer.version))
+
+    def _enrich(self, session_id: str, batch: int, lease: str | None) -> EnrichResult:
+        no_sum, no_key = self._pending(session_id)
+        for i, step in enumerate(no_sum):
+            if lease and i and i % batch == 0:
+                self.ledger.claim(lease, self.owner, self.lease_s)  # renew while working
             self.ledger.add_summaries(session_id, step.id, self.summarizer.summarize(step.record()),
                                       self.summarizer.name, self.summarizer.version)
         for i in range(0, len(no_key), batch):
+            if lease:
+                self.ledger.claim(lease, self.owner, self.lease_s)
             chunk = no_key[i: i + batch]
             vectors = self.embedder.embed([key_text(s) for s in chunk])
             self.ledger.add_keys(session_id, [s.id for s in chunk], self.embedder.name, vectors)
@@ -88,10 +126,11 @@ class Runtime:
         pol = policy if hasattr(policy, "plan") else self.policy(policy)  # type: ignore[arg-type]
         snap = self.snapshot(session_id, at)
         turn = self.compile(snap if keys else snap.without_keys(), pol, budget)
-        if turn.plan.new_fold and turn.plan.fold is not None:
-            self.ledger.add_fold(session_id, turn.plan.config_hash, turn.plan.fold)
-        if record:
-            self.ledger.record_turn(turn)
+        with self.ledger.transaction():  # the fold and the audit of a turn are stored together or not at all
+            if turn.plan.new_fold and turn.plan.fold is not None:
+                self.ledger.add_fold(session_id, turn.plan.config_hash, turn.plan.fold)
+            if record:
+                self.ledger.record_turn(turn)
         return turn
 
     def glimpse(self, session_id: str, step_id: int | str) -> str:

@@ -23,6 +23,11 @@ class LedgerError(PalimpsestError):
     """The ledger refused an operation (duplicate with other content, unknown session, ...)."""
 
 
+class LedgerUnavailableError(LedgerError):
+    """The ledger's database cannot be reached (at start-up, or lost mid-operation). Retriable: the
+    operation's transaction did not commit, so nothing of it is stored; re-sending an append is safe."""
+
+
 class UnknownSessionError(LedgerError):
     pass
 

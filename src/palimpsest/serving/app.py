@@ -27,21 +27,35 @@ def build_app(config: ServeConfig | dict | None = None) -> Application:
     from palimpsest.serving.ingress import Ingress
 
     cfg = parse_serve_config(config)
+    preflight(cfg)
     actor_path = str(resolve_actor_path(cfg.actor.model))
     env = {"env_vars": deployment_env()}
-    res = cfg.resources
+    res, n = cfg.resources, cfg.replicas
     actor_opts: dict[str, Any] = {"num_cpus": res.actor, "runtime_env": env}
     if res.actor_gpus:
         actor_opts["num_gpus"] = res.actor_gpus
-    actor = Actor.options(ray_actor_options=actor_opts).bind(cfg.actor.model_dump() | {"model": actor_path})
-    embedder = Embedder.options(ray_actor_options={"num_cpus": res.embedder, "runtime_env": env}).bind(
-        cfg.embedder, cfg.device)
-    summarizer = Summarizer.options(ray_actor_options={"num_cpus": res.summarizer, "runtime_env": env}).bind(
+    actor = Actor.options(num_replicas=n.actor, ray_actor_options=actor_opts).bind(
+        cfg.actor.model_dump() | {"model": actor_path})
+    embedder = Embedder.options(num_replicas=n.embedder, ray_actor_options={"num_cpus": res.embedder, "runtime_env": env}
+                                ).bind(cfg.embedder, cfg.device)
+    summarizer = Summarizer.options(num_replicas=n.summarizer,
+                                    ray_actor_options={"num_cpus": res.summarizer, "runtime_env": env}).bind(
         cfg.summarizer.model_dump(), actor, actor_path.rstrip("/").rsplit("/", 1)[-1])
-    memory = MemoryEncoder.options(ray_actor_options={"num_cpus": res.memory, "runtime_env": env}).bind(
-        actor_path, cfg.memory_models(), cfg.device, cfg.memory.max_history_tokens)
-    return Ingress.options(ray_actor_options={"num_cpus": res.ingress, "runtime_env": env}).bind(
+    memory = MemoryEncoder.options(num_replicas=n.memory, ray_actor_options={"num_cpus": res.memory, "runtime_env": env}
+                                   ).bind(actor_path, cfg.memory_models(), cfg.device, cfg.memory.max_history_tokens)
+    return Ingress.options(num_replicas=n.ingress, ray_actor_options={"num_cpus": res.ingress, "runtime_env": env}).bind(
         cfg.model_dump(), actor, embedder, summarizer, memory)
+
+
+def preflight(cfg: ServeConfig) -> None:
+    """What the app depends on outside Ray, checked before anything starts: the ledger's database and
+    the MLflow tracking server (when one is configured). Each failure names what it could not reach."""
+    from palimpsest.pipelines.tracking import check, configure
+    from palimpsest.platform.stores import open_store
+
+    configure(cfg.tracking.uri, cfg.tracking.artifact_location)  # exported: every replica inherits it
+    check()
+    open_store(cfg.ledger, timeout_s=10.0, pool_size=1).close()  # reachable, and its schema migrated
 
 
 def app_builder(args: dict[str, Any]) -> Application:

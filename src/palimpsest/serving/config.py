@@ -128,10 +128,28 @@ class DeploymentResources(_Strict):
     actor_gpus: float = Field(0.0, ge=0)
 
 
+class DeploymentReplicas(_Strict):
+    """Replicas per deployment. More than one ingress needs a ledger every replica reaches (postgresql://)."""
+    ingress: int = Field(1, ge=1, le=256)
+    actor: int = Field(1, ge=1, le=256)
+    embedder: int = Field(1, ge=1, le=256)
+    summarizer: int = Field(1, ge=1, le=256)
+    memory: int = Field(1, ge=1, le=256)
+
+
+class TrackingConfig(_Strict):
+    uri: str | None = Field(None, description="MLflow tracking URI (a server in production); "
+                                              "$MLFLOW_TRACKING_URI, else the local store, when unset")
+    artifact_location: str | None = Field(None, description="artifact location of new experiments (an object store URI)")
+    experiment: str = Field("palimpsest-ab", description="the experiment A/B reports are logged to")
+
+
 class ServeConfig(_Strict):
     name: str = "palimpsest"
     route_prefix: str = "/"
-    ledger: str = Field(".palimpsest/serve-ledger.db", description="SQLite ledger path")
+    ledger: str = Field(".palimpsest/serve-ledger.db",
+                        description="a SQLite path (one ingress replica) or a postgresql:// URL (any number)")
+    ledger_pool_size: int = Field(8, ge=1, le=512, description="database connections per ingress replica (PostgreSQL)")
     embedder: Literal["minilm", "hashing"] = "minilm"
     budget: int = Field(8000, ge=64, description="default per-turn context budget (tokens)")
     device: str = Field("cpu", description="torch device of the embedder and memory encoder")
@@ -145,7 +163,8 @@ class ServeConfig(_Strict):
     limits: LimitsConfig = LimitsConfig()
     auth: AuthConfig = AuthConfig()
     resources: DeploymentResources = DeploymentResources()
-    mlflow_experiment: str = "palimpsest-ab"
+    replicas: DeploymentReplicas = DeploymentReplicas()
+    tracking: TrackingConfig = TrackingConfig()
 
     @model_validator(mode="after")
     def _arms(self) -> "ServeConfig":
@@ -154,6 +173,9 @@ class ServeConfig(_Strict):
         names = [a.name for a in self.arms]
         if len(set(names)) != len(names):
             raise ValueError(f"arm names must be unique, got {names}")
+        if self.replicas.ingress > 1 and not self.ledger.startswith(("postgresql://", "postgres://")):
+            raise ValueError(f"replicas.ingress={self.replicas.ingress} needs a ledger every replica reaches: "
+                             "set ledger to a postgresql:// URL (a SQLite file serves one replica)")
         if sum(a.weight for a in self.arms) <= 0:
             raise ValueError("at least one arm needs a positive weight")
         for a in self.arms:

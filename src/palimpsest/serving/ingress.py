@@ -39,6 +39,7 @@ from palimpsest.platform.types import (
     ConfigError,
     GlimpseLimitError,
     LedgerError,
+    LedgerUnavailableError,
     PalimpsestError,
     StepRecord,
     UnknownSessionError,
@@ -98,7 +99,7 @@ class HTTPProblem(Exception):
         self.status, self.message = status, message
 
 
-_STATUS = ((UnknownSessionError, 404), (UnknownStepError, 404), (GlimpseLimitError, 429), (HistoryConflict, 409),
+_STATUS = ((LedgerUnavailableError, 503), (UnknownSessionError, 404), (UnknownStepError, 404), (GlimpseLimitError, 429), (HistoryConflict, 409),
            (EmbedsError, 400), (BudgetError, 422), (ConfigError, 422), (LedgerError, 409), (PalimpsestError, 400))
 
 
@@ -111,7 +112,8 @@ async def _problem(_: Request, e: HTTPProblem):
 @app.exception_handler(PalimpsestError)
 async def _palimpsest_error(_: Request, e: PalimpsestError):
     status = next(code for cls, code in _STATUS if isinstance(e, cls))
-    return JSONResponse({"error": str(e)}, status_code=status)
+    # 503: the ledger's database is out of reach; the operation did not commit, so a retry is safe.
+    return JSONResponse({"error": str(e)}, status_code=status, headers={"Retry-After": "5"} if status == 503 else None)
 
 
 @app.exception_handler(RecursionError)
@@ -129,7 +131,20 @@ async def _body_limit(request: Request, call_next):
             return JSONResponse({"error": "invalid Content-Length"}, status_code=400)
         if int(length) > limit:
             return JSONResponse({"error": f"the body has {length} bytes; at most {limit} are accepted"}, status_code=413)
-    return await call_next(request)
+    response = await call_next(request)
+    response.headers[REPLICA_HEADER] = _replica_tag()
+    return response
+
+
+REPLICA_HEADER = "X-Palimpsest-Replica"
+
+
+def _replica_tag() -> str:
+    """Which ingress replica answered (several may serve one session)."""
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:
+        return "-"
 
 
 @app.exception_handler(RequestValidationError)
@@ -266,7 +281,7 @@ class Ingress:
         emb = await self.embedder_h.info.remote()
         self.memory_info = await self.memory.info.remote()
         self.summarizer_info = await self.summarizer.info.remote()
-        ledger = await asyncio.to_thread(Ledger, self.cfg.ledger, info["path"])
+        ledger = await asyncio.to_thread(Ledger, self.cfg.ledger, info["path"], pool_size=self.cfg.ledger_pool_size)
         self.runtime = Runtime(ledger, embedder=HandleEmbedder(self.embedder_h, emb["name"]), summarizer=RuleSummarizer(),
                                glimpse_limit=self.cfg.limits.glimpses_per_turn, chat=self._chat)
         self.policies = {a.name: self.runtime.policy(a.policy_config()) for a in self.cfg.arms}
@@ -364,19 +379,36 @@ class Ingress:
         from palimpsest.serving.deployments import summaries_from_wire
 
         producer = (self.summarizer_info["name"], self.summarizer_info["version"])
+        ledger, rt = self.runtime.ledger, self.runtime
+        lease_s = 3 * self.cfg.summarizer.timeout_s + 30
         while True:
             sid = await self._llm_queue.get()
             self._llm_queued.discard(sid)
+            # With several replicas one of them writes a session's LLM summaries at a time; a replica that
+            # finds the lease held leaves the work to the holder, which looks again after letting go.
+            lease = f"llm-summaries/{sid}/{producer[0]}:{producer[1]}"
             try:
-                todo, _ = await asyncio.to_thread(self.runtime.ledger.pending, sid, None, producer)
-                todo = [s for s in todo if s.id not in self._tried][-8:]  # the most recent matter most
-                replies = await asyncio.gather(*(self.summarizer.summarize.remote(_record_dict(s.record())) for s in todo),
-                                               return_exceptions=True)
-                for s, r in zip(todo, replies):
-                    self._tried.add(s.id)
-                    if isinstance(r, dict) and r["producer"] == producer[0]:
-                        await asyncio.to_thread(self.runtime.ledger.add_summaries, sid, s.id, summaries_from_wire(r),
-                                                r["producer"], r["version"])
+                if rt.leases and not await asyncio.to_thread(ledger.claim, lease, rt.owner, lease_s):
+                    continue
+                try:
+                    todo, _ = await asyncio.to_thread(ledger.pending, sid, None, producer)
+                    todo = [s for s in todo if s.id not in self._tried][-8:]  # the most recent matter most
+                    replies = await asyncio.gather(
+                        *(self.summarizer.summarize.remote(_record_dict(s.record())) for s in todo),
+                        return_exceptions=True)
+                    for s, r in zip(todo, replies):
+                        self._tried.add(s.id)
+                        if isinstance(r, dict) and r["producer"] == producer[0]:
+                            await asyncio.to_thread(ledger.add_summaries, sid, s.id, summaries_from_wire(r),
+                                                    r["producer"], r["version"])
+                finally:
+                    if rt.leases:
+                        await asyncio.to_thread(ledger.release, lease, rt.owner)
+                if rt.leases:
+                    left, _ = await asyncio.to_thread(ledger.pending, sid, None, producer)
+                    if any(s.id not in self._tried for s in left[-8:]) and sid not in self._llm_queued:
+                        self._llm_queued.add(sid)
+                        self._llm_queue.put_nowait(sid)
             except Exception as e:
                 self.metrics.errors.labels(arm="-", kind="summarize").inc()
                 log.warning("LLM summaries of %s failed: %s", sid, e)
@@ -456,8 +488,8 @@ class Ingress:
             return await self._turn_inner(sid, session, arm, armcfg, body, t_start)
         except Exception as e:
             self.metrics.errors.labels(arm=arm, kind=type(e).__name__).inc()
-            if isinstance(e, (UnknownSessionError, BudgetError, HTTPProblem)):  # the caller's mistakes are not the arm's
-                raise
+            if isinstance(e, (UnknownSessionError, BudgetError, HTTPProblem, LedgerUnavailableError)):
+                raise  # the caller's mistakes are not the arm's, and nothing can be recorded without the ledger
             await asyncio.to_thread(ledger.record_served, sid, ledger.count(sid), arm, {"error": type(e).__name__})
             if _retriable_error(e):
                 raise HTTPProblem(503, f"a model replica is unavailable ({type(e).__name__}); retry shortly") from None

@@ -70,6 +70,10 @@ class DistributedSection(_Strict):
 
 
 class TrackingSection(_Strict):
+    uri: str | None = Field(None, description="MLflow tracking URI (a server in production); "
+                                              "$MLFLOW_TRACKING_URI, else the local store, when unset")
+    artifact_location: str | None = Field(None, description="where a new experiment keeps artifacts (an object "
+                                                            "store URI); the server's default when unset")
     experiment: str = "palimpsest-memory"
     register_as: str | None = Field("palimpsest-memory", description="registered model name; None = do not register")
     policy_config: str = Field("configs/policies/pace_plus.yaml", description="the policy config this memory pairs with")

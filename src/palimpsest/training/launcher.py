@@ -272,7 +272,10 @@ def launch(cfg: TrainConfig, fault: dict | None = None, track: bool = True) -> d
     if track:
         import mlflow
 
-        from palimpsest.pipelines.tracking import experiment_id, tracking_uri
+        from palimpsest.pipelines.tracking import check, configure, experiment_id, tracking_uri
+
+        configure(cfg.tracking.uri, cfg.tracking.artifact_location)
+        check()
 
         try:
             mlflow.set_tracking_uri(tracking_uri())
