@@ -60,19 +60,36 @@ def test_missing_actor_and_empty_data_are_clear_errors(tmp_path, actor_dir):
 @pytest.mark.ray
 @pytest.mark.deepspeed
 def test_training_survives_a_killed_worker_resumes_and_registers(tmp_path, actor_dir, monkeypatch):
+    """Against a real MLflow tracking server named in the training config (with the artifact location
+    from the config too), then the serving side's model lookup and loading through the same server."""
     import ray
-    import torch
 
-    from palimpsest.training.launcher import launch, load_bundle
+    from palimpsest.training.launcher import launch
+    from tests.mlflow_server import mlflow_server
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    cfg = config(tmp_path, actor_dir)
-    marker = tmp_path / "killed"
-    try:
-        summary = launch(cfg, fault={"rank": 1, "step": 5, "marker": str(marker)})
-    finally:
-        ray.shutdown()
+    for var in ("MLFLOW_TRACKING_URI", "PALIMPSEST_MLFLOW_ARTIFACTS"):  # the launcher exports the config's
+        monkeypatch.setenv(var, "-")
+        monkeypatch.delenv(var)
+    store = tmp_path / "object-store"
+    with mlflow_server(tmp_path) as tracking:
+        cfg = config(tmp_path, actor_dir, tracking={"uri": tracking, "artifact_location": store.as_uri()})
+        marker = tmp_path / "killed"
+        try:
+            summary = launch(cfg, fault={"rank": 1, "step": 5, "marker": str(marker)})
+        finally:
+            ray.shutdown()
+        _check_run(summary, marker, tracking, store)
+
+
+def _check_run(summary, marker, tracking, store):
+    import mlflow
+    import torch
+
+    from palimpsest.models.encoder import load_memory
+    from palimpsest.serving.deployments import resolve_memory_ref
+    from palimpsest.training.launcher import load_bundle
+
     assert marker.exists()  # the worker was killed once ...
     assert summary["metrics"]["step"] == 6  # ... and the run still finished,
     # resumed from a checkpoint written before the kill (the controller may not have registered the
@@ -83,9 +100,7 @@ def test_training_survives_a_killed_worker_resumes_and_registers(tmp_path, actor
     soft = net(torch.randn(50, 64))
     assert soft.shape == (4, 64)
 
-    import mlflow
-
-    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / '.palimpsest' / 'mlflow.db'}")
+    mlflow.set_tracking_uri(tracking)
     client = mlflow.MlflowClient()
     run = client.get_run(summary["mlflow_run_id"])
     assert run.data.params["zero_stage"] == "2" and run.data.tags.get("resumed_at_step") == str(resumed)  # one run, kept
@@ -96,6 +111,11 @@ def test_training_survives_a_killed_worker_resumes_and_registers(tmp_path, actor
     assert mv.tags["policy_config"] == "configs/policies/pace_plus.yaml"
     loaded = mlflow.pytorch.load_model(summary["registered"])
     assert torch.allclose(loaded(torch.ones(10, 64)), net(torch.ones(10, 64)), atol=1e-6)
+    assert run.info.artifact_uri.startswith(store.as_uri()) and any(store.rglob("checkpoint"))  # config's location
+    # Serving resolves `memory.model: auto` and loads it through the same server.
+    assert resolve_memory_ref("auto") == summary["registered"]
+    served = load_memory(summary["registered"])
+    assert torch.allclose(served(torch.ones(10, 64)), net(torch.ones(10, 64)), atol=1e-6)
 
 
 @pytest.mark.slow
