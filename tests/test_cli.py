@@ -45,6 +45,21 @@ def test_import_render_glimpse_audit_round_trip(tmp_path, data):
     assert r.returncode == 0 and "ace plan at t=3" in r.stdout
 
 
+def test_the_command_line_works_on_a_postgresql_ledger_given_by_url(tmp_path, data):
+    from tests import pg
+
+    with pg.fresh_schema() as url:
+        r = cli("import", str(data), "--ledger", url, cwd=tmp_path)
+        assert r.returncode == 1 and "demo/1" in r.stdout, r.stderr
+        r = cli("glimpse", "--session", "demo/1", "1", "--ledger", url, cwd=tmp_path, env={"PALIMPSEST_LEDGER": ""})
+        assert r.returncode == 0 and "parse_config_0" in r.stdout, r.stderr
+        r = cli("audit", "--session", "demo/1", cwd=tmp_path, env={"PALIMPSEST_LEDGER": url})
+        assert r.returncode == 0, r.stderr
+    r = cli("audit", "--session", "demo/1", "--ledger", "postgresql://agent:pw@127.0.0.1:1/x", cwd=tmp_path)
+    assert r.returncode == 2 and "cannot connect to the ledger database postgresql://agent:***@127.0.0.1:1/x" \
+        in r.stderr and "Traceback" not in r.stderr
+
+
 @pytest.mark.parametrize("args,message", [
     (["render", "--session", "demo/1", "--policy", "pace", "--budget", "0"], "positive integer"),
     (["render", "--session", "demo/1", "--policy", "pace", "--budget", "-3"], "positive integer"),

@@ -49,20 +49,23 @@ def shared_dev_file() -> Path:
     return Path.cwd().parent / "shared" / rel
 
 
-LedgerOpt = typer.Option(None, "--ledger", help="ledger file (default $PALIMPSEST_LEDGER or .palimpsest/ledger.db)")
+LedgerOpt = typer.Option(None, "--ledger", help="ledger file or postgresql:// URL "
+                                                  "(default $PALIMPSEST_LEDGER or .palimpsest/ledger.db)")
 EmbedderOpt = typer.Option("minilm", "--embedder", help="key embedder: minilm (all-MiniLM-L6-v2) or hashing")
 TokenizerOpt = typer.Option("smollm2", "--tokenizer",
                             help="token counting: smollm2 (the actor's), approx, or a tokenizer.json path")
 
 
-def _ledger_path(path: Optional[Path]) -> Path:
-    return Path(path or os.environ.get("PALIMPSEST_LEDGER") or DEFAULT_LEDGER)
+def _ledger_path(path: Optional[str]) -> str:
+    """A ledger file or a database URL (kept as text: a URL is not a path)."""
+    return str(path or os.environ.get("PALIMPSEST_LEDGER") or DEFAULT_LEDGER)
 
 
-def _existing(path: Path) -> Path:
-    if not path.is_file():
+def _existing(path: str | Path) -> str:
+    """A ledger that must exist already: a file is checked here, a database when it is opened."""
+    if "://" not in str(path) and not Path(path).is_file():
         raise PalimpsestError(f"no ledger at {path}; `palimpsest import FILE` creates one")
-    return path
+    return str(path)
 
 
 def _fail(message: str) -> None:
@@ -80,7 +83,7 @@ def _policy_config(policy: str, config_file: Optional[Path]):
 @app.command("import")
 def import_cmd(
     file: Path = typer.Argument(..., help="trajectories, one JSON object per line"),
-    ledger: Optional[Path] = LedgerOpt,
+    ledger: Optional[str] = LedgerOpt,
     enrich: bool = typer.Option(True, help="write summaries and keys now (otherwise on first use)"),
     embedder: str = EmbedderOpt,
     tokenizer: str = TokenizerOpt,
@@ -122,7 +125,7 @@ def render(
     at: Optional[int] = typer.Option(None, "--at", help="compile the context before step T (default: next step)"),
     policy_config: Optional[Path] = typer.Option(None, "--policy-config", help="YAML config of the policy"),
     show_prompt: bool = typer.Option(True, "--prompt/--no-prompt", help="print the compiled context"),
-    ledger: Optional[Path] = LedgerOpt,
+    ledger: Optional[str] = LedgerOpt,
     embedder: str = EmbedderOpt,
     tokenizer: str = TokenizerOpt,
 ) -> None:
@@ -155,7 +158,7 @@ def render(
 def glimpse(
     step_id: str = typer.Argument(..., help="the step id a placeholder shows, e.g. 42 or #42"),
     session: str = typer.Option(..., "--session"),
-    ledger: Optional[Path] = LedgerOpt,
+    ledger: Optional[str] = LedgerOpt,
 ) -> None:
     """Print the raw text of one step of a session (counts against the turn's glimpse limit)."""
     with Ledger(_existing(_ledger_path(ledger))) as led:
@@ -163,7 +166,7 @@ def glimpse(
 
 
 @app.command()
-def audit(session: str = typer.Option(..., "--session"), ledger: Optional[Path] = LedgerOpt) -> None:
+def audit(session: str = typer.Option(..., "--session"), ledger: Optional[str] = LedgerOpt) -> None:
     """Show every audited turn of a session."""
     with Ledger(_existing(_ledger_path(ledger))) as led:
         rows = led.audit(session)
@@ -418,7 +421,7 @@ app.add_typer(ab_app, name="ab")
 
 @ab_app.command("report")
 def ab_report(
-    ledger: Path = typer.Option(Path(".palimpsest/serve-ledger.db"), "--ledger", help="the serving ledger"),
+    ledger: str = typer.Option(".palimpsest/serve-ledger.db", "--ledger", help="the serving ledger (file or URL)"),
     since: float = typer.Option(0.0, "--since", help="only turns served after this unix time"),
     prefix: str = typer.Option("", "--prefix", help="only sessions whose id starts with this"),
     arms: Optional[str] = typer.Option(None, "--arms", help="comma-separated arms, control first (default: all)"),

@@ -103,3 +103,48 @@ def test_the_dockerfile_copies_what_exists_and_runs_the_serve_command():
     assert "palimpsest" in cmd and "serve" in cmd
     config = cmd.split("--config", 1)[1].split('"')[2]
     assert (ROOT / config).is_file()
+
+
+# -- the Dockerfile ----------------------------------------------------------------------------
+
+LINTER = ROOT / ".cache" / "npm" / "node_modules" / ".bin" / "dockerfile-utils"  # scripts/install.sh installs it
+
+
+def lint(path: Path) -> list[dict]:
+    import json
+    import os
+    import subprocess
+
+    if not LINTER.exists():
+        if os.environ.get("CI"):
+            pytest.fail(f"{LINTER} is missing (scripts/install.sh installs it with npm)")
+        pytest.skip("dockerfile-utils is not installed (needs npm)")
+    out = subprocess.run([str(LINTER), "lint", "--json", str(path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout or "[]")
+
+
+def test_the_dockerfile_lints_clean():
+    assert lint(ROOT / "infra" / "Dockerfile") == []
+
+
+def test_the_linter_reports_what_is_wrong(tmp_path):
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM ubuntu\nMAINTAINER someone\nCMD a\nCMD b\n")
+    messages = " ".join(p["message"] for p in lint(bad))
+    assert "MAINTAINER has been deprecated" in messages and "only be one CMD" in messages
+
+
+def test_the_dockerfile_follows_the_project_rules():
+    """A pinned base, a non-root user, and sources that exist (what the linter does not check)."""
+    lines = [ln.strip() for ln in (ROOT / "infra" / "Dockerfile").read_text().splitlines()
+             if ln.strip() and not ln.lstrip().startswith("#")]
+    base = next(ln.split("=", 1)[1] for ln in lines if ln.startswith("ARG BASE="))
+    assert ":" in base and not base.endswith(":latest"), base
+    assert lines[-1].startswith("CMD [") and any(ln.startswith("USER ") and ln != "USER root" for ln in lines)
+    assert not any(ln.startswith("ADD ") for ln in lines)
+    for ln in lines:
+        if ln.startswith("COPY "):
+            for src in ln.split()[1:-1]:
+                assert (ROOT / src).exists(), f"COPY source {src} does not exist"
+    assert "requirements.txt" in " ".join(lines)

@@ -38,7 +38,7 @@ def tokenizer_spec(name: str) -> str:
     return name
 
 
-def open_runtime(ledger: Path, embedder: str = "minilm", tokenizer: str = "smollm2", wrap=None) -> Runtime:
+def open_runtime(ledger: str | Path, embedder: str = "minilm", tokenizer: str = "smollm2", wrap=None) -> Runtime:
     """A runtime over ``ledger``; ``wrap`` (e.g. a timing wrapper) is applied to the embedder."""
     emb = make_embedder(embedder)
     return Runtime(Ledger(ledger, tokenizer=tokenizer_spec(tokenizer)), embedder=wrap(emb) if wrap else emb)
