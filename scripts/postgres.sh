@@ -21,7 +21,7 @@ bindir() {
 
 # PostgreSQL refuses to run as root: run its tools as the package's `postgres` user then.
 as_owner() {
-    if [ "$(id -u)" = 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi
+    if [ "$(id -u)" = 0 ]; then (cd / && runuser -u postgres -- "$@"); else "$@"; fi
 }
 
 install() {
