@@ -31,6 +31,8 @@ def test_unsupported_urls_are_refused():
     with pytest.raises(LedgerError, match="unsupported ledger URL 'mysql://u:\\*\\*\\*@h/db'"):
         Ledger("mysql://u:pw@h/db")
     assert redact("postgresql://u@h:5/d") == "postgresql://u@h:5/d"
+    assert redact("postgresql://h/d?user=u&password=pw&sslmode=require") == \
+        "postgresql://h/d?user=u&password=***&sslmode=require"
 
 
 def test_migrations_are_numbered_and_both_backends_have_the_same_versions():
@@ -48,6 +50,13 @@ def test_a_ledger_of_an_older_schema_is_migrated_in_place(tmp_path):
     led = Ledger(path)
     assert led._read_one("SELECT value FROM meta WHERE key='schema_version'")[0] == str(len(migrations("sqlite")))
     assert led.claim("x", "me", 5)  # the table of migration 2 exists now
+
+
+def test_commits_are_durable_on_the_server_whatever_its_default(ledger):
+    if ledger.backend == "postgresql":
+        assert ledger._read_one("SHOW synchronous_commit")[0] == "on"
+    else:
+        assert ledger._read_one("PRAGMA synchronous")[0] == 2  # FULL
 
 
 def test_schema_version_is_the_latest_on_both_backends(ledger):

@@ -58,10 +58,11 @@ def redact(url: str | Path) -> str:
     if "://" not in s:
         return s
     parts = urlsplit(s)
-    if parts.password is None:
-        return s
-    netloc = f"{parts.username or ''}:***@{parts.hostname or ''}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
+    query = re.sub(r"(^|&)password=[^&]*", r"\1password=***", parts.query)
+    netloc = parts.netloc
+    if parts.password is not None:
+        netloc = f"{parts.username or ''}:***@{parts.hostname or ''}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc, query=query))
 
 
 def migrations(backend: str) -> list[tuple[int, str, str]]:
@@ -229,7 +230,7 @@ class PostgresStore:
             raise LedgerUnavailableError(f"cannot connect to the ledger database {self.url}: {_first_line(e)}") from None
         self._pool = ConnectionPool(
             url, min_size=1, max_size=max(1, pool_size), open=False, timeout=timeout_s, max_idle=300,
-            kwargs={"autocommit": True, "connect_timeout": connect_timeout},
+            kwargs={"autocommit": True, "connect_timeout": connect_timeout}, configure=_configure,
             check=ConnectionPool.check_connection, name="palimpsest-ledger")
         self._pool.open(wait=True, timeout=timeout_s)
         self._local = threading.local()
@@ -296,6 +297,12 @@ class PostgresStore:
 
     def close(self) -> None:
         self._pool.close()
+
+
+def _configure(conn) -> None:
+    """Every pooled connection: a commit returns only once it is durable on the server (whatever the
+    server's default), which is what an acknowledged append promises."""
+    conn.execute("SET synchronous_commit TO on")
 
 
 def _first_line(e: BaseException) -> str:
