@@ -1,5 +1,5 @@
-"""Scale-out: two ingress replicas over one PostgreSQL ledger serve one session's interleaved appends and
-turns with no lost or duplicated step; unreachable dependencies fail at start-up with a clear error."""
+"""Scale-out: two ingress replicas on two Ray nodes over one PostgreSQL ledger serve one session's interleaved
+appends and turns with no lost or duplicated step; unreachable dependencies fail at start-up with a clear error."""
 
 from __future__ import annotations
 
@@ -67,26 +67,48 @@ def test_a_lost_database_is_a_retriable_503():
 
 
 @pytest.fixture(scope="module")
-def two_replicas(tiny_dir, tiny_memory):
+def two_nodes(tiny_dir, tiny_memory):
+    """A two-node Ray cluster (two raylets on this machine) serving the app with two ingress replicas, one
+    per node, over one PostgreSQL ledger."""
+    import ray
+    from ray.cluster_utils import Cluster
+
     from palimpsest.serving.local import LocalServer
 
-    with pg.fresh_schema() as url:
-        cfg = tiny_config(tiny_dir, tiny_memory, url)
-        cfg["replicas"] = {"ingress": 2}
-        cfg["resources"] = {"ingress": 0.1, "actor": 1.0, "embedder": 0.1, "summarizer": 0.1, "memory": 0.2}
-        srv = LocalServer(cfg, port=free_port())
-        srv.start(timeout_s=600)
-        try:
-            yield srv, url
-        finally:
-            srv.stop()
+    # One HTTP proxy here (on the head node), where a cluster has one per node behind a load balancer: let it
+    # route to both nodes' replicas instead of preferring its own node's (inherited by the raylets' workers).
+    saved = os.environ.get("RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING")
+    os.environ["RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING"] = "0"
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
+    try:
+        with pg.fresh_schema() as url:
+            cfg = tiny_config(tiny_dir, tiny_memory, url)
+            cfg["replicas"] = {"ingress": 2, "ingress_max_per_node": 1}
+            # Shares small enough that any placement fits: the spread of the ingress is what is under test.
+            cfg["resources"] = {"ingress": 0.05, "actor": 0.6, "embedder": 0.05, "summarizer": 0.05, "memory": 0.1}
+            srv = LocalServer(cfg, port=free_port())
+            srv.start(timeout_s=600)
+            try:
+                yield srv, url
+            finally:
+                srv.stop()
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        if saved is None:
+            os.environ.pop("RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING", None)
+        else:
+            os.environ["RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING"] = saved
 
 
 @pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.vllm
-def test_two_replicas_interleave_one_session_with_no_lost_or_duplicated_step(two_replicas):
-    srv, url = two_replicas
+def test_two_replicas_on_two_nodes_interleave_one_session_with_no_lost_or_duplicated_step(two_nodes):
+    srv, url = two_nodes
     n = 12
     replicas: set[str] = set()
     with httpx.Client(base_url=srv.url, headers=AUTH, timeout=120) as http, ThreadPoolExecutor(4) as pool:
@@ -102,7 +124,25 @@ def test_two_replicas_interleave_one_session_with_no_lost_or_duplicated_step(two
             turns = list(pool.map(lambda _: http.post("/v1/sessions/shared/turn", json={"max_tokens": 2}), range(2)))
             assert [x.status_code for x in turns] == [200, 200], [x.text for x in turns]
             replicas.update(x.headers["x-palimpsest-replica"] for x in appends + turns)
-    assert len(replicas) == 2, replicas  # both replicas served the session
+    assert len(replicas) == 2, replicas  # both replicas served the session ...
+    assert len({r.split("@")[1] for r in replicas}) == 2, replicas  # ... from two Ray nodes
+
+    # Every ledger connection of both replicas dropped (a database fail-over, a network blip): the pools
+    # notice on checkout and reconnect, so the next requests are served and nothing is lost.
+    import psycopg
+
+    with psycopg.connect(pg.server_url(), autocommit=True) as admin:
+        killed = admin.execute("SELECT COUNT(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE "
+                               "datname = current_database() AND pid <> pg_backend_pid() AND backend_type = "
+                               "'client backend'").fetchone()[0]
+    assert killed >= 2
+    with httpx.Client(base_url=srv.url, headers=AUTH, timeout=120) as http:
+        step = {"t": n, "kind": "bash", "action": f"run step {n}", "observation": f"output {n}"}
+        for _ in range(2):  # whichever replica takes them
+            r = http.post("/v1/sessions/shared/steps", json=step)
+            assert r.status_code == 200, r.text
+            assert http.post("/v1/sessions/shared/turn", json={"max_tokens": 2}).status_code == 200
+    n += 1
 
     led = Ledger(url)
     sid = "alice::shared"

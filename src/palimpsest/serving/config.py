@@ -135,6 +135,8 @@ class DeploymentReplicas(_Strict):
     embedder: int = Field(1, ge=1, le=256)
     summarizer: int = Field(1, ge=1, le=256)
     memory: int = Field(1, ge=1, le=256)
+    ingress_max_per_node: int | None = Field(None, ge=1, description="spread ingress replicas over nodes "
+                                                                      "(1: one per node, for availability)")
 
 
 class TrackingConfig(_Strict):

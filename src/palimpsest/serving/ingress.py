@@ -140,9 +140,13 @@ REPLICA_HEADER = "X-Palimpsest-Replica"
 
 
 def _replica_tag() -> str:
-    """Which ingress replica answered (several may serve one session)."""
+    """Which ingress replica answered, and on which Ray node: ``<replica>@<node>`` (several replicas on
+    several nodes may serve one session)."""
     try:
-        return serve.get_replica_context().replica_id.unique_id
+        import ray
+
+        node = ray.get_runtime_context().get_node_id()[:12]
+        return f"{serve.get_replica_context().replica_id.unique_id}@{node}"
     except Exception:
         return "-"
 

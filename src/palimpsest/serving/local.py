@@ -53,10 +53,28 @@ class LocalServer:
         if not ray.is_initialized():
             ray.init(num_cpus=self.num_cpus, include_dashboard=False, log_to_driver=False,
                      configure_logging=False)
-        serve.start(http_options={"host": self.host, "port": self.port})
+        # One HTTP proxy, on the head node: the single entry point of a local cluster (several raylets of one
+        # machine cannot all bind host:port).
+        serve.start(proxy_location="HeadOnly", http_options={"host": self.host, "port": self.port})
         serve.run(app, name=self.cfg.name, route_prefix=self.cfg.route_prefix, blocking=False)
+        deadline = time.monotonic() + timeout_s
         self.info = wait_ready(self.url, timeout_s)
+        self._wait_all_replicas(deadline)
         return self
+
+    def _wait_all_replicas(self, deadline: float) -> None:
+        """/readyz answers once one ingress replica is up; the app is RUNNING once every replica of every
+        deployment is (a second ingress replica on another node may still be starting)."""
+        from ray import serve
+
+        status = None
+        while time.monotonic() < deadline:
+            app = serve.status().applications.get(self.cfg.name)
+            status = app.status if app else None
+            if status == "RUNNING":
+                return
+            time.sleep(1.0)
+        raise PalimpsestError(f"the app {self.cfg.name!r} did not reach RUNNING (last status {status})")
 
     def stop(self) -> None:
         import ray
