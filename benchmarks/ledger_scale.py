@@ -145,6 +145,7 @@ def main() -> None:
     ap.add_argument("--writers", type=int, default=4)
     ap.add_argument("--postgres", default=os.environ.get("PALIMPSEST_TEST_POSTGRES"),
                     help="a PostgreSQL server URL (a fresh schema is made and dropped)")
+    ap.add_argument("--backends", nargs="+", default=["sqlite", "postgresql"], choices=["sqlite", "postgresql"])
     ap.add_argument("--out", default="benchmarks/results/ledger_scale.json")
     args = ap.parse_args()
     result = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
@@ -154,8 +155,10 @@ def main() -> None:
             path = Path(d) / f"{uuid.uuid4().hex[:8]}.db"
             return str(path), lambda: [p.unlink() for p in Path(d).glob(path.name + "*")]
 
-        result["backends"]["sqlite"] = one_backend(sqlite_fresh, args.sizes, args.turns, args.appends, args.writers)
-    if args.postgres:
+        if "sqlite" in args.backends:
+            result["backends"]["sqlite"] = one_backend(sqlite_fresh, args.sizes, args.turns, args.appends,
+                                                       args.writers)
+    if args.postgres and "postgresql" in args.backends:
         def pg_fresh():
             url, schema = _pg_schema(args.postgres)
             return url, lambda: _drop(args.postgres, schema)
