@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 KILLS = int(os.environ.get("PALIMPSEST_CRASH_KILLS", "200"))
 MIN_APPENDS = int(os.environ.get("PALIMPSEST_CRASH_APPENDS", "10000"))
-PG_SHARE = 4  # the PostgreSQL run does a quarter of the kills and appends (each appender opens a pool)
+PG_SHARE = 2  # the PostgreSQL run does half the kills and appends (each appender opens a connection pool)
 
 
 def run_and_kill(db: Path | str, session: str, rng: random.Random, min_acks: int) -> list[tuple[int, str]]:
