@@ -149,12 +149,7 @@ class SQLiteStore:
     def _migrate(self) -> None:
         with self.tx() as db:
             have = _schema_version(db, "SELECT name FROM sqlite_master WHERE type='table' AND name='meta'")
-            for version, _name, sql in migrations(self.backend):
-                if version <= have:
-                    continue
-                for stmt in _sqlite_statements(sql):
-                    db.execute(stmt)
-                db.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(version),))
+            _apply_migrations(db, self.backend, have, lambda sql: [db.execute(s) for s in _sqlite_statements(sql)])
 
     def close(self) -> None:
         with self._lock:
@@ -173,6 +168,14 @@ def _sqlite_statements(sql: str) -> Iterator[str]:
             buf = ""
     if buf.strip():
         raise LedgerError(f"incomplete SQL statement in a migration: {buf.strip()[:80]!r}")
+
+
+def _apply_migrations(db: Conn, backend: str, have: int, run_script) -> None:
+    """Run every migration above version ``have``, in order, recording each (inside the caller's transaction)."""
+    for version, _name, sql in migrations(backend):
+        if version > have:
+            run_script(sql)
+            db.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(version),))
 
 
 def _schema_version(db: Conn, meta_exists_sql: str) -> int:
@@ -289,11 +292,7 @@ class PostgresStore:
             db.execute("SELECT pg_advisory_xact_lock(?)", (_ADVISORY_MIGRATION_LOCK,))
             have = _schema_version(db, "SELECT 1 FROM information_schema.tables WHERE table_name='meta'"
                                        " AND table_schema=current_schema()")
-            for version, _name, sql in migrations(self.backend):
-                if version <= have:
-                    continue
-                db._conn.execute(sql)  # a whole script, no parameters
-                db.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(version),))
+            _apply_migrations(db, self.backend, have, db._conn.execute)  # a whole script, no parameters
 
     def close(self) -> None:
         self._pool.close()
