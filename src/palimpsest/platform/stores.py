@@ -263,15 +263,15 @@ class PostgresStore:
                     raise
                 self._local.conn = None
                 raw.execute("COMMIT")
+        except self._pool_timeout() as e:  # (an OperationalError too: caught first for its own message)
+            raise LedgerUnavailableError(f"no connection to the ledger database {self.url} within "
+                                         f"{self._timeout:g} s: {_first_line(e)}") from None
         except psycopg.OperationalError as e:
             # The connection dropped or the server went away: the transaction did not commit
             # (PostgreSQL rolls back a transaction whose client is gone), so a retry is safe.
             raise LedgerUnavailableError(f"lost the ledger database {self.url}: {_first_line(e)}") from None
         except psycopg.errors.IntegrityError as e:
             raise LedgerError(f"the ledger refused a write: {_first_line(e)}") from None
-        except self._pool_timeout() as e:
-            raise LedgerUnavailableError(f"no connection to the ledger database {self.url} within "
-                                         f"{self._timeout:g} s: {_first_line(e)}") from None
         finally:
             self._local.conn = None if outer is None else outer
 
