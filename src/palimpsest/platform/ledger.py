@@ -348,13 +348,18 @@ class Ledger:
             raise LedgerError(f"expected ({len(step_ids)}, d) key vectors, got shape {vectors.shape}")
         if not np.isfinite(vectors).all():
             raise LedgerError("key vectors must be finite")
-        for sid in step_ids:
-            self.step(session_id, sid)  # ownership check
+        ids = [int(sid) for sid in step_ids]
         now = time.time()
         with self._tx() as db:
+            # Ownership in one query: a step id of another session is unknown here.
+            owned = {r[0] for r in db.execute(
+                f"SELECT id FROM steps WHERE session_id=? AND id IN ({','.join('?' * len(ids))})",
+                (session_id, *ids)).fetchall()} if ids else set()
+            for sid in ids:
+                if sid not in owned:
+                    raise UnknownStepError(f"no step #{sid} in session {session_id!r}")
             db.executemany("INSERT OR IGNORE INTO keys VALUES (?,?,?,?,?)",
-                           [(int(sid), model, vectors.shape[1], vectors[i].tobytes(), now)
-                            for i, sid in enumerate(step_ids)])
+                           [(sid, model, vectors.shape[1], vectors[i].tobytes(), now) for i, sid in enumerate(ids)])
 
     def pending(self, session_id: str, key_model: str | None, producer: tuple[str, str] | None = None
                 ) -> tuple[list[Step], list[Step]]:

@@ -116,8 +116,9 @@ class SQLiteStore:
     @contextmanager
     def tx(self, write: bool = True, snapshot: bool = False) -> Iterator[Conn]:
         """One transaction under the store's lock: BEGIN IMMEDIATE for writes (the write lock is taken
-        up front, so read-then-write decisions inside cannot race), a plain BEGIN for reads. Nested
-        calls on the same thread join the outer transaction."""
+        up front, so read-then-write decisions inside cannot race), a plain BEGIN for snapshots, none
+        for a single read (one statement is consistent by itself). Nested calls on the same thread
+        join the outer transaction."""
         with self._lock:
             if self._depth:
                 self._depth += 1
@@ -126,16 +127,20 @@ class SQLiteStore:
                 finally:
                     self._depth -= 1
                 return
-            self._db.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+            begin = "BEGIN IMMEDIATE" if write else "BEGIN" if snapshot else None
+            if begin:
+                self._db.execute(begin)
             self._depth = 1
             try:
                 yield self._db
             except BaseException:
-                self._depth = 0
-                self._db.execute("ROLLBACK")
+                if begin:
+                    self._db.execute("ROLLBACK")
                 raise
-            self._depth = 0
-            self._db.execute("COMMIT")
+            finally:
+                self._depth = 0
+            if begin:
+                self._db.execute("COMMIT")
 
     def lock_session(self, db: Conn, session_id: str) -> bool:
         """Serialise writers of one session for the rest of the transaction (the write lock already
@@ -242,27 +247,29 @@ class PostgresStore:
     @contextmanager
     def tx(self, write: bool = True, snapshot: bool = False) -> Iterator[Conn]:
         """One transaction on a pooled connection; nested calls on the same thread join it. Reads
-        that must be one point in time (``snapshot``) run REPEATABLE READ, READ ONLY."""
+        that must be one point in time (``snapshot``) run REPEATABLE READ, READ ONLY; a single read
+        runs as one autocommitted statement (no BEGIN/COMMIT round trips)."""
         outer = getattr(self._local, "conn", None)
         if outer is not None:
             yield outer
             return
         psycopg = self._psycopg
+        begin = "BEGIN" if write else "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY" if snapshot else None
         try:
             with self._pool.connection() as raw:
-                conn = _PgConn(raw)
-                raw.execute("BEGIN" if write else
-                            "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY" if snapshot else "BEGIN READ ONLY")
-                self._local.conn = conn
+                if begin:
+                    raw.execute(begin)
+                self._local.conn = _PgConn(raw)
                 try:
-                    yield conn
+                    yield self._local.conn
                 except BaseException:
-                    self._local.conn = None
-                    if not raw.closed and not raw.broken:
+                    if begin and not raw.closed and not raw.broken:
                         raw.execute("ROLLBACK")
                     raise
-                self._local.conn = None
-                raw.execute("COMMIT")
+                finally:
+                    self._local.conn = None
+                if begin:
+                    raw.execute("COMMIT")
         except self._pool_timeout() as e:  # (an OperationalError too: caught first for its own message)
             raise LedgerUnavailableError(f"no connection to the ledger database {self.url} within "
                                          f"{self._timeout:g} s: {_first_line(e)}") from None
@@ -272,8 +279,6 @@ class PostgresStore:
             raise LedgerUnavailableError(f"lost the ledger database {self.url}: {_first_line(e)}") from None
         except psycopg.errors.IntegrityError as e:
             raise LedgerError(f"the ledger refused a write: {_first_line(e)}") from None
-        finally:
-            self._local.conn = None if outer is None else outer
 
     def _pool_timeout(self):
         from psycopg_pool import PoolTimeout

@@ -139,16 +139,22 @@ async def _body_limit(request: Request, call_next):
 REPLICA_HEADER = "X-Palimpsest-Replica"
 
 
+_REPLICA_TAG: str | None = None
+
+
 def _replica_tag() -> str:
     """Which ingress replica answered, and on which Ray node: ``<replica>@<node>`` (several replicas on
-    several nodes may serve one session)."""
-    try:
-        import ray
+    several nodes may serve one session). Fixed for the process: looked up once."""
+    global _REPLICA_TAG
+    if _REPLICA_TAG is None:
+        try:
+            import ray
 
-        node = ray.get_runtime_context().get_node_id()[:12]
-        return f"{serve.get_replica_context().replica_id.unique_id}@{node}"
-    except Exception:
-        return "-"
+            node = ray.get_runtime_context().get_node_id()[:12]
+            _REPLICA_TAG = f"{serve.get_replica_context().replica_id.unique_id}@{node}"
+        except Exception:
+            return "-"
+    return _REPLICA_TAG
 
 
 @app.exception_handler(RequestValidationError)
