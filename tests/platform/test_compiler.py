@@ -10,9 +10,13 @@ from tests.helpers import step
 @pytest.mark.parametrize("policy", ["full", "window", "rolling_summary", "pace", "ace", "pace_plus"])
 @pytest.mark.parametrize("budget", [300, 600, 1500, 100_000])
 def test_compiled_context_never_exceeds_the_budget(runtime, session, policy, budget):
-    turn = runtime.turn(session, policy, budget)
-    assert turn.prompt.tokens <= budget
-    assert turn.prompt.tokens == sum(runtime.ledger.tokenizer.count(s.text) for s in turn.prompt.segments)
+    turn = runtime.turn(session, policy, budget, reserve=32)
+    tok = runtime.ledger.tokenizer
+    p = turn.prompt
+    assert p.tokens + 32 <= budget
+    # the count is of the assembled chat re-tokenized whole, not a sum of parts
+    assert p.tokens == len(tok.encode(tok.template(list(p.messages), True))) == len(p.ids)
+    assert tok.decode(p.ids) == p.text
 
 
 def test_overflow_degrades_lowest_scores_first_one_level_at_a_time_and_records_it(runtime, session):
@@ -32,18 +36,33 @@ def test_overflow_degrades_lowest_scores_first_one_level_at_a_time_and_records_i
 
 def test_latest_step_and_prefix_are_never_degraded(runtime, session):
     snap = runtime.snapshot(session)
-    latest_full = int(snap.tokens[-1, Resolution.FULL])
-    turn = runtime.compile(snap, runtime.policy("full"), snap.prefix_tokens + latest_full)
+    only_latest = runtime.compile(snap, runtime.policy(WindowConfig(k=1)), 100_000).prompt
+    turn = runtime.compile(snap, runtime.policy("full"), only_latest.tokens)
     assert turn.plan.resolution[-1] == Resolution.FULL
     kinds = [s.kind for s in turn.prompt.segments]
     assert kinds[:2] == ["system", "task"] and kinds.count("step") == 1
-    assert turn.prompt.tokens == snap.prefix_tokens + latest_full
+    assert turn.prompt.ids == only_latest.ids and "elided" not in turn.plan.info
 
 
-def test_budget_below_prefix_plus_latest_step_is_a_clear_error(runtime, session):
+def test_budget_below_prefix_plus_a_minimal_latest_step_is_a_clear_error(runtime, session):
     snap = runtime.snapshot(session)
-    with pytest.raises(BudgetError, match="cannot hold the prefix .* plus the latest step"):
+    with pytest.raises(BudgetError, match="cannot hold the prefix .* minimal rendering of the latest step"):
         runtime.compile(snap, runtime.policy("pace"), snap.prefix_tokens + 1)
+    with pytest.raises(BudgetError, match="cannot hold the fixed prefix"):
+        runtime.compile(snap, runtime.policy("pace"), snap.prefix_tokens - 1)
+
+
+def test_an_oversized_latest_step_is_shown_head_and_tail_and_audited(runtime, session):
+    huge = "".join(f"line {i}: value={i * 7}\n" for i in range(4000))  # ~40K tokens, far above the budget
+    runtime.append(session, step(12, "python dump.py", "FIRST-LINE\n" + huge + "LAST-LINE"))
+    turn = runtime.turn(session, "pace", 2000, reserve=100)
+    p = turn.prompt
+    assert p.tokens + 100 <= 2000
+    latest = runtime.ledger.step_at(session, 12)
+    assert "FIRST-LINE" in p.text and "LAST-LINE" in p.text
+    assert f"characters of step #{latest.id} elided; glimpse(#{latest.id})" in p.text
+    (audited,) = runtime.ledger.audit(session)[-1]["elided"]
+    assert audited["step_id"] == latest.id and audited["chars"] > 40_000
 
 
 @pytest.mark.parametrize("bad", [0, -5, 1.5, "100", True])
@@ -95,10 +114,10 @@ def test_hidden_runs_fold_into_range_lines_within_the_budget(runtime, session):
     prompt = compile_plan(snap, plan, 100_000, runtime.ledger.tokenizer)
     ranges = [s for s in prompt.segments if s.kind == "range"]
     first, last = snap.steps[0], snap.steps[8]
-    assert [s.text for s in ranges] == [f"[t=0..8 hidden (9 steps, ids #{first.id}..#{last.id}): glimpse any]\n"]
+    assert [s.text for s in ranges] == [f"[t=0..8 hidden (9 steps, ids #{first.id}..#{last.id}): glimpse any]"]
     kinds = [s.kind for s in prompt.segments if s.kind in ("range", "step")]
     assert kinds == ["range", "step", "step", "step"]  # in order: the hidden run, then the window
-    assert prompt.tokens == sum(runtime.ledger.tokenizer.count(s.text) for s in prompt.segments)
+    assert prompt.messages[2]["content"] == ranges[0].text  # in place, right after the task
     tight_budget = prompt.tokens - 1
     plan = runtime.policy(WindowConfig(k=3)).plan(snap, tight_budget)
     plan.fold_ranges = True

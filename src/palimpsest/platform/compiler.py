@@ -1,15 +1,17 @@
-"""Plan -> prompt. The only place that knows the prompt layout and the only one that enforces the budget.
+"""Plan -> prompt. The only place that enforces the budget, in the actor's own tokens.
 
-Layout: the stable prefix (system, tools, task; byte-identical on every turn of a session, so a
-prefix cache survives re-rendering), then the rolling summary if the plan has one, then every
-visible step in order at its resolution; the latest steps come last.
+The layout belongs to :mod:`palimpsest.platform.chat` (stable prefix, then the history in its own
+roles, then the assistant prompt); this module decides how much of it fits.
 
-Budget: when the planned context overflows, the lowest-scored unpinned steps are degraded one
-level at a time (full -> detailed -> brief -> placeholder -> drop), lowest score first, until it
-fits; each degradation is recorded in the plan. The prefix and the pinned latest step are never
-degraded: a budget that cannot hold them is an error. Token counts are per segment (stored in the
-ledger at write time), so the prompt's size is their exact sum, and compiling costs O(M) numpy work
-plus rendering only the steps that are shown.
+Budget: the prompt's exact ids (chat template, tool declarations, every message) plus ``reserve`` (the
+reply's ``max_tokens`` and the soft-memory positions) must be at most the budget. Planning uses the
+per-step counts stored in the ledger plus a per-message overhead (an estimate, O(M) numpy): while the
+estimate overflows, the lowest-scored unpinned steps are degraded one level at a time (full -> detailed
+-> brief -> placeholder -> drop), lowest score first. Then the chat is assembled and its ids counted;
+while they overflow, degradation continues from the measured excess. The pinned latest step is never
+degraded: when it alone does not fit, its fields are shown head and tail with a marker naming the step
+(``glimpse`` shows the rest), and the plan's ``info["elided"]`` says so. Only a budget below the prefix
+plus a minimal rendering of the latest step is an error.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from palimpsest.platform.render import render_fold, render_prefix, render_segment
-from palimpsest.platform.tokens import Tokenizer
+from palimpsest.platform.chat import chat_ids, history_messages, message_overhead, prefix_messages
+from palimpsest.platform.tokens import ChatTokenizer
 from palimpsest.platform.types import (
     BudgetError,
     Prompt,
@@ -33,6 +35,9 @@ if TYPE_CHECKING:
     from palimpsest.platform.ledger import SessionSnapshot
 
 _DROP = int(Resolution.DROP)
+#: The smallest share of each field of an oversized step that is still shown (characters, head + tail).
+MIN_ELIDE_CHARS = 120
+_MAX_ROUNDS = 64
 
 
 def validate_budget(budget: object) -> int:
@@ -41,11 +46,19 @@ def validate_budget(budget: object) -> int:
     return int(budget)
 
 
-def _costs(snap: "SessionSnapshot") -> np.ndarray:
-    """(M, 5) token cost per resolution; DROP costs 0; a representation not written yet is -1."""
-    m = snap.t
-    costs = np.zeros((m, 5), dtype=np.int64)
+def _messages_per_step(snap: "SessionSnapshot") -> np.ndarray:
+    """(M,) how many messages a step renders as: its turn and its result, or one of them."""
+    return np.fromiter(((1 + ((bool(s.action or s.thought)) and s.observation is not None)) for s in snap.steps),
+                       dtype=np.int64, count=snap.t)
+
+
+def _costs(snap: "SessionSnapshot", overhead: int) -> np.ndarray:
+    """(M, 5) estimated tokens per resolution, template overhead included; DROP costs 0; a representation
+    not written yet is -1."""
+    costs = np.zeros((snap.t, 5), dtype=np.int64)
     costs[:, :4] = snap.tokens
+    extra = _messages_per_step(snap) * overhead
+    costs[:, :4] = np.where(costs[:, :4] >= 0, costs[:, :4] + extra[:, None], -1)
     return costs
 
 
@@ -98,23 +111,44 @@ def _hidden_runs(level: np.ndarray) -> list[tuple[int, int]]:
     return [(int(a), int(b) - 1) for a, b in zip(edges[::2], edges[1::2])]
 
 
-def _range_line(snap: "SessionSnapshot", a: int, b: int) -> str:
-    first, last = snap.steps[a], snap.steps[b]
-    if a == b:
-        return f"[t={first.t} hidden: glimpse(#{first.id})]\n"
-    return f"[t={first.t}..{last.t} hidden ({b - a + 1} steps, ids #{first.id}..#{last.id}): glimpse any]\n"
+def _longest_field(snap: "SessionSnapshot", i: int) -> int:
+    s = snap.steps[i]
+    return max(len(s.thought or ""), len(s.action or ""), len(s.observation or ""))
 
 
-def compile_plan(snap: "SessionSnapshot", plan: RenderPlan, budget: int, tokenizer: Tokenizer) -> Prompt:
-    """Render ``plan`` within ``budget``; mutates ``plan`` (final resolutions and degradations)."""
+def _initial_caps(snap: "SessionSnapshot", costs: np.ndarray, pinned_idx: np.ndarray, room: int) -> dict[int, int]:
+    """Character caps that bring the pinned steps' estimated cost within ``room`` (each gets a share of it
+    in proportion to its size), or {} when they fit as they are."""
+    full = costs[pinned_idx, Resolution.FULL]
+    if int(full.sum()) <= room:
+        return {}
+    caps = {}
+    for i, cost in zip(pinned_idx.tolist(), full.tolist()):
+        share = max(room, 0) * cost / max(int(full.sum()), 1)
+        chars = sum(len(x or "") for x in (snap.steps[i].thought, snap.steps[i].action, snap.steps[i].observation))
+        per_token = chars / max(cost, 1)
+        caps[i] = max(int(share * per_token * 0.9 / 2), MIN_ELIDE_CHARS)  # up to 2 long fields share it
+    return caps
+
+
+def compile_plan(snap: "SessionSnapshot", plan: RenderPlan, budget: int, tokenizer: ChatTokenizer,
+                 reserve: int = 0) -> Prompt:
+    """Render ``plan`` so that its exact ids plus ``reserve`` fit ``budget``; mutates ``plan`` (final
+    resolutions, degradations, and ``info["elided"]`` for oversized steps shown head and tail)."""
     budget = validate_budget(budget)
+    if isinstance(reserve, bool) or not isinstance(reserve, (int, np.integer)) or reserve < 0:
+        raise BudgetError(f"the reserve (max_tokens + soft positions) must be a non-negative integer, got {reserve!r}")
     if len(plan) != snap.t:
         raise ValueError(f"plan covers {len(plan)} steps but the snapshot has {snap.t}")
-    prefix = render_prefix(snap.session)
-    prefix_counts = tokenizer.count_batch([text for _, _, text in prefix])
-    prefix_tokens = sum(prefix_counts)
-
-    costs = _costs(snap)
+    room = budget - int(reserve)
+    prefix = prefix_messages(snap.session)
+    prefix_ids = chat_ids(tokenizer, prefix)
+    prefix_tokens = len(prefix_ids)
+    if prefix_tokens > room:
+        raise BudgetError(f"budget {budget} cannot hold the fixed prefix ({prefix_tokens} tokens) of session "
+                          f"{snap.session.id!r}" + (f" plus the reserve of {reserve}" if reserve else ""))
+    overhead = message_overhead(tokenizer)
+    costs = _costs(snap, overhead)
     level = _available_at_or_below(costs, plan.resolution.astype(np.int64))
     rows = np.arange(snap.t)
     # A summary never costs more than the raw step it stands for: show the raw one instead.
@@ -122,70 +156,99 @@ def compile_plan(snap: "SessionSnapshot", plan: RenderPlan, budget: int, tokeniz
     level[summary & (costs[rows, level] >= costs[:, Resolution.FULL])] = Resolution.FULL
 
     pinned = plan.pinned
-    need = prefix_tokens + int(costs[pinned, Resolution.FULL].sum())
-    if need > budget:
-        raise BudgetError(
-            f"budget {budget} cannot hold the prefix ({prefix_tokens} tokens) plus the latest step "
-            f"({need - prefix_tokens} tokens) of session {snap.session.id!r}"
-        )
+    pinned_idx = np.flatnonzero(pinned)
     level[pinned] = Resolution.FULL
+    caps = _initial_caps(snap, costs, pinned_idx, room - prefix_tokens)
+    for i, cap in caps.items():  # the estimate of an elided step: its share of what is left
+        costs[i, Resolution.FULL] = min(int(costs[i, Resolution.FULL]), max(room - prefix_tokens, 0) // max(len(caps), 1))
 
     fold = plan.fold
-    fold_text = render_fold(fold.text, fold.upto) if fold is not None else None
-    fold_tokens = tokenizer.count(fold_text) if fold_text else 0
-
+    fold_tokens = (fold.tokens + overhead) if fold is not None else 0
     total = prefix_tokens + fold_tokens + int(costs[rows, level].sum())
     degraded: list[np.ndarray] = []
-    while total > budget:
-        step = _degrade(costs, level, pinned, plan.score, total - budget)
+    runs_cost = 0
+    while True:  # the estimate: cheap, O(M) per pass
+        if plan.fold_ranges:
+            runs_cost = len(_hidden_runs(level)) * (overhead + 24)
+        if total + runs_cost <= room:
+            break
+        step = _degrade(costs, level, pinned, plan.score, total + runs_cost - room)
         if step is None:
             break
         degraded.append(step[0])
         total -= step[1]
-    runs, run_texts, run_counts = [], [], []
-    if plan.fold_ranges:
-        # Hidden runs of steps show as one line each, so the actor knows they exist and can glimpse
-        # them; the lines cost tokens too, so degrade further until everything fits.
-        while True:
-            runs = _hidden_runs(level)
-            run_texts = [_range_line(snap, a, b) for a, b in runs]
-            run_counts = tokenizer.count_batch(run_texts)
-            if total + sum(run_counts) <= budget:
-                break
-            step = _degrade(costs, level, pinned, plan.score, total + sum(run_counts) - budget)
-            if step is None:
-                break
+
+    # The exact count: assemble, count the ids, degrade further from the measured excess.
+    for _ in range(_MAX_ROUNDS):
+        msgs, spans = history_messages(snap, level, fold, plan.fold_ranges, caps)
+        ids = chat_ids(tokenizer, prefix + msgs)
+        over = len(ids) - room
+        if over <= 0:
+            break
+        step = _degrade(costs, level, pinned, plan.score, over)
+        if step is not None:
             degraded.append(step[0])
-            total -= step[1]
-        total += sum(run_counts)
-    if total > budget and fold_text is not None:
-        total -= fold_tokens
-        fold_text, fold_tokens = None, 0
-        plan.info["fold_dropped"] = True
+            continue
+        if fold is not None:
+            fold = None
+            plan.info["fold_dropped"] = True
+            continue
+        if not _tighten(snap, caps, pinned_idx, ids, tokenizer, over):
+            raise BudgetError(
+                f"budget {budget} cannot hold the prefix ({prefix_tokens} tokens) plus a minimal rendering of the "
+                f"latest step of session {snap.session.id!r} ({len(ids) - prefix_tokens} tokens)"
+                + (f" and the reserve of {reserve}" if reserve else ""))
+    else:  # pragma: no cover - each round degrades a step, drops the fold or tightens a cap
+        raise BudgetError(f"could not fit session {snap.session.id!r} into {budget} tokens")
 
     plan.resolution = level.astype(np.int8)
     plan.degraded = np.concatenate(degraded) if degraded else np.zeros((0, 3), dtype=np.int64)
-
-    segments = [Segment(kind, role, text, n) for (kind, role, text), n in zip(prefix, prefix_counts)]
-    if fold_text is not None:
-        segments.append(Segment("fold", "user", fold_text, fold_tokens))
-    run_at = {a: (text, n) for (a, _), text, n in zip(runs, run_texts, run_counts)}
-    for i in np.flatnonzero((level < _DROP) | np.isin(np.arange(snap.t), list(run_at))).tolist():
+    if caps:
+        plan.info["elided"] = [{"t": snap.steps[i].t, "step_id": snap.steps[i].id, "max_field_chars": c,
+                                "chars": sum(len(x or "") for x in (snap.steps[i].thought, snap.steps[i].action,
+                                                                    snap.steps[i].observation))}
+                               for i, c in sorted(caps.items())]
+    messages = prefix + msgs
+    segments = [Segment("system", "system", prefix[0]["content"], 0, messages=(0, 1)),
+                Segment("task", "user", prefix[1]["content"], 0, messages=(1, 2))]
+    base = len(prefix)
+    if fold is not None:
+        segments.append(Segment("fold", "user", msgs[0]["content"], fold_tokens, messages=(base, base + 1)))
+    for i, first, n in spans:
         step = snap.steps[i]
-        if i in run_at:
-            text, n = run_at[i]
-            segments.append(Segment("range", "user", text, n, t=step.t, step_id=step.id, resolution=Resolution.DROP))
-            continue
-        res = Resolution(int(level[i]))
-        text = render_segment(step, step.id, res, snap.body(i, res))
-        segments.append(Segment("step", "user", text, int(costs[i, res]), t=step.t, step_id=step.id, resolution=res))
-    tokens = sum(s.tokens for s in segments)
-    prefix_text = "".join(text for _, _, text in prefix)
-    body = "".join(s.text for s in segments)
+        lv = int(level[i])
+        text = "\n".join(m["content"] for m in msgs[first: first + n])
+        kind = "range" if lv == _DROP else "step"
+        segments.append(Segment(kind, msgs[first]["role"], text, int(costs[i, lv]), t=step.t, step_id=step.id,
+                                resolution=Resolution(lv), messages=(base + first, base + first + n)))
+    text = tokenizer.decode(ids.all)
+    prefix_text = tokenizer.template(prefix, False)
     return Prompt(
         segments=tuple(segments),
-        tokens=tokens,
+        tokens=len(ids),
         prefix_tokens=prefix_tokens,
         prefix_hash=hashlib.sha256(prefix_text.encode()).hexdigest(),
-        prompt_hash=hashlib.sha256(body.encode()).hexdigest(),
+        prompt_hash=hashlib.sha256(text.encode()).hexdigest(),
+        messages=tuple(messages),
+        context_ids=ids.context,
+        bridge_ids=ids.bridge,
+        text=text,
+        reserve=int(reserve),
     )
+
+
+def _tighten(snap: "SessionSnapshot", caps: dict[int, int], pinned_idx: np.ndarray, ids, tokenizer,
+             over: int) -> bool:
+    """Lower the character cap of the largest pinned step so that about ``over`` tokens go; False when every
+    pinned step is already at its minimal rendering."""
+    best, best_len = None, MIN_ELIDE_CHARS
+    for i in pinned_idx.tolist():
+        cap = caps.get(i, _longest_field(snap, i))
+        if cap > best_len:
+            best, best_len = i, cap
+    if best is None:
+        return False
+    per_token = max(len(tokenizer.decode(list(ids.context[-256:]))) / 256, 1.0) if len(ids.context) >= 256 else 3.0
+    cut = int((over + 8) * per_token * 1.2 / 2) + 16  # two long fields at most lose it, a margin for markers
+    caps[best] = max(best_len - cut, MIN_ELIDE_CHARS)
+    return True

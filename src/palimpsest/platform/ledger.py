@@ -25,7 +25,8 @@ import numpy as np
 
 from palimpsest.platform.abstraction import Abstraction, Summaries, step_facts
 from palimpsest.platform.stores import open_store
-from palimpsest.platform.render import render_full_body, render_placeholder_body, render_prefix, render_segment
+from palimpsest.platform.chat import prefix_tokens
+from palimpsest.platform.render import render_full_body, render_placeholder_body, step_text
 from palimpsest.platform.tokens import Tokenizer, get_tokenizer
 from palimpsest.platform.types import (
     Authority,
@@ -282,8 +283,8 @@ class Ledger:
                 ph_body = render_placeholder_body(r, sid)
                 n_th, n_act, n_obs, n_full, n_ph = self.tokenizer.count_batch([
                     r.thought, r.action, r.observation or "",
-                    render_segment(r, sid, Resolution.FULL, render_full_body(r)),
-                    render_segment(r, sid, Resolution.PLACEHOLDER, ph_body),
+                    step_text(r, sid, Resolution.FULL, None),
+                    step_text(r, sid, Resolution.PLACEHOLDER, ph_body),
                 ])
                 db.execute(
                     "INSERT INTO steps (id, session_id, t, kind, thought, action, observation, authority, tool, sha256,"
@@ -330,8 +331,8 @@ class Ledger:
 
     def add_summaries(self, session_id: str, step_id: int, s: Summaries, producer: str, version: str) -> None:
         step = self.step(session_id, step_id)
-        texts = [render_segment(step, step.id, Resolution.DETAILED, s.detailed),
-                 render_segment(step, step.id, Resolution.BRIEF, s.brief)]
+        texts = [step_text(step, step.id, Resolution.DETAILED, s.detailed),
+                 step_text(step, step.id, Resolution.BRIEF, s.brief)]
         n_det, n_brief = self.tokenizer.count_batch(texts)
         now = time.time()
         with self._tx() as db:
@@ -389,7 +390,10 @@ class Ledger:
             np.stack([p.t, p.step_id, p.resolution.astype(np.int64), p.reason_code.astype(np.int64)]).tobytes()
             + p.score.astype(np.float64).tobytes()
         )
-        plan_blob = json.dumps({"n": len(p), "reasons": p.reasons}).encode() + b"\0" + blob
+        head = {"n": len(p), "reasons": p.reasons, "reserve": turn.prompt.reserve}
+        if p.info.get("elided"):
+            head["elided"] = p.info["elided"]  # oversized steps shown head and tail
+        plan_blob = json.dumps(head).encode() + b"\0" + blob
         with self._tx() as db:
             db.execute(
                 "INSERT INTO audit (session_id, t, policy, config_hash, budget, prompt_hash, prefix_hash, tokens,"
@@ -417,7 +421,8 @@ class Ledger:
                      "reason": meta["reasons"][int(ints[3, i])], "score": float(scores[i])} for i in range(n)]
             out.append({"t": r[0], "policy": r[1], "config_hash": r[2], "budget": r[3], "prompt_hash": r[4],
                         "prefix_hash": r[5], "tokens": r[6], "prefix_tokens": r[7], "counts": json.loads(r[8]),
-                        "plan": plan, "degradations": json.loads(r[10]), "created": r[11]})
+                        "plan": plan, "degradations": json.loads(r[10]), "created": r[11],
+                        "reserve": meta.get("reserve", 0), "elided": meta.get("elided", [])})
         return out
 
     def record_glimpse(self, session_id: str, step_id: int, limit: int) -> bool:
@@ -533,7 +538,7 @@ class Ledger:
             session=session, steps=steps, step_ids=ids, tokens=tokens, bodies=tuple(tuple(b) for b in bodies),
             key_model=key_model, keys=keys, has_key=has_key, abstractions=tuple(abstractions), folds=folds,
             last_context_tokens=last, tokenizer=self.tokenizer.name,
-            prefix_tokens=sum(self.tokenizer.count_batch([text for _, _, text in render_prefix(session)])),
+            prefix_tokens=prefix_tokens(self.tokenizer, session),
         )
 
     def verify(self, session_id: str) -> int:

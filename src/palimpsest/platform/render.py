@@ -35,11 +35,8 @@ def authority_block(text: str, authority: str | Authority, inline: bool = False)
     return f'<{tag} source="{auth.value}">\n{body}\n</{tag}>'
 
 
-def header(step: Step | StepRecord, step_id: int, resolution: Resolution) -> str:
-    return f"### #{step_id} t={step.t} {step.kind} ({resolution.label})\n"
-
-
 def render_full_body(step: Step | StepRecord) -> str:
+    """The whole raw step as one text (what ``glimpse`` returns)."""
     parts = []
     if step.thought:
         parts.append(f"thought: {step.thought}")
@@ -50,9 +47,24 @@ def render_full_body(step: Step | StepRecord) -> str:
     return "\n".join(parts)
 
 
+#: How many characters of a step's text the key embedding reads: its head and its tail, so an output
+#: whose verdict comes last (a test run, a traceback) is represented by both ends (docs/methods.md).
+KEY_HEAD_CHARS = 600
+KEY_TAIL_CHARS = 400
+
+
+def head_tail(text: str, head: int, tail: int, sep: str = "\n…\n") -> str:
+    """``text`` itself when it has at most head + tail characters, else its head and tail joined by ``sep``."""
+    if len(text) <= head + tail:
+        return text
+    return text[:head] + sep + (text[-tail:] if tail else "")
+
+
 def key_text(step: Step | StepRecord) -> str:
-    """R_full as an embedder reads it: the step's own words, without the prompt's markup."""
-    return "\n".join(x for x in (step.thought, step.action, step.observation) if x)
+    """R_full as an embedder reads it: the step's own words, without the prompt's markup, as a head-and-tail
+    view that fits the embedder's window (MiniLM reads 256 word pieces)."""
+    return head_tail("\n".join(x for x in (step.thought, step.action, step.observation) if x),
+                     KEY_HEAD_CHARS, KEY_TAIL_CHARS)
 
 
 def render_placeholder_body(step: Step | StepRecord, step_id: int) -> str:
@@ -64,23 +76,73 @@ def render_placeholder_body(step: Step | StepRecord, step_id: int) -> str:
     return f"[#{step_id} {step.kind}{tool}] {what}"
 
 
-def render_segment(step: Step | StepRecord, step_id: int, resolution: Resolution, body: str) -> str:
-    """The text of one history segment. A placeholder is one line; every other resolution gets a
-    header line and ends with a blank line, so segments tokenise independently."""
+# -- a step as chat messages -------------------------------------------------------------------------
+
+def observation_role(authority: Authority) -> str:
+    """The chat role of a step's result: the principal's words are a user turn, everything else a tool turn
+    (tool output, retrieved pages, system notices, the model's own earlier output)."""
+    return "user" if authority is Authority.USER else "tool"
+
+
+def _elide(text: str, limit: int | None, step_id: int) -> str:
+    """Head and tail of ``text`` within ``limit`` characters, with a marker naming the step and what was cut."""
+    if limit is None or len(text) <= limit:
+        return text
+    head = max(limit * 2 // 3, 0)
+    tail = max(limit - head, 0)
+    cut = len(text) - head - tail
+    return (text[:head] + f"\n[... {cut} characters of step #{step_id} elided; glimpse(#{step_id}) shows them ...]\n"
+            + (text[-tail:] if tail else ""))
+
+
+def _observation_text(step: Step | StepRecord, text: str) -> str:
+    if step.authority is Authority.USER:
+        return text
+    return authority_block(text, step.authority)
+
+
+def step_messages(step: Step | StepRecord, step_id: int, resolution: Resolution, body: str | None,
+                  elide: int | None = None) -> list[tuple[str, str]]:
+    """(role, content) of one history step at ``resolution``: the agent's turn (thought and action) as an
+    assistant message, then its result as a tool message (or a user message where the principal spoke).
+
+    Degrading a step changes the content, never the roles or the order: a summarised step keeps its
+    assistant line (a placeholder naming the step id) and puts the summary where the result was; a
+    placeholder keeps both messages as one line each. ``elide`` caps each field at that many characters
+    (head and tail, with a marker naming the step): how an oversized latest step is still shown.
+    """
+    acted = bool(step.action or step.thought)
+    has_obs = step.observation is not None
+    out: list[tuple[str, str]] = []
+    if resolution is Resolution.FULL:
+        if acted or not has_obs:
+            said = "\n".join(_elide(x, elide, step_id) for x in (step.thought, step.action) if x)
+            out.append(("assistant", said or "(no action)"))
+        if has_obs:
+            out.append((observation_role(step.authority),
+                        _observation_text(step, _elide(step.observation or "", elide, step_id))))
+        return out
+    line = render_placeholder_body(step, step_id)
     if resolution is Resolution.PLACEHOLDER:
-        return body + "\n"
-    return header(step, step_id, resolution) + body + "\n\n"
-
-
-def render_prefix(session: Session) -> list[tuple[str, str, str]]:
-    """(kind, role, text) of the stable prefix: system, tools, task. Byte-identical on every turn."""
-    out = []
-    if session.system:
-        out.append(("system", "system", session.system.rstrip() + "\n\n"))
-    if session.tools:
-        out.append(("tools", "system", "## Tools\n" + session.tools.rstrip() + "\n\n"))
-    out.append(("task", "user", "## Task\n" + session.task.rstrip() + "\n\n"))
+        if acted or not has_obs:
+            out.append(("assistant", line))
+        if has_obs:
+            note = f"[#{step_id} result hidden: glimpse(#{step_id})]" if acted else line
+            out.append((observation_role(step.authority), note))
+        return out
+    summary = f"[#{step_id} {resolution.label} summary; glimpse(#{step_id}) for the full step]\n{body or ''}"
+    if not has_obs:
+        return [("assistant", summary)]
+    if acted:
+        out.append(("assistant", line))
+    out.append((observation_role(step.authority), _observation_text(step, summary)))
     return out
+
+
+def step_text(step: Step | StepRecord, step_id: int, resolution: Resolution, body: str | None) -> str:
+    """The contents of a step's messages, joined: what the ledger counts (an estimate the compiler then
+    corrects with the exact ids of the assembled chat)."""
+    return "\n".join(c for _, c in step_messages(step, step_id, resolution, body))
 
 
 def render_fold(text: str, upto: int) -> str:

@@ -112,20 +112,21 @@ class Runtime:
     def snapshot(self, session_id: str, at: int | None = None) -> SessionSnapshot:
         return self.ledger.snapshot(session_id, upto=at, key_model=self.embedder.name)
 
-    def compile(self, snap: SessionSnapshot, policy: ContextPolicy, budget: int) -> CompiledTurn:
-        """Plan and compile over a snapshot, with no side effect (the pure part of a turn)."""
+    def compile(self, snap: SessionSnapshot, policy: ContextPolicy, budget: int, reserve: int = 0) -> CompiledTurn:
+        """Plan and compile over a snapshot, with no side effect (the pure part of a turn). The prompt's ids
+        plus ``reserve`` (the reply's max_tokens and any soft positions) fit ``budget``."""
         budget = validate_budget(budget)
-        plan = policy.plan(snap, budget)
-        prompt = compile_plan(snap, plan, budget, self.ledger.tokenizer)
+        plan = policy.plan(snap, budget - reserve if 0 <= reserve < budget else budget)
+        prompt = compile_plan(snap, plan, budget, self.ledger.tokenizer, reserve)
         return CompiledTurn(session_id=snap.session.id, t=snap.t, budget=budget, plan=plan, prompt=prompt)
 
     def turn(self, session_id: str, policy: ContextPolicy | PolicyConfigBase | dict | str, budget: int,
-             at: int | None = None, record: bool = True, keys: bool = True) -> CompiledTurn:
+             at: int | None = None, record: bool = True, keys: bool = True, reserve: int = 0) -> CompiledTurn:
         """Compile the context for the next step (or for step ``at``) and audit it. ``keys=False`` plans as if
         no key embedding existed (the fallback when the embedder is unavailable)."""
         pol = policy if hasattr(policy, "plan") else self.policy(policy)  # type: ignore[arg-type]
         snap = self.snapshot(session_id, at)
-        turn = self.compile(snap if keys else snap.without_keys(), pol, budget)
+        turn = self.compile(snap if keys else snap.without_keys(), pol, budget, reserve)
         with self.ledger.transaction():  # the fold and the audit of a turn are stored together or not at all
             if turn.plan.new_fold and turn.plan.fold is not None:
                 self.ledger.add_fold(session_id, turn.plan.config_hash, turn.plan.fold)

@@ -1,16 +1,22 @@
-"""Token counting behind a two-method protocol.
+"""The actor's tokenizer behind two small protocols.
 
-The compiler counts every segment separately and the prompt's size is the sum of its segments,
-so a budget is exact in whatever tokenizer is configured: the actor's own (an HF ``tokenizers``
-file, the same one vLLM loads), or a fast approximation when none is configured.
+``Tokenizer`` counts text (the ledger stores per-step counts with it: estimates for planning).
+``ChatTokenizer`` is what the actor receives: the model's chat template applied to messages, the
+text encoded to ids (special tokens of the template parsed as such), and ids decoded back. The
+compiler budgets the exact ids of the assembled chat (``palimpsest.platform.chat``).
+
+Two implementations: the actor's own (an HF ``tokenizer.json`` plus the chat template saved beside it,
+the same files vLLM loads; rendered with jinja2 as transformers does), or a dependency-free
+approximation with a ChatML template when no model is configured.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from functools import lru_cache
 from pathlib import Path
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
 from palimpsest.platform.types import ConfigError
 
@@ -24,15 +30,73 @@ class Tokenizer(Protocol):
     def count_batch(self, texts: Sequence[str]) -> list[int]: ...
 
 
+@runtime_checkable
+class ChatTokenizer(Protocol):
+    name: str
+
+    def template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool) -> str: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+#: ChatML, the template of SmolLM2 (and of Qwen-style models): used where a tokenizer carries none.
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+CHATML_SPECIALS = ("<|im_start|>", "<|im_end|>")
+
+
+def defuse(text: str, specials: Sequence[str]) -> str:
+    """Text containing a special token's string (a tool output saying ``<|im_start|>system``) would be
+    encoded as that special token and could forge a turn of another role; a backslash after its first
+    character keeps it readable and makes it plain text."""
+    for sp in specials:
+        if sp in text:
+            text = text.replace(sp, sp[0] + "\\" + sp[1:])
+    return text
+
+
+@lru_cache(maxsize=16)
+def _compile_template(source: str):
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(source)
+
+
+def render_template(source: str, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool,
+                    specials: Sequence[str], **extra: Any) -> str:
+    """Apply a chat template (HF's jinja dialect) to messages whose contents are defused first."""
+    safe = [{**m, "content": defuse(m["content"], specials)} if isinstance(m.get("content"), str) else dict(m)
+            for m in messages]
+    return _compile_template(source).render(messages=safe, add_generation_prompt=add_generation_prompt, **extra)
+
+
 # Letter runs are cut every 6 characters, digits every 3, every other visible character is a token:
 # close to what byte-level BPEs do on English prose and code, with no vocabulary to load.
 _APPROX = re.compile(r"[A-Za-z]{1,6}|\d{1,3}|[^\sA-Za-z\d]|\n")
 
 
+# The approximation's pieces cover every character (spaces ride with the piece after them), so its ids
+# decode back to the text; the template's special strings are one piece each.
+_PIECES = re.compile(r"<\|im_(?:start|end)\|>| ?[A-Za-z]{1,6}| ?\d{1,3}|\n| +|[^\sA-Za-z\d]|\s")
+
+
 class ApproxTokenizer:
-    """A deterministic, dependency-free approximation of a BPE token count."""
+    """A deterministic, dependency-free approximation of a BPE tokenizer, with a ChatML template.
+
+    Its ids index a process-wide table of the pieces seen so far, so they decode back to the text."""
 
     name = "approx-v1"
+    _vocab: dict[str, int] = {}
+    _pieces: list[str] = []
 
     def count(self, text: str) -> int:
         return len(_APPROX.findall(text)) if text else 0
@@ -40,9 +104,28 @@ class ApproxTokenizer:
     def count_batch(self, texts: Sequence[str]) -> list[int]:
         return [self.count(t) for t in texts]
 
+    def template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool) -> str:
+        return render_template(CHATML, messages, add_generation_prompt, CHATML_SPECIALS)
+
+    def encode(self, text: str) -> list[int]:
+        vocab, pieces = ApproxTokenizer._vocab, ApproxTokenizer._pieces
+        out = []
+        for p in _PIECES.findall(text):
+            i = vocab.get(p)
+            if i is None:
+                i = vocab.setdefault(p, len(pieces))
+                if i == len(pieces):
+                    pieces.append(p)
+            out.append(i)
+        return out
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return "".join(ApproxTokenizer._pieces[i] for i in ids)
+
 
 class HFTokenizer:
-    """An HF ``tokenizers`` tokenizer loaded from a local ``tokenizer.json`` (or a folder holding one)."""
+    """An HF ``tokenizers`` tokenizer loaded from a local ``tokenizer.json`` (or a folder holding one), with
+    the chat template saved beside it (``chat_template.jinja`` or ``tokenizer_config.json``; ChatML if none)."""
 
     def __init__(self, path: str | Path):
         try:
@@ -56,6 +139,10 @@ class HFTokenizer:
             raise ConfigError(f"tokenizer file not found: {p}")
         self._tok = _Tok.from_file(str(p))
         self.name = f"hf:{p.parent.name}"
+        self.chat_template, self._extra = _chat_template(p.parent)
+        added = json.loads(p.read_text()).get("added_tokens", [])
+        specials = {a["content"] for a in added if a.get("special") and len(a.get("content", "")) > 1}
+        self.specials = tuple(sorted(specials, key=len, reverse=True))
 
     def count(self, text: str) -> int:
         return len(self._tok.encode(text, add_special_tokens=False).ids) if text else 0
@@ -66,7 +153,32 @@ class HFTokenizer:
         return [len(e.ids) for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return self._tok.encode(text, add_special_tokens=False).ids if text else []
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+    def template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool) -> str:
+        return render_template(self.chat_template, messages, add_generation_prompt, self.specials, **self._extra)
+
+
+def _chat_template(folder: Path) -> tuple[str, dict[str, Any]]:
+    """The folder's chat template and the special-token strings a template may name (bos_token, eos_token)."""
+    extra: dict[str, Any] = {}
+    source = None
+    cfg_file = folder / "tokenizer_config.json"
+    if cfg_file.is_file():
+        cfg = json.loads(cfg_file.read_text())
+        for k in ("bos_token", "eos_token"):
+            v = cfg.get(k)
+            extra[k] = v.get("content", "") if isinstance(v, dict) else (v or "")
+        source = cfg.get("chat_template")
+        if isinstance(source, list):  # several named templates: the default one
+            source = next((t["template"] for t in source if t.get("name") == "default"), None)
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        source = jinja.read_text()
+    return source or CHATML, extra
 
 
 @lru_cache(maxsize=8)

@@ -244,28 +244,42 @@ class RenderPlan:
 
 @dataclass(frozen=True)
 class Segment:
-    """One piece of a compiled prompt. Token counts are per segment and add up exactly."""
+    """One piece of a compiled prompt: the prefix, the rolling summary, a step (its messages) or a hidden
+    run. ``tokens`` is the planning estimate; the prompt's exact size is ``Prompt.tokens``."""
 
-    kind: str  # system | tools | task | fold | step | range
-    role: str  # system | user
-    text: str
+    kind: str  # system | task | fold | step | range
+    role: str  # the role of its (first) message
+    text: str  # its messages' contents, joined
     tokens: int
     t: int | None = None
     step_id: int | None = None
     resolution: Resolution | None = None
+    messages: tuple[int, int] = (0, 0)  # [first, first + n) in Prompt.messages
 
 
 @dataclass(frozen=True)
 class Prompt:
+    """What the actor receives: chat ``messages`` and their exact ids under the model's chat template,
+    ``context_ids`` (up to the soft-memory slot) then ``bridge_ids`` (the assistant prompt).
+
+    ``tokens`` is ``len(context_ids) + len(bridge_ids)``; ``text`` is those ids decoded (what recall is
+    checked on); ``reserve`` is what the budget keeps for the reply and soft positions, so
+    ``tokens + reserve <= budget``."""
+
     segments: tuple[Segment, ...]
     tokens: int
     prefix_tokens: int
     prefix_hash: str
-    prompt_hash: str
+    prompt_hash: str  # sha256 of ``text``
+    messages: tuple[dict, ...] = ()
+    context_ids: tuple[int, ...] = ()
+    bridge_ids: tuple[int, ...] = ()
+    text: str = ""
+    reserve: int = 0
 
     @property
-    def text(self) -> str:
-        return "".join(s.text for s in self.segments)
+    def ids(self) -> list[int]:
+        return list(self.context_ids) + list(self.bridge_ids)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,175 @@
+"""The actor-facing prompt: the one module that turns a compiled plan into chat messages and token ids.
+
+Serving sends what this module builds, replay measures it, ``palimpsest render`` prints it and the
+REMORY data builder trains on it; no other code lays out a prompt.
+
+Layout (the history in the model's own roles):
+
+    system     the session's system prompt, its tool declarations, and the ``glimpse`` tool
+    user       the task
+    user       the rolling summary, when the plan has one
+    per step   assistant (thought and action), then its result: a tool message, or a user message where
+               the principal spoke; a degraded step keeps both roles and its place, its content becomes
+               the detailed, brief or placeholder rendering (``palimpsest.platform.render.step_messages``)
+    user       one line in place of each hidden run of steps (their ids, to glimpse)
+    [soft]     the soft-memory slot: after the compiled history, before the assistant prompt
+    assistant  the generation prompt (``bridge``) that the next action follows
+
+Glimpses answered within a turn are appended as an assistant ``glimpse(#ID)`` call and a tool message
+with the step's text. The ids are ``context + [soft] + bridge``: the budget counts exactly these
+(see ``palimpsest.platform.compiler``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+from palimpsest.platform.render import head_tail, observation_role, step_messages
+from palimpsest.platform.tokens import ChatTokenizer
+from palimpsest.platform.types import Fold, Resolution, Session, Step, StepRecord
+
+if TYPE_CHECKING:
+    from palimpsest.platform.ledger import SessionSnapshot
+
+GLIMPSE_TOOL = ("## Memory tool\nOlder steps may be shown summarised or as one-line placeholders `[#ID ...]`. "
+                "To read the full text of step #ID before acting, reply with exactly `glimpse(#ID)` and nothing else.")
+_GLIMPSE_CALL = re.compile(r"^\s*glimpse\(\s*#?(\d{1,18})\s*\)\s*$")
+DEFAULT_SYSTEM = "You are a helpful agent."
+
+
+def glimpse_call(text: str) -> int | None:
+    """The step id of a reply that is a glimpse call, else None."""
+    m = _GLIMPSE_CALL.match(text or "")
+    return int(m.group(1)) if m else None
+
+
+def message(role: str, content: str) -> dict:
+    return {"role": role, "content": content}
+
+
+def prefix_messages(session: Session) -> list[dict]:
+    """The stable prefix: byte-identical on every turn of a session, so a prefix cache survives re-rendering."""
+    system = [session.system.strip() or DEFAULT_SYSTEM]
+    if session.tools:
+        system.append("## Tools\n" + session.tools.strip())
+    system.append(GLIMPSE_TOOL)
+    return [message("system", "\n\n".join(system)), message("user", session.task.strip() or "(no task)")]
+
+
+def fold_message(fold: Fold) -> dict:
+    return message("user", f"## Summary of steps 0..{fold.upto - 1}\n{fold.text.strip()}")
+
+
+def range_message(first: Step, last: Step, n: int) -> dict:
+    if n == 1:
+        return message("user", f"[t={first.t} hidden: glimpse(#{first.id})]")
+    return message("user", f"[t={first.t}..{last.t} hidden ({n} steps, ids #{first.id}..#{last.id}): glimpse any]")
+
+
+def glimpse_messages(step_id: int, text: str) -> list[dict]:
+    """A glimpse answered inside a turn: the model's call, then the step's text as the tool's answer."""
+    return [message("assistant", f"glimpse(#{step_id})"), message("tool", f"## Step #{step_id}\n{text.strip()}")]
+
+
+@dataclass(frozen=True)
+class ChatIds:
+    """The actor's input: ``context`` (the chat up to the soft-memory slot) and ``bridge`` (the assistant
+    prompt the next action follows). Without soft memory the actor receives ``context + bridge``."""
+
+    context: tuple[int, ...]
+    bridge: tuple[int, ...]
+
+    @property
+    def all(self) -> list[int]:
+        return list(self.context) + list(self.bridge)
+
+    def __len__(self) -> int:
+        return len(self.context) + len(self.bridge)
+
+
+def chat_ids(tokenizer: ChatTokenizer, messages: Sequence[dict]) -> ChatIds:
+    """The exact ids of ``messages`` under the model's chat template, split at the soft-memory slot."""
+    context = tokenizer.template(messages, False)
+    full = tokenizer.template(messages, True)
+    if not full.startswith(context):  # a template that rewrites earlier turns: no split point
+        return ChatIds(tuple(tokenizer.encode(full)), ())
+    return ChatIds(tuple(tokenizer.encode(context)), tuple(tokenizer.encode(full[len(context):])))
+
+
+def prefix_tokens(tokenizer: ChatTokenizer, session: Session) -> int:
+    """The exact size of the stable prefix, with the assistant prompt: what every turn costs at least."""
+    return len(chat_ids(tokenizer, prefix_messages(session)))
+
+
+def message_overhead(tokenizer: ChatTokenizer) -> int:
+    """Tokens the template adds around one message's content (ChatML: ``<|im_start|>role\n`` ... ``<|im_end|>\n``),
+    measured once per tokenizer: the planning estimate of a step adds it per message."""
+    cached = _OVERHEAD.get(tokenizer.name)
+    if cached is None:
+        one = [message("system", "s"), message("user", "u")]
+        two = one + [message("assistant", "a")]
+        cached = max(len(tokenizer.encode(tokenizer.template(two, False)))
+                     - len(tokenizer.encode(tokenizer.template(one, False))) - len(tokenizer.encode("a")), 0)
+        _OVERHEAD[tokenizer.name] = cached
+    return cached
+
+
+_OVERHEAD: dict[str, int] = {}
+
+
+def history_messages(snap: "SessionSnapshot", level, fold: Fold | None, ranges: bool,
+                     elide: dict[int, int] | None = None) -> tuple[list[dict], list[tuple[int, int, int]]]:
+    """The messages of a plan's history (after the prefix) and, per step shown, (index, first message, n).
+
+    ``level[i]`` is step i's resolution (DROP: not shown); with ``ranges`` every run of dropped steps is one
+    line in place. ``elide`` maps a step index to the character cap of its fields (oversized steps)."""
+    msgs: list[dict] = []
+    spans: list[tuple[int, int, int]] = []
+    if fold is not None:
+        msgs.append(fold_message(fold))
+    m = len(level)
+    i = 0
+    drop = int(Resolution.DROP)
+    while i < m:
+        lv = int(level[i])
+        if lv == drop:
+            j = i
+            while j + 1 < m and int(level[j + 1]) == drop:
+                j += 1
+            if ranges:
+                spans.append((i, len(msgs), 1))
+                msgs.append(range_message(snap.steps[i], snap.steps[j], j - i + 1))
+            i = j + 1
+            continue
+        res = Resolution(lv)
+        step = snap.steps[i]
+        parts = step_messages(step, step.id, res, snap.body(i, res) if res is not Resolution.FULL else None,
+                              elide=(elide or {}).get(i))
+        spans.append((i, len(msgs), len(parts)))
+        msgs.extend(message(role, content) for role, content in parts)
+        i += 1
+    return msgs, spans
+
+
+def raw_history_messages(session: Session, steps: Sequence[Step | StepRecord],
+                         max_field_chars: int | None = None) -> list[dict]:
+    """The raw steps at full resolution after the prefix: what the memory network reads and what the
+    teacher sees. ``max_field_chars`` keeps each field's head and tail (the actor's window is finite)."""
+    msgs = prefix_messages(session)
+    for s in steps:
+        step_id = getattr(s, "id", s.t)
+        if max_field_chars is None:
+            parts = step_messages(s, step_id, Resolution.FULL, None)
+        else:
+            parts = step_messages(s, step_id, Resolution.FULL, None, elide=max_field_chars)
+        msgs.extend(message(r, c) for r, c in parts)
+    return msgs
+
+
+__all__ = [
+    "ChatIds", "DEFAULT_SYSTEM", "GLIMPSE_TOOL", "chat_ids", "fold_message", "glimpse_call", "glimpse_messages",
+    "head_tail", "history_messages", "message", "message_overhead", "observation_role", "prefix_messages", "prefix_tokens",
+    "range_message", "raw_history_messages",
+]
