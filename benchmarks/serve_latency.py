@@ -147,11 +147,9 @@ async def prefix_cache_phase(args, trajs):
     from palimpsest.serving.config import ActorConfig
     from palimpsest.serving.engine import ActorEngine
     from palimpsest.platform.types import BudgetError
-    from palimpsest.serving.prompting import chat_ids, prompt_messages
-    from transformers import AutoTokenizer
+    from palimpsest.platform.chat import chat_ids
 
     engine = ActorEngine(ActorConfig(model="smollm2", max_tokens=1))
-    tok = AutoTokenizer.from_pretrained(str(engine.path))
     rt = open_runtime(args.work / "bench-prefix.db", "minilm", "smollm2")
     prompts = []
     for traj in trajs[: args.prefix_sessions]:
@@ -169,16 +167,12 @@ async def prefix_cache_phase(args, trajs):
         await engine.reset_prefix_cache()
         prompt_tokens = cached = 0
         for _, prompt in prompts:
-            msgs = prompt_messages(prompt)
-            if layout == "reordered":  # the same content, the prefix segments moved and shuffled every turn
-                segs = list(prompt.segments)
-                head = [s for s in segs if s.kind in ("system", "tools", "task")]
-                rest = [s for s in segs if s not in head]
+            ids = prompt.ids
+            if layout == "reordered":  # the same messages, the prefix moved behind the history every turn
+                msgs = list(prompt.messages)
+                head, rest = msgs[:2], msgs[2:]
                 rng.shuffle(head)
-                user = "".join(s.text for s in rest + head)
-                msgs = [{"role": "system", "content": "You are an agent."},
-                        {"role": "user", "content": user}]
-            ids = chat_ids(tok, msgs).all
+                ids = chat_ids(rt.ledger.tokenizer, rest + head).all
             r = await engine.generate(ids=ids, max_tokens=1)
             prompt_tokens += r["prompt_tokens"]
             cached += r["cached_tokens"]

@@ -37,12 +37,31 @@ def test_import_render_glimpse_audit_round_trip(tmp_path, data):
     assert (tmp_path / ".palimpsest" / "ledger.db").exists()
     r = cli("render", "--session", "demo/1", "--policy", "pace", "--budget", "400", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    assert "pace plan at t=6" in r.stdout and "tokens:" in r.stdout and "## Task" in r.stdout
+    assert "pace plan at t=6" in r.stdout and "tokens:" in r.stdout and "<|im_start|>user\nFix parse_config" in r.stdout
     r = cli("glimpse", "--session", "demo/1", "1", cwd=tmp_path)
     assert r.returncode == 0 and "parse_config_0" in r.stdout
     r = cli("render", "--session", "demo/1", "--policy", "ace", "--budget", "400", "--at", "3", "--no-prompt",
             cwd=tmp_path)
     assert r.returncode == 0 and "ace plan at t=3" in r.stdout
+
+
+def test_render_json_is_exactly_what_the_actor_receives(tmp_path, data):
+    cli("import", str(data), cwd=tmp_path)
+    r = cli("render", "--session", "demo/1", "--policy", "pace", "--budget", "300", "--max-tokens", "64", "--json",
+            "--tokenizer", "approx", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)  # stdout holds the JSON object and nothing else
+    from palimpsest.platform.tokens import ApproxTokenizer
+
+    tok = ApproxTokenizer()
+    ids = out["prompt_token_ids"]
+    assert len(ids) + out["max_tokens"] <= out["budget"] == 300 and out["max_tokens"] == 64
+    assert out["tokens"]["prompt"] == len(ids) == out["tokens"]["prefix"] + out["tokens"]["history"]
+    # the ids are the model's template over the messages, and they decode to the text shown
+    assert tok.encode(tok.template(out["messages"], True)) == tok.encode(out["prompt_text"])
+    assert len(tok.encode(out["prompt_text"])) == len(ids)
+    assert [m["role"] for m in out["messages"][:2]] == ["system", "user"]
+    assert [p["t"] for p in out["plan"]] == list(range(6)) and out["plan"][-1]["resolution"] == "full"
 
 
 def test_the_command_line_works_on_a_postgresql_ledger_given_by_url(tmp_path, data):
@@ -63,12 +82,14 @@ def test_the_command_line_works_on_a_postgresql_ledger_given_by_url(tmp_path, da
 @pytest.mark.parametrize("args,message", [
     (["render", "--session", "demo/1", "--policy", "pace", "--budget", "0"], "positive integer"),
     (["render", "--session", "demo/1", "--policy", "pace", "--budget", "-3"], "positive integer"),
-    (["render", "--session", "demo/1", "--policy", "magic", "--budget", "100"], "unknown policy type 'magic'"),
-    (["render", "--session", "nope", "--policy", "pace", "--budget", "100"], "unknown session 'nope'"),
-    (["render", "--session", "demo/1", "--policy", "pace", "--budget", "5"], "cannot hold the prefix"),
+    (["render", "--session", "demo/1", "--policy", "magic", "--budget", "1000"], "unknown policy type 'magic'"),
+    (["render", "--session", "nope", "--policy", "pace", "--budget", "1000"], "unknown session 'nope'"),
+    (["render", "--session", "demo/1", "--policy", "pace", "--budget", "5", "--max-tokens", "0"],
+     "cannot hold the fixed prefix"),
+    (["render", "--session", "demo/1", "--policy", "pace", "--budget", "100", "--max-tokens", "100"], "--max-tokens"),
     (["glimpse", "--session", "demo/1", "#424242"], "no step #424242"),
     (["import", "missing.jsonl"], "not found"),
-    (["render", "--session", "demo/1", "--policy", "pace", "--budget", "100", "--ledger", "nope.db"], "no ledger at"),
+    (["render", "--session", "demo/1", "--policy", "pace", "--budget", "1000", "--ledger", "nope.db"], "no ledger at"),
     (["import", "traj.jsonl", "--embedder", "magic"], "unknown embedder 'magic'"),
 ])
 def test_bad_input_gets_one_clear_line_and_exit_2(tmp_path, data, args, message):

@@ -83,3 +83,11 @@ def test_listening_beyond_loopback_needs_api_keys(tmp_path):
     assert set(keyed.auth.resolved()) == {"acme"}
     with pytest.raises(ConfigError, match="key_sha256"):
         parse_serve_config({"auth": {"tenants": {"acme": {"key_sha256": "plaintext-key"}}}})
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("replay/*.yaml")), ids=lambda p: p.name)
+def test_replay_variant_files_hold_valid_policy_configs(path):
+    from palimpsest.platform.policies import parse_policy_config
+
+    variants = yaml.safe_load(path.read_text())
+    assert variants and all(parse_policy_config(body).type for body in variants.values())

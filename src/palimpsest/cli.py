@@ -16,6 +16,8 @@ Every refused input ends with one line on stderr naming the problem and exit sta
 
 from __future__ import annotations
 
+import json
+
 import os
 import sys
 from pathlib import Path
@@ -121,36 +123,68 @@ def import_cmd(
 def render(
     session: str = typer.Option(..., "--session", help="session id"),
     policy: str = typer.Option(..., "--policy", help="policy name (see `palimpsest policies`)"),
-    budget: int = typer.Option(..., "--budget", help="token budget of the compiled context"),
+    budget: int = typer.Option(..., "--budget", help="token budget of what the actor receives (prompt + max_tokens)"),
     at: Optional[int] = typer.Option(None, "--at", help="compile the context before step T (default: next step)"),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens",
+                                             help="tokens kept for the reply (default: the serve config's actor.max_tokens)"),
     policy_config: Optional[Path] = typer.Option(None, "--policy-config", help="YAML config of the policy"),
     show_prompt: bool = typer.Option(True, "--prompt/--no-prompt", help="print the compiled context"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object (ids, text, messages, plan) and nothing else"),
     ledger: Optional[str] = LedgerOpt,
     embedder: str = EmbedderOpt,
     tokenizer: str = TokenizerOpt,
 ) -> None:
-    """Compile one turn's context and show it with its plan."""
+    """Compile one turn's prompt exactly as the actor would receive it, and show it with its plan."""
     from palimpsest.pipelines.environment import open_runtime
+    from palimpsest.serving.config import ActorConfig
 
     validate_budget(budget)
     if at is not None and at < 0:
         raise PalimpsestError(f"--at must be >= 0, got {at}")
+    reserve = ActorConfig().max_tokens if max_tokens is None else max_tokens
+    if reserve < 0 or reserve >= budget:
+        raise PalimpsestError(f"--max-tokens must be >= 0 and below the budget ({budget}), got {reserve}")
     cfg = _policy_config(policy, policy_config)
     rt = open_runtime(_existing(_ledger_path(ledger)), embedder, tokenizer)
     with rt.ledger as led:
-        led.session(session)  # unknown session -> a clear error before any work
+        sess = led.session(session)  # unknown session -> a clear error before any work
         rt.enrich(session)
-        turn = rt.turn(session, cfg, budget, at=at, record=False)
+        turn = rt.turn(session, cfg, budget, at=at, record=False, reserve=reserve)
+    p = turn.prompt
+    if as_json:
+        spans = {s.t: s for s in p.segments if s.t is not None and s.kind == "step"}
+        prefix = sum(1 for s in p.segments if s.kind in ("system", "task"))
+        from palimpsest.platform.chat import GLIMPSE_TOOL
+
+        history = p.tokens - p.prefix_tokens
+        tools = len(rt.ledger.tokenizer.encode(GLIMPSE_TOOL + ("\n\n## Tools\n" + sess.tools.strip() if sess.tools else "")))
+        print(json.dumps({
+            "session": session, "t": turn.t, "policy": turn.plan.policy, "config_hash": turn.plan.config_hash,
+            "tokenizer": rt.ledger.tokenizer.name, "budget": budget, "max_tokens": reserve,
+            "prompt_token_ids": p.ids, "prompt_text": p.text, "messages": list(p.messages),
+            "soft_slot": len(p.context_ids),
+            "tokens": {"prompt": p.tokens, "prefix": p.prefix_tokens, "history": history, "tools": tools, "soft": 0,
+                       "max_tokens": reserve, "total": p.tokens + reserve},
+            "prefix_messages": prefix, "parts": "prefix holds the system message (tools included) and the task; "
+                                                 "history the rest, with the assistant prompt", "prompt_hash": p.prompt_hash, "prefix_hash": p.prefix_hash,
+            "elided": turn.plan.info.get("elided", []),
+            "plan": [{"t": e.t, "step_id": e.step_id, "resolution": e.resolution.label, "reason": e.reason,
+                      "score": e.score, "messages": list(spans[e.t].messages) if e.t in spans else None}
+                     for e in turn.plan.entries()],
+        }))
+        return
     table = Table("t", "step", "resolution", "score", "reason", title=f"{policy} plan at t={turn.t}")
     for e in turn.plan.entries():
         table.add_row(str(e.t), f"#{e.step_id}", e.resolution.label, f"{e.score:.3g}", e.reason)
     out.print(table)
     if turn.plan.degradations:
         out.print(f"degraded to fit the budget: {len(turn.plan.degradations)} level steps")
+    for e in turn.plan.info.get("elided", []):
+        out.print(f"step #{e['step_id']} (t={e['t']}, {e['chars']} characters) shown head and tail to fit")
     if show_prompt:
-        out.rule("compiled context")
-        out.print(turn.prompt.text, markup=False, highlight=False)
-    out.print(f"tokens: {turn.prompt.tokens} / budget {budget} (prefix {turn.prompt.prefix_tokens}); "
+        out.rule("compiled prompt (the actor's ids, decoded)")
+        out.print(p.text, markup=False, highlight=False)
+    out.print(f"tokens: {p.tokens} + max_tokens {reserve} / budget {budget} (prefix {p.prefix_tokens}); "
               + ", ".join(f"{k} {v}" for k, v in turn.plan.counts().items()))
 
 
@@ -223,6 +257,7 @@ def replay(
     policy_config: Optional[Path] = typer.Option(None, "--policy-config", help="YAML: one config, or labels -> configs"),
     concat: bool = typer.Option(False, "--concat", help="replay all trajectories as one continuous session"),
     as_json: bool = typer.Option(False, "--json", help="print the summary JSON to stdout and nothing else"),
+    max_tokens: int = typer.Option(0, "--max-tokens", min=0, help="tokens each prompt keeps free for the reply"),
     ledger: Optional[Path] = typer.Option(None, "--ledger", help="cache ledger (default .palimpsest/replay-<tokenizer>.db)"),
     embedder: str = EmbedderOpt,
     tokenizer: str = TokenizerOpt,
@@ -245,7 +280,7 @@ def replay(
     timer = rt.embedder
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err, transient=True) as bar:
-        result = run_replay(rt, data, policies, budget, concat=concat, timer=timer, progress=bar)
+        result = run_replay(rt, data, policies, budget, concat=concat, timer=timer, progress=bar, reserve=max_tokens)
     rt.ledger.close()
     write_outputs(result, out_dir)
     if mlflow:

@@ -32,7 +32,7 @@ def test_stage2_boundaries_fit_the_window_and_target_the_next_action(tmp_path, t
     assert tok.decode(r["target"]) == "look at 3\ngrep -n parse_config_3 f.py"
     assert tok.decode(r["history"]).endswith("<|im_start|>assistant\n")  # the teacher predicts what comes next
     assert "parse_config_2(env)" in tok.decode(r["history"]) and "parse_config_2(env)" not in tok.decode(r["summary"])
-    assert "Summary of the steps so far" in tok.decode(r["summary"]) and len(r["summary"]) < len(r["history"])
+    assert "brief summary; glimpse(#2)" in tok.decode(r["summary"]) and len(r["summary"]) < len(r["history"])
     # split by trajectory: no trajectory on both sides
     train, val = set(report["trajectories"]["train"]), set(report["trajectories"]["val"])
     assert train and not train & val and all(split_of(t, 0.34) == "val" for t in val)

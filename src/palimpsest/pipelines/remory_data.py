@@ -4,11 +4,11 @@ Stage I samples: spans of observations and actions (at most ``span_tokens`` toke
 must let the actor reproduce after a "repeat" instruction.
 
 Stage II samples, one per compaction boundary t of a trajectory:
-  history  = steps before t in the actor's chat format, ending with the assistant prompt (the teacher's
-             input; it must fit the actor's window, so long trajectories give many boundaries, each
-             within ``max_history_tokens``),
-  summary  = the same conversation with the steps before t replaced by the abstraction writer's text
-             (the student's text; the memory goes right after it),
+  history  = steps before t as the served chat at full resolution, ending with the assistant prompt (the
+             teacher's input; it must fit the actor's window, so long trajectories give many boundaries,
+             each within ``max_history_tokens``),
+  summary  = the same chat with every step before t at its brief rendering (the student's text; the
+             memory goes right after it), laid out by ``palimpsest.platform.chat`` as serving lays it out,
   bridge   = the assistant prompt that follows the memory,
   target   = the real next assistant response (step t's thought and action).
 Rows carry ``history_len`` for a curriculum by history length and ``split``: the train/validation split
@@ -24,7 +24,9 @@ from typing import Any, Iterator
 
 from palimpsest.pipelines.trajectories import Trajectory, TrajStep, read_trajectories, to_record
 from palimpsest.platform.abstraction import RuleSummarizer
-from palimpsest.platform.types import PalimpsestError
+from palimpsest.platform.chat import chat_ids, messages_at, raw_history_messages
+from palimpsest.platform.tokens import as_chat_tokenizer
+from palimpsest.platform.types import PalimpsestError, Resolution, Session
 
 REPEAT_INSTRUCTION = "Repeat the text above exactly."
 
@@ -56,44 +58,26 @@ def _assistant(step: TrajStep) -> str:
     return "\n".join(x for x in (step.thought, step.action) if x).strip() or "(no action)"
 
 
-def _observation(step: TrajStep, cfg: DataConfig) -> str:
-    obs = step.observation or ""
-    return obs if len(obs) <= cfg.max_observation_chars else obs[: cfg.max_observation_chars] + "\n[... cut]"
-
-
-def _messages(traj: Trajectory, steps: list[TrajStep], cfg: DataConfig) -> list[dict]:
-    msgs = [{"role": "system", "content": traj.system or "You are a helpful agent."},
-            {"role": "user", "content": traj.task}]
-    for s in steps:
-        msgs.append({"role": "assistant", "content": _assistant(s)})
-        if s.observation is not None:
-            msgs.append({"role": "user", "content": _observation(s, cfg)})
-    return msgs
-
-
-def _ids(tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
-    if hasattr(out, "keys"):
-        out = out["input_ids"]
-    return list(out)
-
-
 def stage2_samples(traj: Trajectory, tokenizer, cfg: DataConfig) -> Iterator[dict[str, Any]]:
+    """Stage II boundaries laid out by the serving prompt's own module (``palimpsest.platform.chat``): the
+    teacher's history is the served chat at full resolution, the student's summary the same chat with every
+    step at its brief rendering (the soft span follows it), the bridge the assistant prompt."""
+    chat = as_chat_tokenizer(tokenizer)
     writer = RuleSummarizer()
-    briefs = [writer.summarize(to_record(s)).brief for s in traj.steps]
+    records = [to_record(s) for s in traj.steps]
+    briefs = [writer.summarize(r).brief for r in records]
+    session = Session(id=traj.id, task=traj.task, system=traj.system or "")
     split = split_of(traj.id, cfg.val_fraction)
-    bridge = tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
+    cap = cfg.max_observation_chars
     for t in range(cfg.min_history_steps, len(traj.steps), cfg.stride):
         target_text = _assistant(traj.steps[t])
-        history = _ids(tokenizer, _messages(traj, traj.steps[:t], cfg), generation_prompt=True)
+        history = chat_ids(chat, raw_history_messages(session, records[:t], cap)).all
         if len(history) > cfg.max_history_tokens:
             break  # histories only grow with t: no later boundary of this trajectory fits either
-        summary_text = "\n".join(f"- t={i}: {b}" for i, b in enumerate(briefs[:t]))
-        summary_msgs = [{"role": "system", "content": traj.system or "You are a helpful agent."},
-                        {"role": "user", "content": f"{traj.task}\n\nSummary of the steps so far:\n{summary_text}"}]
-        target = tokenizer.encode(target_text, add_special_tokens=False)[: cfg.max_target_tokens]
+        summary = chat_ids(chat, messages_at(session, records[:t], [Resolution.BRIEF] * t, briefs[:t], cap))
+        target = chat.encode(target_text)[: cfg.max_target_tokens]
         yield {"trajectory": traj.id, "t": t, "split": split, "history": history,
-               "summary": _ids(tokenizer, summary_msgs, generation_prompt=False), "bridge": bridge,
+               "summary": list(summary.context), "bridge": list(summary.bridge),
                "target": target, "history_len": len(history)}
 
 

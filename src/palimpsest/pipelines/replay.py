@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
+from functools import lru_cache
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
@@ -141,24 +143,27 @@ class _PolicyState:
 
 
 def replay_session(rt: Runtime, sess: ReplaySession, label: str, cfg: PolicyConfigBase, budget: int,
-                   timer: TimedEmbedder | None, on_step: Callable[[], None] | None = None) -> list[dict]:
-    """Per-step rows for one policy over one session."""
+                   timer: TimedEmbedder | None, on_step: Callable[[], None] | None = None,
+                   reserve: int = 0) -> list[dict]:
+    """Per-step rows for one policy over one session: the served prompt (its exact ids), checked on the
+    text the actor receives."""
     full = rt.snapshot(sess.session_id)
     policy = rt.policy(cfg)
     bound = UNBOUNDED if cfg.type == "full" else budget
     state = _PolicyState()
-    full_cost = np.concatenate([[0], np.cumsum(full.tokens[:, Resolution.FULL])])  # history tokens by t
+    full_cost = _full_sizes(rt, full)
+    prefix_text = _prefix_text(full)
     rows = []
     for rs in sess.steps:
         t = rs.t
         snap = full.upto(t, folds={policy.config_hash: state.fold} if state.fold else {},
                          last_context_tokens={policy.name: state.prev_tokens})
         row = {"policy": label, "budget": budget, "trajectory": rs.trajectory, "t": t - rs.offset, "session_t": t,
-               "full_tokens": int(full.prefix_tokens + full_cost[t]), "skipped": None}
+               "full_tokens": int(full_cost[t]), "skipped": None}
         embed_before = timer.seconds if timer else 0.0
         t0 = time.perf_counter()
         try:
-            turn = rt.compile(snap, policy, bound)
+            turn = rt.compile(snap, policy, bound, reserve if bound != UNBOUNDED else 0)
         except BudgetError as e:
             row.update(_empty_row(rs.needs))
             row["skipped"] = str(e)
@@ -170,20 +175,40 @@ def replay_session(rt: Runtime, sess: ReplaySession, label: str, cfg: PolicyConf
         if turn.plan.new_fold:
             state.fold = turn.plan.fold
         state.prev_tokens = turn.prompt.tokens
-        row.update(_check(turn.prompt.text, turn, rs, snap))
+        row.update(_check(turn.prompt.text, turn, rs, snap, prefix_text))
         row["ms"] = elapsed * 1000
-        row["over_budget"] = turn.prompt.tokens > budget
+        row["over_budget"] = turn.prompt.tokens + reserve > budget
+        row["elided"] = len(turn.plan.info.get("elided", []))
         rows.append(row)
         if on_step:
             on_step()
     return rows
 
 
+def _full_sizes(rt: Runtime, snap: SessionSnapshot) -> np.ndarray:
+    """(M + 1,) the exact size of the whole history's prompt before each step t (what `full` would send),
+    from each step's messages measured under the chat template once (messages are delimited by the
+    template's special tokens, so their sizes add up)."""
+    from palimpsest.platform.chat import chat_ids, message, prefix_messages
+    from palimpsest.platform.render import step_messages
+
+    tok = rt.ledger.tokenizer
+    prefix = prefix_messages(snap.session)
+    base = len(chat_ids(tok, prefix))
+    sizes = np.zeros(snap.t + 1, dtype=np.int64)
+    sizes[0] = base
+    for i, step in enumerate(snap.steps):
+        msgs = [message(r, c) for r, c in step_messages(step, step.id, Resolution.FULL, None)]
+        sizes[i + 1] = len(chat_ids(tok, prefix + msgs)) - base
+    return base + np.concatenate([[0], np.cumsum(sizes[1:])])
+
+
 def _empty_row(needs: Iterable[Need]) -> dict:
     needs = list(needs)
     strong = [n for n in needs if n.strength == "strong"]
     out = {"tokens": 0, "ms": float("nan"), "over_budget": False, "strong_needs": len(strong), "strong_hits": 0,
-           "weak_needs": len(needs) - len(strong), "weak_hits": 0, "recoverable": 0}
+           "weak_needs": len(needs) - len(strong), "weak_hits": 0, "recoverable": 0, "far_needs": 0, "far_hits": 0,
+           "elided": 0}
     out.update({f"n_{r.label}": 0 for r in Resolution})
     for key, lo, hi in DISTANCES:
         out[f"needs_{key}"] = 0
@@ -191,19 +216,45 @@ def _empty_row(needs: Iterable[Need]) -> dict:
     return out
 
 
-def _check(text: str, turn, rs: ReplayStep, snap: SessionSnapshot) -> dict:
-    """Need checks: is each needed token verbatim in the compiled context?"""
+def _prefix_text(snap: SessionSnapshot) -> str:
+    from palimpsest.platform.chat import prefix_messages
+
+    return "\n".join(m["content"] for m in prefix_messages(snap.session))
+
+
+@lru_cache(maxsize=65536)
+def _pattern(token: str) -> re.Pattern:
+    """A match of ``token`` that is not glued inside a longer identifier (``id_42`` does not match ``id_423``)."""
+    left = r"(?<![\w])" if re.match(r"\w", token[:1]) else ""
+    right = r"(?![\w])" if re.match(r"\w", token[-1:]) else ""
+    return re.compile(left + re.escape(token) + right)
+
+
+def appears(token: str, text: str) -> bool:
+    """Whether ``token`` occurs in ``text`` on identifier boundaries."""
+    return bool(token) and token in text and _pattern(token).search(text) is not None
+
+
+def _check(text: str, turn, rs: ReplayStep, snap: SessionSnapshot, prefix_text: str = "") -> dict:
+    """Need checks on the text the actor receives (the prompt's ids decoded), on identifier boundaries.
+
+    A strong need is *far* when its token is in neither of the two previous steps nor the fixed prefix:
+    those are the needs a policy can lose (every policy shows the prefix and the latest steps)."""
     out = _empty_row(rs.needs)
     out["tokens"] = turn.prompt.tokens
     for name, n in turn.plan.counts().items():
         out[f"n_{name}"] = n
     placeholders = {s.t for s in turn.prompt.segments if s.resolution is Resolution.PLACEHOLDER}
+    near = "\n".join(key_text_raw(snap.steps[i]) for i in range(max(0, snap.t - 2), snap.t))
     for need in rs.needs:
-        hit = need.token in text
+        hit = appears(need.token, text)
         if need.strength != "strong":
             out["weak_hits"] += hit
             continue
         out["strong_hits"] += hit
+        if not (appears(need.token, near) or appears(need.token, prefix_text)):
+            out["far_needs"] += 1
+            out["far_hits"] += hit
         dist = (rs.t - rs.offset) - need.last_obs_step
         for key, lo, hi in DISTANCES:
             if lo <= dist <= hi:
@@ -213,6 +264,10 @@ def _check(text: str, turn, rs: ReplayStep, snap: SessionSnapshot) -> dict:
             sources = getattr(need, "obs_steps", None) or [need.last_obs_step]
             out["recoverable"] += any(s + rs.offset in placeholders for s in sources)
     return out
+
+
+def key_text_raw(step) -> str:
+    return "\n".join(x for x in (step.thought, step.action, step.observation) if x)
 
 
 def _ratio(hits: int, total: int) -> float | None:
@@ -229,12 +284,15 @@ def summarize(rows: list[dict], budget: int, concat: bool) -> dict:
     out = {
         "need_recall_strong": _ratio(sum(r["strong_hits"] for r in done), strong),
         "need_recall_weak": _ratio(sum(r["weak_hits"] for r in done), weak),
+        "need_recall_far": _ratio(sum(r["far_hits"] for r in done), sum(r["far_needs"] for r in done)),
+        "far_needs": sum(r["far_needs"] for r in done),
         "recall_by_distance": {k: _ratio(sum(r[f"hits_{k}"] for r in done), sum(r[f"needs_{k}"] for r in done))
                                for k, _, _ in DISTANCES},
         "token_ratio": round(float(np.mean(ratios)), 4) if ratios else None,
         "mean_tokens": round(float(tokens.mean()), 1) if done else None,
         "p95_tokens": round(float(np.percentile(tokens, 95)), 1) if done else None,
         "over_budget_steps": sum(1 for r in done if r["over_budget"]),
+        "elided_steps": sum(1 for r in done if r["elided"]),
         "recoverable": sum(r["recoverable"] for r in done),
         "ms_per_step": round(float(np.median(ms)), 3) if ms else None,
         "steps": len(rows),
@@ -261,7 +319,7 @@ class ReplayResult:
 
 
 def run_replay(rt: Runtime, data: Path, policies: dict[str, PolicyConfigBase], budget: int, concat: bool = False,
-               timer: TimedEmbedder | None = None, progress=None) -> ReplayResult:
+               timer: TimedEmbedder | None = None, progress=None, reserve: int = 0) -> ReplayResult:
     """Replay every trajectory of ``data`` under every policy. ``progress`` is an optional rich Progress."""
     read = read_trajectories(data)
     skipped = [Skipped(e.split(":")[0], e) for e in read.errors]
@@ -275,7 +333,7 @@ def run_replay(rt: Runtime, data: Path, policies: dict[str, PolicyConfigBase], b
     usable = []
     for sess in sessions:
         prefix = rt.snapshot(sess.session_id, at=0).prefix_tokens
-        if prefix > budget:
+        if prefix + reserve > budget:
             skipped.append(Skipped(sess.session_id, f"budget {budget} is smaller than its fixed prefix ({prefix} tokens)"))
         else:
             usable.append(sess)
@@ -289,12 +347,14 @@ def run_replay(rt: Runtime, data: Path, policies: dict[str, PolicyConfigBase], b
         policy_rows = []
         for sess in usable:
             policy_rows += replay_session(rt, sess, label, cfg, budget, timer,
-                                          on_step=(lambda: progress.advance(bar)) if progress else None)
+                                          on_step=(lambda: progress.advance(bar)) if progress else None,
+                                          reserve=reserve)
         by_policy[label] = summarize(policy_rows, budget, concat)
         rows += policy_rows
     summary = {
         "data": {"file": str(data), "sha256": sha, "trajectories": len(read.trajectories), "steps": n_steps},
         "budget": budget,
+        "max_tokens": reserve,
         "concat": concat,
         "embedder": rt.embedder.name,
         "tokenizer": rt.ledger.tokenizer.name,
@@ -320,12 +380,13 @@ def summary_markdown(summary: dict) -> str:
     lines = [f"# Replay: {Path(d['file']).name} ({d['trajectories']} trajectories, {d['steps']} steps), "
              f"budget {summary['budget']}{' — concatenated' if summary.get('concat') else ''}", "",
              f"embedder `{summary['embedder']}`, tokenizer `{summary['tokenizer']}`, data sha256 `{d['sha256'][:16]}`", "",
-             "| policy | mean tokens | p95 tokens | token ratio | strong recall | weak recall | 1-4 | 5-19 | 20+ "
-             "| over budget | recoverable | ms/step |" + (" longevity |" if summary.get("concat") else ""),
-             "|---|" + "---|" * (12 if summary.get("concat") else 11)]
+             "| policy | mean tokens | p95 tokens | token ratio | strong recall | far recall | weak recall | 1-4 | 5-19 "
+             "| 20+ | over budget | recoverable | ms/step |" + (" longevity |" if summary.get("concat") else ""),
+             "|---|" + "---|" * (13 if summary.get("concat") else 12)]
     for name, m in summary["policies"].items():
         rbd = m["recall_by_distance"]
-        cells = [m["mean_tokens"], m["p95_tokens"], m["token_ratio"], m["need_recall_strong"], m["need_recall_weak"],
+        cells = [m["mean_tokens"], m["p95_tokens"], m["token_ratio"], m["need_recall_strong"], m.get("need_recall_far"),
+                 m["need_recall_weak"],
                  rbd["1-4"], rbd["5-19"], rbd["20+"], m["over_budget_steps"], m["recoverable"], m["ms_per_step"]]
         if summary.get("concat"):
             cells.append(m["longevity_steps"])

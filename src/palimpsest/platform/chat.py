@@ -73,6 +73,28 @@ def glimpse_messages(step_id: int, text: str) -> list[dict]:
     return [message("assistant", f"glimpse(#{step_id})"), message("tool", f"## Step #{step_id}\n{text.strip()}")]
 
 
+def with_glimpse(tokenizer: "ChatTokenizer", messages: Sequence[dict], step_id: int, text: str,
+                 room: int) -> tuple[list[dict], "ChatIds"] | None:
+    """``messages`` with a glimpse of step ``step_id`` appended, its text cut (head and tail, marked) so that
+    the ids stay within ``room``; None when not even a notice fits (the turn then ends with what it has)."""
+    cap = len(text)
+    for _ in range(8):
+        shown = text if cap >= len(text) else head_tail(
+            text, cap * 2 // 3, cap - cap * 2 // 3,
+            f"\n[... {len(text) - cap} characters of step #{step_id} elided for the budget ...]\n")
+        msgs = list(messages) + glimpse_messages(step_id, shown)
+        ids = chat_ids(tokenizer, msgs)
+        if len(ids) <= room:
+            return msgs, ids
+        if cap == 0:
+            break
+        per_token = max(len(shown), 1) / max(len(tokenizer.encode(shown)), 1)
+        cap = max(int(cap - (len(ids) - room + 8) * per_token * 1.2), 0)
+    msgs = list(messages) + glimpse_messages(step_id, "(too long for the budget)")
+    ids = chat_ids(tokenizer, msgs)
+    return (msgs, ids) if len(ids) <= room else None
+
+
 @dataclass(frozen=True)
 class ChatIds:
     """The actor's input: ``context`` (the chat up to the soft-memory slot) and ``bridge`` (the assistant
@@ -153,23 +175,32 @@ def history_messages(snap: "SessionSnapshot", level, fold: Fold | None, ranges: 
     return msgs, spans
 
 
+def messages_at(session: Session, steps: Sequence[Step | StepRecord], resolutions: Sequence[Resolution],
+                bodies: Sequence[str | None] | None = None, max_field_chars: int | None = None) -> list[dict]:
+    """The prefix and ``steps`` each at its resolution (``bodies``: the summary texts), without a ledger:
+    how training samples are laid out exactly as served turns are. A step's id is its ledger id where it
+    has one, else its index t."""
+    msgs = prefix_messages(session)
+    for k, (s, res) in enumerate(zip(steps, resolutions)):
+        step_id = getattr(s, "id", s.t)
+        body = None if bodies is None else bodies[k]
+        if res is Resolution.PLACEHOLDER and body is None:
+            from palimpsest.platform.render import render_placeholder_body
+
+            body = render_placeholder_body(s, step_id)
+        msgs.extend(message(r, c) for r, c in step_messages(s, step_id, res, body, elide=max_field_chars))
+    return msgs
+
+
 def raw_history_messages(session: Session, steps: Sequence[Step | StepRecord],
                          max_field_chars: int | None = None) -> list[dict]:
     """The raw steps at full resolution after the prefix: what the memory network reads and what the
     teacher sees. ``max_field_chars`` keeps each field's head and tail (the actor's window is finite)."""
-    msgs = prefix_messages(session)
-    for s in steps:
-        step_id = getattr(s, "id", s.t)
-        if max_field_chars is None:
-            parts = step_messages(s, step_id, Resolution.FULL, None)
-        else:
-            parts = step_messages(s, step_id, Resolution.FULL, None, elide=max_field_chars)
-        msgs.extend(message(r, c) for r, c in parts)
-    return msgs
+    return messages_at(session, steps, [Resolution.FULL] * len(steps), None, max_field_chars)
 
 
 __all__ = [
     "ChatIds", "DEFAULT_SYSTEM", "GLIMPSE_TOOL", "chat_ids", "fold_message", "glimpse_call", "glimpse_messages",
-    "head_tail", "history_messages", "message", "message_overhead", "observation_role", "prefix_messages", "prefix_tokens",
-    "range_message", "raw_history_messages",
+    "head_tail", "history_messages", "message", "message_overhead", "messages_at", "observation_role",
+    "prefix_messages", "prefix_tokens", "range_message", "raw_history_messages", "with_glimpse",
 ]

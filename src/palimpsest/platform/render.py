@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from palimpsest.platform.types import Authority, Resolution, Session, Step, StepRecord
+from palimpsest.platform.types import Authority, Resolution, Step, StepRecord
 
 _WS = re.compile(r"\s+")
 

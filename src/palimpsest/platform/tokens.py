@@ -181,6 +181,46 @@ def _chat_template(folder: Path) -> tuple[str, dict[str, Any]]:
     return source or CHATML, extra
 
 
+class TransformersChat:
+    """A ``transformers`` tokenizer object (already loaded, e.g. one built in memory) as a ChatTokenizer:
+    its own chat template, contents defused against its own special tokens."""
+
+    def __init__(self, tok: Any):
+        self._tok = tok
+        self.name = f"hf:{Path(str(getattr(tok, 'name_or_path', '') or 'memory')).name}"
+        names = set(getattr(tok, "all_special_tokens", []) or [])
+        names |= {t.content for t in (getattr(tok, "added_tokens_decoder", {}) or {}).values()
+                  if getattr(t, "special", True)}
+        self.specials = tuple(sorted((n for n in names if isinstance(n, str) and len(n) > 1), key=len, reverse=True))
+
+    def template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool) -> str:
+        safe = [{**m, "content": defuse(m["content"], self.specials)} for m in messages]
+        if getattr(self._tok, "chat_template", None) is None:
+            return render_template(CHATML, safe, add_generation_prompt, ())
+        return self._tok.apply_chat_template(safe, add_generation_prompt=add_generation_prompt, tokenize=False)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False)) if text else []
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+    def count(self, text: str) -> int:
+        return len(self.encode(text))
+
+    def count_batch(self, texts: Sequence[str]) -> list[int]:
+        return [self.count(t) for t in texts]
+
+
+def as_chat_tokenizer(tok: Any) -> ChatTokenizer:
+    """``tok`` itself when it is a ChatTokenizer, else a loaded ``transformers`` tokenizer wrapped as one."""
+    if isinstance(tok, ChatTokenizer):
+        return tok
+    if hasattr(tok, "apply_chat_template"):
+        return TransformersChat(tok)
+    raise ConfigError(f"{type(tok).__name__} is not a chat tokenizer")
+
+
 @lru_cache(maxsize=8)
 def _hf(path: str) -> HFTokenizer:
     return HFTokenizer(path)

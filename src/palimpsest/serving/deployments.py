@@ -32,13 +32,12 @@ class Actor:
     """vLLM with prompt embeds; ``generate`` takes token ids, or context ids + a soft span + bridge ids."""
 
     def __init__(self, cfg: dict):
-        from transformers import AutoTokenizer
-
+        from palimpsest.platform.tokens import get_tokenizer
         from palimpsest.serving.engine import ActorEngine
 
         self.cfg = ActorConfig.model_validate(cfg)
         self.engine = ActorEngine(self.cfg, replica_rank=_replica_rank())
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.engine.path))
+        self.tokenizer = get_tokenizer(str(self.engine.path))  # the chat template and ids of palimpsest.platform.chat
 
     def info(self) -> dict:
         return {"model": self.engine.model_name, "path": str(self.engine.path), "hidden_size": self.engine.hidden_size,
@@ -66,9 +65,9 @@ class Actor:
         return out
 
     async def chat(self, messages: list[dict], max_tokens: int = 96) -> str:
-        from palimpsest.serving.prompting import chat_prompt_ids
+        from palimpsest.platform.chat import chat_ids
 
-        ids = chat_prompt_ids(self.tokenizer, messages)[-(self.cfg.max_model_len - max_tokens - 1):]
+        ids = chat_ids(self.tokenizer, messages).all[-(self.cfg.max_model_len - max_tokens - 1):]
         return (await self.engine.generate(ids=ids, max_tokens=max_tokens))["text"]
 
     def embed_ids(self, ids: list[int]):

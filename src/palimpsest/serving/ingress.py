@@ -33,7 +33,8 @@ from ray import serve
 from palimpsest.platform import Ledger, Runtime
 from palimpsest.platform.abstraction import RuleSummarizer
 from palimpsest.platform.embedding import EmbedderUnavailable
-from palimpsest.platform.render import key_text
+from palimpsest.platform.chat import chat_ids, raw_history_messages
+from palimpsest.platform.policies.base import query_from
 from palimpsest.platform.types import (
     BudgetError,
     ConfigError,
@@ -50,7 +51,7 @@ from palimpsest.serving.config import parse_serve_config
 from palimpsest.serving.embeds import EmbedsError, decode_embeds
 from palimpsest.serving.metrics import Metrics
 from palimpsest.serving.openai_proxy import HistoryConflict, new_steps, parse_messages
-from palimpsest.serving.prompting import chat_ids, glimpse_call, history_messages, prompt_messages
+from palimpsest.serving.turn import TurnRequest, run_turn
 from palimpsest.serving.schemas import (
     ChatIn,
     CompletionIn,
@@ -283,11 +284,8 @@ class Ingress:
     # -- start-up ---------------------------------------------------------------------------
 
     async def _start(self) -> None:
-        from transformers import AutoTokenizer
-
         info = await self.actor.info.remote()
         self.actor_info = info
-        self.tokenizer = AutoTokenizer.from_pretrained(info["path"])
         emb = await self.embedder_h.info.remote()
         self.memory_info = await self.memory.info.remote()
         self.summarizer_info = await self.summarizer.info.remote()
@@ -369,16 +367,16 @@ class Ingress:
                 self._llm_queue.put_nowait(sid)
 
     def _prime_queries(self, sid: str) -> None:
-        """Embed the query each arm's policy will use on the next turn (PACE: the task + the last N steps)."""
-        recents = {p.cfg.recent for p in self.policies.values() if p.name in ("pace", "pace_plus")}
-        if not recents:
+        """Embed the query each arm's policy will use on the next turn (the policy's own query builder)."""
+        wanted = {(p.cfg.recent, p.cfg.query) for p in self.policies.values() if p.name in ("pace", "pace_plus")}
+        if not wanted:
             return
         ledger = self.runtime.ledger
         session, n = ledger.session(sid), ledger.count(sid)
         texts = []
-        for recent in sorted(recents):
+        for recent, layout in sorted(wanted):
             steps = [ledger.step_at(sid, t) for t in range(max(0, n - recent), n)]
-            texts.append("\n".join([session.task] + [key_text(s) for s in steps]))
+            texts.append(query_from(session.task, steps, layout))
         self.runtime.embedder.prime(texts)
 
     def _retry_later(self, sid: str, delay_s: float = 5.0) -> None:
@@ -507,63 +505,38 @@ class Ingress:
 
     async def _turn_inner(self, sid, session, arm, armcfg, body: TurnIn, t_start: float) -> TurnOut:
         budget = body.budget or armcfg.budget or self.cfg.budget
-        fallback = None
-        embedder = self.runtime.embedder
+        window = self.actor_info["max_model_len"]
+        if budget > window:
+            raise HTTPProblem(422, f"budget: {budget} tokens exceeds the actor's window of {window}")
+        mem = self._memory_of(armcfg)
+        soft = self.memory_info["models"][mem]["max_slots"] if mem is not None else 0
+        req = TurnRequest(session_id=sid, policy=self.policies[arm], budget=budget,
+                          max_tokens=body.max_tokens or self.cfg.actor.max_tokens, temperature=body.temperature,
+                          seed=body.seed, soft_positions=soft)
+        if req.max_tokens + soft >= budget:
+            raise HTTPProblem(422, f"max_tokens: {req.max_tokens} (+ {soft} soft positions) leaves no room in the "
+                                   f"budget of {budget}")
 
-        def plan(keys: bool = True):
-            embedder.reset_wait()
-            return self.runtime.turn(sid, self.policies[arm], budget, None, True, keys), embedder.waited_ms
+        async def memory_for(ct):
+            return await self._memory_request(mem, sid, session, ct.t, ct.prompt.context_ids)
 
-        try:
-            ct, embed_ms = await asyncio.to_thread(plan)
-        except EmbedderUnavailable:
-            # Served anyway: planned as if no step had a key yet; the keys are written when the embedder is back.
-            fallback = "embedder"
-            self.metrics.fallbacks.labels(arm=arm, kind=fallback).inc()
-            ct, embed_ms = await asyncio.to_thread(plan, False)
+        res = await run_turn(self.runtime, req, self.actor.generate.remote, self.cfg.limits.glimpses_per_turn,
+                             memory_for if mem is not None else None, clock=self.runtime.embedder)
+        if res.fallback:
+            self.metrics.fallbacks.labels(arm=arm, kind=res.fallback).inc()
             self._enqueue(sid)
-        plan_ms = (time.perf_counter() - t_start) * 1000
-        memory, mem = None, self._memory_of(armcfg)
-        if mem is not None:
-            memory = await self._memory_request(mem, sid, session, ct.t, chat_ids(self.tokenizer, prompt_messages(ct.prompt)))
-        request: dict[str, Any] = {"max_tokens": body.max_tokens or self.cfg.actor.max_tokens,
-                                   "temperature": body.temperature, "seed": body.seed}
-        extra: list[str] = []
-        glimpsed: list[int] = []
-        actor_ms = 0.0
-        while True:
-            ids = chat_ids(self.tokenizer, prompt_messages(ct.prompt, extra))
-            room = self.actor_info["max_model_len"] - request["max_tokens"] - (self.memory_info["models"][mem]["max_slots"] if memory is not None else 0)
-            if len(ids) > room:
-                if not extra:
-                    raise HTTPProblem(422, f"the compiled prompt has {len(ids)} tokens; the actor's window leaves "
-                                           f"{room} (lower the budget or max_tokens)")
-                # A glimpse that does not fit the actor's window is not shown; the model is told so.
-                extra[-1] = f"## Glimpse of step #{glimpsed[-1]}\n(too long for the actor's window)\n\n"
-                ids = chat_ids(self.tokenizer, prompt_messages(ct.prompt, extra))
-            out = await self.actor.generate.remote({**request, "context": ids.context, "bridge": ids.bridge}, memory=memory)
-            actor_ms += out["actor_ms"]
-            step_id = glimpse_call(out["text"])
-            if step_id is None or len(glimpsed) >= self.cfg.limits.glimpses_per_turn:
-                break
-            try:
-                text = await asyncio.to_thread(self.runtime.glimpse, sid, step_id)
-                extra.append(f"## Glimpse of step #{step_id}\n{text.rstrip()}\n\n")
-            except (UnknownStepError, GlimpseLimitError) as e:
-                extra.append(f"## Glimpse of step #{step_id}\n(unavailable: {e})\n\n")
-            glimpsed.append(step_id)
-        total_ms = (time.perf_counter() - t_start) * 1000
-        memory_ms = float(out.get("memory_ms", 0.0))
-        tokens = {"context": ct.prompt.tokens, "prefix": ct.prompt.prefix_tokens, "soft": out["soft_tokens"],
-                  "prompt": out["prompt_tokens"], "completion": len(out["token_ids"]), "cached": out["cached_tokens"]}
-        latency = {"plan": plan_ms, "embed": embed_ms, "memory": memory_ms, "actor": actor_ms, "total": total_ms}
+        ct = res.compiled
+        tokens = {"context": ct.prompt.tokens, "prefix": ct.prompt.prefix_tokens, "soft": res.soft_tokens,
+                  "prompt": res.prompt_tokens, "completion": res.completion_tokens, "cached": res.cached_tokens,
+                  "reserve": ct.prompt.reserve, "generations": res.generations}
+        latency = res.latency
         await asyncio.to_thread(self.runtime.ledger.record_served, sid, ct.t, arm, {
             **{f"tokens_{k}": v for k, v in tokens.items()}, **{f"{k}_ms": v for k, v in latency.items()},
-            "glimpses": len(glimpsed), "budget": ct.budget, "memory_cached": bool(out.get("memory_cached", False)),
-            **({"fallback": fallback} if fallback else {})})
-        self.metrics.observe_turn(arm, tokens, latency, len(glimpsed))
-        return TurnOut(session_id=sid, t=ct.t, arm=arm, action=out["text"], finish_reason=out.get("finish_reason"),
-                       plan=ct.plan.counts(), tokens=tokens, latency_ms=latency, glimpses=glimpsed,
+            "glimpses": len(res.glimpses), "budget": ct.budget, "memory_cached": bool(res.out.get("memory_cached", False)),
+            "elided": len(ct.plan.info.get("elided", [])), **({"fallback": res.fallback} if res.fallback else {})})
+        self.metrics.observe_turn(arm, tokens, latency, len(res.glimpses))
+        return TurnOut(session_id=sid, t=ct.t, arm=arm, action=res.text, finish_reason=res.finish_reason,
+                       plan=ct.plan.counts(), tokens=tokens, latency_ms=latency, glimpses=res.glimpses,
                        prompt_hash=ct.prompt.prompt_hash)
 
     def _memory_of(self, armcfg) -> str | None:
@@ -582,8 +555,9 @@ class Ingress:
         if boundary < m.min_steps:
             return None
         steps = await asyncio.to_thread(lambda: self.runtime.ledger.snapshot(sid, upto=boundary).steps)
-        history = chat_ids(self.tokenizer, history_messages(session, steps)).all[-m.max_history_tokens:]
-        return self.memory.encode.remote(key, sid, boundary, history, ids.context[-m.max_history_tokens:])
+        history = chat_ids(self.runtime.ledger.tokenizer, raw_history_messages(session, steps)).all
+        return self.memory.encode.remote(key, sid, boundary, history[-m.max_history_tokens:],
+                                         list(ids)[-m.max_history_tokens:])
 
     # -- OpenAI-compatible --------------------------------------------------------------------
 
@@ -653,7 +627,7 @@ class Ingress:
                                               self.actor_info["max_model_len"] - req["max_tokens"]),
                                           self.cfg.limits.max_request_bytes)
         else:
-            ids = self.tokenizer.encode(body.prompt, add_special_tokens=False)
+            ids = self.runtime.ledger.tokenizer.encode(body.prompt)
             if not ids:
                 raise HTTPProblem(400, "the prompt is empty")
             if len(ids) + req["max_tokens"] > self.actor_info["max_model_len"]:

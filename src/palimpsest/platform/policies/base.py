@@ -11,13 +11,13 @@ import abc
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, ClassVar, Protocol
+from typing import TYPE_CHECKING, Callable, ClassVar, Literal, Protocol
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from palimpsest.platform.embedding import Embedder, HashingEmbedder
-from palimpsest.platform.render import key_text
+from palimpsest.platform.render import head_tail, key_text
 from palimpsest.platform.tokens import ApproxTokenizer, Tokenizer
 from palimpsest.platform.types import ConfigError, Fold, RenderPlan, Resolution
 
@@ -105,10 +105,30 @@ def scored_plan_start(snap: "SessionSnapshot", recent: int, embedder, policy: st
     return res, score, codes, reasons, idx
 
 
-def query_text(snap: "SessionSnapshot", recent: int) -> str:
-    """PACE's query: the task and the last ``recent`` steps' own words (the embedder truncates to L_max)."""
-    steps = range(max(0, snap.t - recent), snap.t)
-    return "\n".join([snap.session.task] + [key_text(snap.steps[i]) for i in steps])
+#: The query's share of the embedder's window (MiniLM reads 256 word pieces, about 900 characters of
+#: prose and fewer of code): each recent step's head and tail, then the head of the task (docs/methods.md).
+QUERY_STEP_HEAD, QUERY_STEP_TAIL, QUERY_TASK_HEAD = 240, 120, 240
+QueryLayout = Literal["recent_first", "task_first"]
+
+
+def query_from(task: str, recent_steps, layout: QueryLayout = "recent_first") -> str:
+    """PACE's query text from the task and the last N steps (oldest first).
+
+    ``task_first`` is the paper's order, Q ⊕ R_full(t-N..t-1), truncated by the embedder: when the task
+    alone fills the window (most real tasks do) the query is the same text on every turn. ``recent_first``
+    (the default) puts the latest step first, each recent step as a bounded head and tail, then a bounded
+    head of the task, so the last N steps are never cut."""
+    if layout == "task_first":
+        return "\n".join([task] + [key_text(s) for s in recent_steps])
+    parts = [head_tail("\n".join(x for x in (s.thought, s.action, s.observation) if x), QUERY_STEP_HEAD,
+                       QUERY_STEP_TAIL) for s in reversed(list(recent_steps))]
+    parts.append(task[:QUERY_TASK_HEAD])
+    return "\n".join(parts)
+
+
+def query_text(snap: "SessionSnapshot", recent: int, layout: QueryLayout = "recent_first") -> str:
+    """PACE's query over a snapshot: the task and the last ``recent`` steps (see :func:`query_from`)."""
+    return query_from(snap.session.task, [snap.steps[i] for i in range(max(0, snap.t - recent), snap.t)], layout)
 
 
 def relative_softmax(s: np.ndarray, tau: float) -> np.ndarray:

@@ -23,6 +23,7 @@ from pydantic import Field, model_validator
 
 from palimpsest.platform.policies.base import (
     PolicyConfigBase,
+    QueryLayout,
     PolicyDeps,
     fallback_missing,
     new_plan,
@@ -37,11 +38,13 @@ if TYPE_CHECKING:
 
 
 class PaceConfig(PolicyConfigBase):
-    """PACE, paper-exact defaults."""
+    """PACE: the paper's formulas and parameters (the query layout is listed in docs/methods.md)."""
 
     type: Literal["pace"] = "pace"
     name: ClassVar[str] = "pace"
     recent: int = Field(2, ge=1, le=64, description="N: the most recent steps, always full")
+    query: QueryLayout = Field("recent_first", description="query text: recent_first (the last N steps are never "
+                               "cut by the embedder's window) or task_first (the paper's order)")
     tau: float = Field(0.3, gt=0.0, le=10.0, description="softmax temperature over cosine scores")
     alpha: float = Field(0.4, gt=0.0, description="brief threshold on the relative weight M*w")
     beta: float = Field(0.8, gt=0.0, description="detailed threshold")
@@ -78,7 +81,7 @@ class PacePolicy:
         return self.cfg.alpha * scale, self.cfg.beta * scale, self.cfg.gamma * scale
 
     def query_text(self, snap: "SessionSnapshot") -> str:
-        return query_text(snap, self.cfg.recent)
+        return query_text(snap, self.cfg.recent, self.cfg.query)
 
     def relative_weights(self, snap: "SessionSnapshot", old: np.ndarray) -> np.ndarray:
         """w~ = M · softmax(cos(q, k) / tau) over the old steps that have a key."""

@@ -30,6 +30,7 @@ from pydantic import Field, field_validator
 from palimpsest.platform.abstraction import extract_salient
 from palimpsest.platform.policies.base import (
     PolicyConfigBase,
+    QueryLayout,
     PolicyDeps,
     fallback_missing,
     new_plan,
@@ -51,6 +52,8 @@ class PacePlusConfig(PolicyConfigBase):
     type: Literal["pace_plus"] = "pace_plus"
     name: ClassVar[str] = "pace_plus"
     recent: int = Field(2, ge=1, le=64, description="N: the most recent steps, always full")
+    query: QueryLayout = Field("recent_first", description="query text: recent_first (the last N steps are never "
+                               "cut by the embedder's window) or task_first (the paper's order)")
     tau: float = Field(0.3, gt=0.0, le=10.0, description="softmax temperature over the hybrid score")
     eta: float = Field(0.5, ge=0.0, le=10.0, description="weight of identifier overlap in the hybrid score")
     kappa: float = Field(0.3, ge=0.0, le=10.0, description="weight of the recency prior in the hybrid score")
@@ -134,7 +137,7 @@ class PacePlusPolicy:
         self.config_hash = cfg.config_hash()
 
     def _query(self, snap: "SessionSnapshot") -> tuple[str, frozenset[str]]:
-        text = query_text(snap, self.cfg.recent)
+        text = query_text(snap, self.cfg.recent, self.cfg.query)
         ids, paths, urls, _ = extract_salient(text)
         return text, frozenset(ids) | frozenset(paths) | frozenset(urls)
 

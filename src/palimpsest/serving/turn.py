@@ -1,0 +1,124 @@
+"""The served turn: compile -> [soft memory] -> actor -> glimpse loop, as one function over small handles.
+
+The ingress owns HTTP, tenants and recording; this module owns what the actor receives on a turn. The
+prompt is the platform's (``palimpsest.platform.chat``): its ids plus the reply's ``max_tokens`` plus the
+soft positions are at most the budget, and a glimpse answered inside the turn is cut to what is left, so
+the bound holds on every generation of the turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Protocol
+
+from palimpsest.platform.chat import glimpse_call, with_glimpse
+from palimpsest.platform.embedding import EmbedderUnavailable
+from palimpsest.platform.runtime import Runtime
+from palimpsest.platform.types import CompiledTurn, GlimpseLimitError, UnknownStepError
+
+
+class Generate(Protocol):
+    """The actor: one generation from context ids, an optional soft span, and bridge ids."""
+
+    def __call__(self, request: dict, memory: Any = None) -> Awaitable[dict]: ...
+
+
+class WaitClock(Protocol):
+    """The embedder's clock of time spent waiting (its own thread-local figure)."""
+
+    def reset_wait(self) -> None: ...
+
+    @property
+    def waited_ms(self) -> float: ...
+
+
+@dataclass(frozen=True)
+class TurnRequest:
+    session_id: str
+    policy: Any
+    budget: int
+    max_tokens: int
+    temperature: float | None = None
+    seed: int | None = None
+    soft_positions: int = 0  # reserved for the soft span when the arm has memory
+    sampling: dict = field(default_factory=dict)  # further sampling fields passed to the actor as they are
+
+
+@dataclass
+class TurnResult:
+    compiled: CompiledTurn
+    text: str
+    finish_reason: str | None
+    glimpses: list[int]
+    prompt_tokens: int  # the ids of the last generation (soft positions included)
+    completion_tokens: int  # summed over every generation of the turn
+    generations: int
+    soft_tokens: int
+    cached_tokens: int
+    latency: dict[str, float]
+    fallback: str | None
+    out: dict
+
+
+async def compile_turn(rt: Runtime, req: TurnRequest, clock: WaitClock | None) -> tuple[CompiledTurn, float, str | None]:
+    """Plan and compile in a worker thread (policies may block on the embedder); when the embedder is down
+    the turn is planned as if no step had a key yet. Returns (turn, ms waited for the embedder, fallback)."""
+    reserve = req.max_tokens + req.soft_positions
+
+    def plan(keys: bool):
+        if clock is not None:
+            clock.reset_wait()
+        ct = rt.turn(req.session_id, req.policy, req.budget, None, True, keys, reserve=reserve)
+        return ct, (clock.waited_ms if clock is not None else 0.0)
+
+    try:
+        ct, waited = await asyncio.to_thread(plan, True)
+        return ct, waited, None
+    except EmbedderUnavailable:
+        ct, waited = await asyncio.to_thread(plan, False)
+        return ct, waited, "embedder"
+
+
+async def run_turn(rt: Runtime, req: TurnRequest, generate: Generate, glimpse_limit: int,
+                   memory_for: Callable[[CompiledTurn], Awaitable[Any]] | None = None,
+                   clock: WaitClock | None = None) -> TurnResult:
+    t_start = time.perf_counter()
+    ct, embed_ms, fallback = await compile_turn(rt, req, clock)
+    plan_ms = (time.perf_counter() - t_start) * 1000
+    memory = await memory_for(ct) if (memory_for is not None and req.soft_positions) else None
+    request: dict[str, Any] = {**req.sampling, "max_tokens": req.max_tokens, "temperature": req.temperature,
+                               "seed": req.seed}
+    room = req.budget - req.max_tokens - req.soft_positions
+    messages = list(ct.prompt.messages)
+    context, bridge = list(ct.prompt.context_ids), list(ct.prompt.bridge_ids)
+    glimpsed: list[int] = []
+    actor_ms, completion, generations = 0.0, 0, 0
+    tok = rt.ledger.tokenizer
+    while True:
+        out = await generate({**request, "context": context, "bridge": bridge}, memory)
+        generations += 1
+        actor_ms += out["actor_ms"]
+        completion += len(out["token_ids"])
+        step_id = glimpse_call(out["text"])
+        if step_id is None or len(glimpsed) >= glimpse_limit:
+            break
+        try:
+            text = await asyncio.to_thread(rt.glimpse, req.session_id, step_id)
+        except (UnknownStepError, GlimpseLimitError) as e:
+            text = f"(unavailable: {e})"
+        grown = await asyncio.to_thread(with_glimpse, tok, messages, step_id, text, room)
+        if grown is None:  # not even a notice fits what the budget leaves: the reply stands as it is
+            break
+        messages, ids = grown
+        context, bridge = list(ids.context), list(ids.bridge)
+        glimpsed.append(step_id)
+    total_ms = (time.perf_counter() - t_start) * 1000
+    return TurnResult(
+        compiled=ct, text=out["text"], finish_reason=out.get("finish_reason"), glimpses=glimpsed,
+        prompt_tokens=out["prompt_tokens"], completion_tokens=completion, generations=generations,
+        soft_tokens=out["soft_tokens"], cached_tokens=out["cached_tokens"],
+        latency={"plan": plan_ms, "embed": embed_ms, "memory": float(out.get("memory_ms", 0.0)), "actor": actor_ms,
+                 "total": total_ms},
+        fallback=fallback, out=out)
