@@ -89,12 +89,15 @@ def test_pace_missing_summary_falls_back_without_waiting(runtime, ledger):
     for t in range(6):
         runtime.append("s", step(t, f"cat parse_config_{t}.py", "database_url parse_config " * (t + 1)), enrich=False)
     runtime.enrich("s")  # keys and summaries for steps 0..5
-    runtime.append("s", step(6, "cat other.py", "unrelated"), enrich=False)
+    for t in (6, 7, 8):  # appended, not enriched: no key and no summary yet
+        runtime.append("s", step(t, f"cat other_{t}.py", "unrelated"), enrich=False)
     snap = runtime.snapshot("s")
-    # remove step 0's summaries from the view by taking a snapshot of a session that never had them
-    plan = runtime.policy("pace").plan(snap, BUDGET)
-    assert len(plan) == 7  # planned immediately, the unenriched latest step included
-    assert "no key yet" in plan.reasons[int(plan.reason_code[6])] or plan.resolution[6] == Resolution.FULL
+    assert not snap.has_key[6:].any()
+    plan = runtime.policy("pace").plan(snap, BUDGET)  # planned at once: nothing waits for the enricher
+    assert len(plan) == 9
+    assert plan.reasons[int(plan.reason_code[6])] == "no key yet: placeholder"
+    assert plan.resolution[6] == Resolution.PLACEHOLDER  # not scored: the cheapest line, glimpse-able
+    assert plan.resolution[7] == plan.resolution[8] == Resolution.FULL  # the last N=2 are full regardless
 
 
 def test_pace_summary_not_ready_goes_full_when_it_fits_else_placeholder(runtime, ledger):

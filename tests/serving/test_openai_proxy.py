@@ -17,6 +17,15 @@ def test_system_task_and_steps_from_a_message_list():
     p = parse_messages(CHAT)
     assert (p.system, p.task) == ("be careful", "fix the bug")
     assert [(s.t, s.action, s.observation) for s in p.steps] == [(0, "ls", "a.py b.py"), (1, "cat a.py", "def f(): ...")]
+    # command output sent as a user message after an action is the tool's, not the principal's (default)
+    assert p.steps[0].authority is Authority.TOOL and p.steps[1].authority is Authority.TOOL
+
+
+def test_authority_comes_from_the_source_not_the_role():
+    as_user = parse_messages(CHAT, user_after_action="user")
+    assert as_user.steps[0].authority is Authority.USER and as_user.steps[1].authority is Authority.TOOL
+    # a user turn before any action is the principal speaking
+    p = parse_messages(msgs(("user", "fix the bug"), ("user", "and the docs"), ("assistant", "ls"), ("user", "a.py")))
     assert p.steps[0].authority is Authority.USER and p.steps[1].authority is Authority.TOOL
 
 

@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from palimpsest.models.memory import MemoryConfig, MemoryNetwork
@@ -50,6 +51,19 @@ def test_kl_is_zero_when_the_student_sees_the_teachers_input():
     assert float(reverse_kl(q, p, w)) < 1e-6
     other = student_logits(actor, actor.embed(s["summary"]), s["target"])
     assert float(reverse_kl(other, p, w)) > 1e-3
+
+
+def test_the_loss_is_the_reverse_kl_of_the_student_from_the_teacher():
+    """KL(q || p) with q the student: for p = (0.9, 0.1) and q = (0.5, 0.5) it is 0.5108 nats, where the
+    forward direction KL(p || q) would be 0.3681 (figures computed by hand, not by the code under test)."""
+    p = torch.log(torch.tensor([[0.9, 0.1]]))
+    q = torch.log(torch.tensor([[0.5, 0.5]]))
+    w = torch.ones(1)
+    assert float(reverse_kl(q, p, w)) == pytest.approx(0.5108, abs=1e-3)
+    assert float(reverse_kl(p, q, w)) == pytest.approx(0.3681, abs=1e-3)
+    # weights weigh positions: two positions, the second identical in both, weighted 0.25 / 0.75
+    two_q, two_p = torch.cat([q, p]), torch.cat([p, p])
+    assert float(reverse_kl(two_q, two_p, torch.tensor([0.25, 0.75]))) == pytest.approx(0.25 * 0.5108, abs=1e-3)
 
 
 def test_position_weights_sum_to_one_and_favour_early_tokens_gently():

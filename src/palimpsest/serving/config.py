@@ -85,6 +85,12 @@ class LimitsConfig(_Strict):
     allow_prompt_embeds: bool = Field(False, description="without tenants: may clients send raw prompt_embeds")
 
 
+class ProxyConfig(_Strict):
+    user_messages_after_actions: Literal["tool", "user"] = Field(
+        "tool", description="authority of a `user` message that answers an assistant action with no human turn "
+                            "between: tool (its output, the mini-swe-agent convention) or user (the principal's words)")
+
+
 class TenantConfig(_Strict):
     key_sha256: str = Field(..., pattern=r"^[0-9a-f]{64}$", description="SHA-256 (hex) of the tenant's API key; the key itself is never stored")
     allow_prompt_embeds: bool = Field(False, description="may this tenant send raw prompt_embeds to /v1/completions")
@@ -156,6 +162,7 @@ class ServeConfig(_Strict):
     budget: int = Field(8000, ge=64, description="default per-turn context budget (tokens)")
     device: str = Field("cpu", description="torch device of the embedder and memory encoder")
     actor: ActorConfig = ActorConfig()
+    proxy: ProxyConfig = ProxyConfig()
     summarizer: SummarizerConfig = SummarizerConfig()
     memory: MemoryConfigServe = MemoryConfigServe()
     arms: list[ArmConfig] = Field(default_factory=lambda: [

@@ -580,7 +580,7 @@ class Ingress:
         if not ext:
             raise HTTPProblem(400, f"name the session: the {SESSION_HEADER!r} header or the 'user' field")
         sid = tenant.internal(ext)
-        parsed = parse_messages(body.messages)
+        parsed = parse_messages(body.messages, self.cfg.proxy.user_messages_after_actions)
         for s in parsed.steps:
             size = len(s.action) + len(s.observation or "")
             if size > self.cfg.limits.max_step_chars:

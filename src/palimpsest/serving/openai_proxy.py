@@ -49,7 +49,10 @@ class ParsedChat:
     steps: list[StepRecord]
 
 
-def parse_messages(messages) -> ParsedChat:
+def parse_messages(messages, user_after_action: str = "tool") -> ParsedChat:
+    """``user_after_action``: the authority of user messages that answer an assistant action (``tool``: agents
+    such as mini-swe-agent send command output as user messages; ``user``: they are the principal's words).
+    A ``tool`` message is always TOOL output."""
     i, n = 0, len(messages)
     system = []
     while i < n and messages[i].role in ("system", "developer"):
@@ -82,7 +85,8 @@ def parse_messages(messages) -> ParsedChat:
             j += 1
         if not obs_msgs:
             break  # the latest action has no observation yet: recorded with it next time
-        authority = Authority.TOOL if any(o.role in ("tool", "function") for o in obs_msgs) else Authority.USER
+        tool_said = any(o.role in ("tool", "function") for o in obs_msgs)
+        authority = Authority.TOOL if tool_said or user_after_action == "tool" else Authority.USER
         tool = next((o.name for o in obs_msgs if o.role in ("tool", "function") and o.name), None)
         steps.append(StepRecord(t=len(steps), kind="tool_call" if authority is Authority.TOOL else "message",
                                 action=action, observation="\n".join(_text(o.content) for o in obs_msgs),
