@@ -17,7 +17,6 @@ Every refused input ends with one line on stderr naming the problem and exit sta
 from __future__ import annotations
 
 import json
-
 import os
 import sys
 from pathlib import Path
@@ -349,11 +348,9 @@ def eval_memory(
     net = load_memory(model)
     if actor is None and Path(model, BUNDLE_META).is_file():
         actor = _json.loads(Path(model, BUNDLE_META).read_text())["actor"]["path"]
-    actor = actor or "smollm2"
-    if actor == "smollm2":
-        from palimpsest.models.assets import smollm2_dir
+    from palimpsest.models.registry import resolve_actor_path
 
-        actor = str(smollm2_dir())
+    actor = str(resolve_actor_path(actor or "smollm2"))
     act = FrozenActor.from_pretrained(actor)
     if act.tokenizer is None:
         raise PalimpsestError(f"the actor at {actor} has no tokenizer.json")

@@ -106,3 +106,40 @@ def test_second_replay_reuses_cached_enrichment(tmp_path, data):
     rt = Runtime(led)
     assert all(rt.enrich(sid) == rt.enrich(sid) for sid in ("tr/0", "tr/1"))
     assert rt.enrich("tr/0").summaries == 0 and rt.enrich("tr/0").keys == 0
+
+
+def test_needs_are_matched_on_identifier_boundaries_in_the_text_the_actor_receives():
+    from palimpsest.pipelines.replay import appears
+
+    assert appears("id_42", "use id_42 now") and appears("id_42", "(id_42)") and appears("a/b.py", "x a/b.py:3")
+    assert not appears("id_42", "use id_423 now") and not appears("config", "parse_config_x")
+    assert not appears("", "anything")
+
+
+def test_far_needs_and_the_last2_floor(tmp_path, data):
+    """parse_config is needed at t=5 from step 0 and is in neither step 3 nor 4 nor the prefix: a far need.
+    Only-the-last-two-steps misses it; full keeps it."""
+    rt = Runtime(Ledger(tmp_path / "cache.db"))
+    pols = {"full": parse_policy_config("full"), "last2": parse_policy_config({"type": "window", "k": 2})}
+    s = run_replay(rt, data, pols, 100_000).summary["policies"]
+    assert s["full"]["far_needs"] == 2 and s["full"]["need_recall_far"] == 1.0
+    assert s["last2"]["far_needs"] == 2 and s["last2"]["need_recall_far"] == 0.0
+
+
+def test_action_identifiers_are_a_label_free_check(tmp_path):
+    from palimpsest.pipelines.replay import action_targets
+
+    f = tmp_path / "d.jsonl"
+    t = traj("a/1")
+    t["steps"][4]["action"] = "python -c 'import settings.loader; settings.loader.parse_config({})'"
+    for s in t["steps"]:
+        s["needs"] = []  # no annotations at all
+    f.write_text(json.dumps(t) + "\n")
+    rt = Runtime(Ledger(tmp_path / "cache.db"))
+    res = run_replay(rt, f, {"full": parse_policy_config("full"),
+                             "last2": parse_policy_config({"type": "window", "k": 2})}, 100_000)
+    targets = action_targets(rt.snapshot("a/1"))
+    # settings.loader.parse_config was never shown as such; parse_config was (step 0), on a word boundary
+    assert targets == [(), (), (), (), ("parse_config",), ()]
+    assert res.summary["policies"]["full"]["action_id_recall"] == 1.0
+    assert res.summary["policies"]["last2"]["action_id_recall"] == 0.0

@@ -53,7 +53,7 @@ def free_port() -> int:
 
 def tiny_config(tiny_dir, memory_dir, ledger) -> dict:
     return {
-        "ledger": str(ledger), "embedder": "hashing", "budget": 320,
+        "ledger": str(ledger), "embedder": "hashing", "budget": 900,
         "actor": {"model": str(tiny_dir), "max_model_len": 1024, "max_tokens": 6, "max_embeds_len": 1024},
         "summarizer": {"mode": "llm", "timeout_s": 10, "max_tokens": 16},
         "memory": {"model": str(memory_dir), "stride": 4, "min_steps": 4, "max_history_tokens": 256},

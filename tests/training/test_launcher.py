@@ -87,7 +87,7 @@ def _check_run(summary, marker, tracking, store):
     import torch
 
     from palimpsest.models.encoder import load_memory
-    from palimpsest.serving.deployments import resolve_memory_ref
+    from palimpsest.models.registry import resolve_memory_ref
     from palimpsest.training.launcher import load_bundle
 
     assert marker.exists()  # the worker was killed once ...

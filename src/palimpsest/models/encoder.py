@@ -14,9 +14,9 @@ import torch
 
 from palimpsest.models.actor import FrozenActor
 from palimpsest.models.memory import MemoryConfig, MemoryNetwork
+from palimpsest.models.registry import REGISTERED_MODEL  # noqa: F401  (re-exported)
 from palimpsest.platform.types import ConfigError
 
-REGISTERED_MODEL = "palimpsest-memory"  # the MLflow registry name training registers under
 BUNDLE_WEIGHTS = "memory.pt"
 BUNDLE_META = "memory.json"
 
@@ -46,7 +46,7 @@ def load_memory(ref: str | Path) -> MemoryNetwork:
         raise ConfigError(f"{ref!r} is neither a checkpoint directory nor an MLflow model URI")
     import mlflow
 
-    from palimpsest.pipelines.tracking import tracking_uri
+    from palimpsest.models.registry import tracking_uri
 
     mlflow.set_tracking_uri(tracking_uri())
     try:

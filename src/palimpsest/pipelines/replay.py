@@ -142,9 +142,26 @@ class _PolicyState:
     prev_tokens: int = 0
 
 
+def action_targets(snap: SessionSnapshot) -> list[tuple[str, ...]]:
+    """Per step t, the identifiers (ids, paths, URLs, numbers) of step t's recorded action that an earlier
+    observation showed: what the agent went on to use from its history. A label-free check of a context,
+    computed from the raw trajectory alone (no need annotations), so parameters may be fit on it."""
+    from palimpsest.platform.abstraction import extract_salient
+
+    out: list[tuple[str, ...]] = []
+    seen_text: list[str] = []
+    for step in snap.steps:
+        ids, paths, urls, numbers = extract_salient(step.action or "")
+        earlier = "\n".join(seen_text)
+        out.append(tuple(tok for tok in dict.fromkeys(ids + paths + urls + numbers)
+                         if len(tok) >= 4 and appears(tok, earlier)))
+        seen_text.append(step.observation or "")
+    return out
+
+
 def replay_session(rt: Runtime, sess: ReplaySession, label: str, cfg: PolicyConfigBase, budget: int,
                    timer: TimedEmbedder | None, on_step: Callable[[], None] | None = None,
-                   reserve: int = 0) -> list[dict]:
+                   reserve: int = 0, targets: list[tuple[str, ...]] | None = None) -> list[dict]:
     """Per-step rows for one policy over one session: the served prompt (its exact ids), checked on the
     text the actor receives."""
     full = rt.snapshot(sess.session_id)
@@ -176,6 +193,9 @@ def replay_session(rt: Runtime, sess: ReplaySession, label: str, cfg: PolicyConf
             state.fold = turn.plan.fold
         state.prev_tokens = turn.prompt.tokens
         row.update(_check(turn.prompt.text, turn, rs, snap, prefix_text))
+        if targets is not None and t < len(targets):
+            row["action_ids"] = len(targets[t])
+            row["action_id_hits"] = sum(appears(tok, turn.prompt.text) for tok in targets[t])
         row["ms"] = elapsed * 1000
         row["over_budget"] = turn.prompt.tokens + reserve > budget
         row["elided"] = len(turn.plan.info.get("elided", []))
@@ -208,7 +228,7 @@ def _empty_row(needs: Iterable[Need]) -> dict:
     strong = [n for n in needs if n.strength == "strong"]
     out = {"tokens": 0, "ms": float("nan"), "over_budget": False, "strong_needs": len(strong), "strong_hits": 0,
            "weak_needs": len(needs) - len(strong), "weak_hits": 0, "recoverable": 0, "far_needs": 0, "far_hits": 0,
-           "elided": 0}
+           "elided": 0, "action_ids": 0, "action_id_hits": 0}
     out.update({f"n_{r.label}": 0 for r in Resolution})
     for key, lo, hi in DISTANCES:
         out[f"needs_{key}"] = 0
@@ -286,6 +306,7 @@ def summarize(rows: list[dict], budget: int, concat: bool) -> dict:
         "need_recall_weak": _ratio(sum(r["weak_hits"] for r in done), weak),
         "need_recall_far": _ratio(sum(r["far_hits"] for r in done), sum(r["far_needs"] for r in done)),
         "far_needs": sum(r["far_needs"] for r in done),
+        "action_id_recall": _ratio(sum(r["action_id_hits"] for r in done), sum(r["action_ids"] for r in done)),
         "recall_by_distance": {k: _ratio(sum(r[f"hits_{k}"] for r in done), sum(r[f"needs_{k}"] for r in done))
                                for k, _, _ in DISTANCES},
         "token_ratio": round(float(np.mean(ratios)), 4) if ratios else None,
@@ -340,6 +361,7 @@ def run_replay(rt: Runtime, data: Path, policies: dict[str, PolicyConfigBase], b
     if not usable:
         raise ReplayError("; ".join(f"{s.trajectory}: {s.reason}" for s in skipped) or "nothing to replay")
     n_steps = sum(len(s.steps) for s in usable)
+    targets = {s.session_id: action_targets(rt.snapshot(s.session_id)) for s in usable}
     rows: list[dict] = []
     by_policy: dict[str, dict] = {}
     for label, cfg in policies.items():
@@ -348,7 +370,7 @@ def run_replay(rt: Runtime, data: Path, policies: dict[str, PolicyConfigBase], b
         for sess in usable:
             policy_rows += replay_session(rt, sess, label, cfg, budget, timer,
                                           on_step=(lambda: progress.advance(bar)) if progress else None,
-                                          reserve=reserve)
+                                          reserve=reserve, targets=targets[sess.session_id])
         by_policy[label] = summarize(policy_rows, budget, concat)
         rows += policy_rows
     summary = {

@@ -17,6 +17,8 @@ import os
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from palimpsest.models.registry import tracking_uri  # noqa: F401  (one owner; re-exported here)
 from typing import Any
 
 from palimpsest.platform.types import PalimpsestError
@@ -49,15 +51,6 @@ def check(uri: str | None = None, timeout_s: float = 5.0) -> None:
     except (urllib.error.URLError, OSError) as e:
         reason = str(getattr(e, "reason", e))
     raise PalimpsestError(f"cannot reach the MLflow tracking server at {uri}: {reason}")
-
-
-def tracking_uri() -> str:
-    uri = os.environ.get("MLFLOW_TRACKING_URI")
-    if uri:
-        return uri
-    root = Path(".palimpsest").resolve()
-    root.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{root / 'mlflow.db'}"
 
 
 def experiment_id(mlflow, name: str) -> str:

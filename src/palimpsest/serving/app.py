@@ -23,7 +23,7 @@ from palimpsest.serving.config import ServeConfig, parse_serve_config
 
 def build_app(config: ServeConfig | dict | None = None) -> Application:
     from palimpsest.serving.deployments import Actor, Embedder, MemoryEncoder, Summarizer, deployment_env
-    from palimpsest.serving.engine import resolve_actor_path
+    from palimpsest.models.registry import resolve_actor_path
     from palimpsest.serving.ingress import Ingress
 
     cfg = parse_serve_config(config)

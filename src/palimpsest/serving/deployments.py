@@ -167,6 +167,8 @@ class MemoryEncoder:
         encoders: dict[str, Any] = {}
         actor = None
         for key, wanted in models.items():
+            from palimpsest.models.registry import resolve_memory_ref
+
             ref = resolve_memory_ref(wanted)
             entry = {"enabled": False, "model": ref, "note": "no memory model" if ref is None else "", "max_slots": 0}
             if ref is not None and ref not in encoders:
@@ -217,29 +219,6 @@ class MemoryEncoder:
                 while len(self.cache) > self.cache_size:
                     self.cache.popitem(last=False)
         return {"soft": self.cache[ck], "ms": (time.perf_counter() - t0) * 1000, "cached": False}
-
-
-def resolve_memory_ref(model: str | None) -> str | None:
-    """``auto`` -> the latest registered ``palimpsest-memory`` version if any, else None (memory off)."""
-    if model is None or model == "" or model == "off":
-        return None
-    if model != "auto":
-        return model
-    from palimpsest.models.encoder import REGISTERED_MODEL
-
-    try:
-        import mlflow
-
-        from palimpsest.pipelines.tracking import tracking_uri
-
-        mlflow.set_tracking_uri(tracking_uri())
-        versions = mlflow.MlflowClient().search_model_versions(f"name='{REGISTERED_MODEL}'")
-    except Exception:
-        return None
-    if not versions:
-        return None
-    latest = max(versions, key=lambda v: int(v.version))
-    return f"models:/{REGISTERED_MODEL}/{latest.version}"
 
 
 def deployment_env() -> dict[str, str]:

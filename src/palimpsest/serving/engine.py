@@ -18,22 +18,11 @@ from typing import Any
 import torch
 
 from palimpsest.platform.types import ConfigError
+from palimpsest.models.registry import resolve_actor_path
 from palimpsest.serving.config import ActorConfig
 from palimpsest.serving.embeds import validate_embeds
 
 _EMBED_KEYS = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight")
-
-
-def resolve_actor_path(model: str) -> Path:
-    """``smollm2`` -> the cached SmolLM2 folder (prepared offline); anything else is a local HF folder."""
-    if model == "smollm2":
-        from palimpsest.models.assets import smollm2_dir
-
-        return smollm2_dir()
-    path = Path(model)
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"actor model {model!r}: no HF model folder there (config.json missing)")
-    return path
 
 
 def load_embedding_table(path: Path) -> torch.Tensor:

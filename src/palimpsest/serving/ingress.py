@@ -1,14 +1,10 @@
-"""The HTTP ingress (FastAPI inside a Serve deployment): the only place that knows HTTP.
+"""The HTTP ingress (FastAPI inside a Serve deployment): the routes, tenants and A/B arms.
 
-A turn: the session's arm -> plan + compile over a ledger snapshot (the platform runtime, as replay
-runs it) -> the compiled prompt as the actor's chat ids -> [soft span from the memory encoder at the
-latest compaction boundary] -> the actor -> a glimpse call is answered with the step's full text and the
-actor asked again (at most the per-turn limit) -> the served turn is recorded under its arm.
-
-Appends return once the step is durable; summaries and key embeddings are computed by a background
-worker through the Summarizer and Embedder deployments, and a turn never waits for them (policies
-fall back to what exists). Every error the caller can fix is a 4xx with a one-line message; nothing
-stored is lost and the server stays up.
+A turn: the session's arm -> the served turn (``serving/turn.py``: the platform's compiled prompt, the soft
+span of the latest compaction boundary, the actor, the glimpse loop) -> recorded under its arm. Appends
+return once the step is durable; summaries and key embeddings are written in the background
+(``serving/enrichment.py``) and a turn never waits for them. Every error the caller can fix is a 4xx with a
+one-line message (``serving/http.py``); nothing stored is lost and the server stays up.
 """
 
 from __future__ import annotations
@@ -17,41 +13,39 @@ import asyncio
 import hashlib
 import hmac
 import logging
-import threading
 import time
 import uuid
-from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from ray import serve
 
 from palimpsest.platform import Ledger, Runtime
 from palimpsest.platform.abstraction import RuleSummarizer
-from palimpsest.platform.embedding import EmbedderUnavailable
 from palimpsest.platform.chat import chat_ids, raw_history_messages
-from palimpsest.platform.policies.base import query_from
 from palimpsest.platform.types import (
     BudgetError,
     ConfigError,
-    GlimpseLimitError,
-    LedgerError,
     LedgerUnavailableError,
-    PalimpsestError,
     StepRecord,
     UnknownSessionError,
-    UnknownStepError,
 )
 from palimpsest.serving.ab import Router
 from palimpsest.serving.config import parse_serve_config
-from palimpsest.serving.embeds import EmbedsError, decode_embeds
+from palimpsest.serving.embeds import decode_embeds
+from palimpsest.serving.enrichment import Enrichment, HandleEmbedder
+from palimpsest.serving.http import (
+    ARM_HEADER,
+    SESSION_HEADER,
+    HTTPProblem,
+    Tenant,
+    _palimpsest_error,  # noqa: F401  (re-exported for tests that call the handler directly)
+    _retriable_error,
+    app,
+)
 from palimpsest.serving.metrics import Metrics
-from palimpsest.serving.openai_proxy import HistoryConflict, new_steps, parse_messages
-from palimpsest.serving.turn import TurnRequest, run_turn
+from palimpsest.serving.openai_proxy import new_steps, parse_messages
 from palimpsest.serving.schemas import (
     ChatIn,
     CompletionIn,
@@ -65,203 +59,9 @@ from palimpsest.serving.schemas import (
     TurnIn,
     TurnOut,
 )
+from palimpsest.serving.turn import TurnRequest, run_turn
 
 log = logging.getLogger("palimpsest.ingress")
-
-
-def _retriable() -> tuple[type[BaseException], ...]:
-    """Failures of a child replica (died, restarting, overloaded): the request may simply be retried."""
-    from ray import exceptions as rx
-    from ray.serve import exceptions as sx
-
-    names = ("RayActorError", "ActorDiedError", "ActorUnavailableError", "ActorUnschedulableError", "GetTimeoutError")
-    out = [getattr(rx, n) for n in names if hasattr(rx, n)]
-    out += [getattr(sx, n) for n in ("BackPressureError", "DeploymentUnavailableError", "RequestCancelledError")
-            if hasattr(sx, n)]
-    return tuple(out)
-
-
-_RETRIABLE = _retriable()
-
-
-def _retriable_error(e: BaseException) -> bool:
-    """A replica failure (by class, including a dead vLLM engine, which arrives wrapped by Ray)."""
-    return isinstance(e, _RETRIABLE) or any(c.__name__ == "EngineDeadError" for c in type(e).__mro__)
-SESSION_HEADER = "x-palimpsest-session"
-ARM_HEADER = "x-palimpsest-arm"
-
-app = FastAPI(title="Palimpsest", version="1.0",
-              description="Working memory for long-horizon agents: sessions, steps, compiled turns with soft memory, "
-                          "glimpse, audit, A/B arms, and an OpenAI-compatible chat endpoint.")
-
-
-class HTTPProblem(Exception):
-    def __init__(self, status: int, message: str):
-        self.status, self.message = status, message
-
-
-_STATUS = ((LedgerUnavailableError, 503), (UnknownSessionError, 404), (UnknownStepError, 404), (GlimpseLimitError, 429), (HistoryConflict, 409),
-           (EmbedsError, 400), (BudgetError, 422), (ConfigError, 422), (LedgerError, 409), (PalimpsestError, 400))
-
-
-@app.exception_handler(HTTPProblem)
-async def _problem(_: Request, e: HTTPProblem):
-    return JSONResponse({"error": e.message}, status_code=e.status,
-                        headers={"Retry-After": "5"} if e.status == 503 else None)
-
-
-@app.exception_handler(PalimpsestError)
-async def _palimpsest_error(_: Request, e: PalimpsestError):
-    status = next(code for cls, code in _STATUS if isinstance(e, cls))
-    # 503: the ledger's database is out of reach; the operation did not commit, so a retry is safe.
-    return JSONResponse({"error": str(e)}, status_code=status, headers={"Retry-After": "5"} if status == 503 else None)
-
-
-@app.exception_handler(RecursionError)
-async def _too_deep(_: Request, e: RecursionError):
-    return JSONResponse({"error": "the JSON body is nested too deeply"}, status_code=400)
-
-
-@app.middleware("http")
-async def _body_limit(request: Request, call_next):
-    """Refuse bodies over the configured size before reading them (413), and undecodable ones (400)."""
-    limit = getattr(request.app.state, "max_request_bytes", None)
-    length = request.headers.get("content-length")
-    if limit is not None and length is not None:
-        if not length.isdigit():
-            return JSONResponse({"error": "invalid Content-Length"}, status_code=400)
-        if int(length) > limit:
-            return JSONResponse({"error": f"the body has {length} bytes; at most {limit} are accepted"}, status_code=413)
-    response = await call_next(request)
-    response.headers[REPLICA_HEADER] = _replica_tag()
-    return response
-
-
-REPLICA_HEADER = "X-Palimpsest-Replica"
-
-
-_REPLICA_TAG: str | None = None
-
-
-def _replica_tag() -> str:
-    """Which ingress replica answered, and on which Ray node: ``<replica>@<node>`` (several replicas on
-    several nodes may serve one session). Fixed for the process: looked up once."""
-    global _REPLICA_TAG
-    if _REPLICA_TAG is None:
-        try:
-            import ray
-
-            node = ray.get_runtime_context().get_node_id()[:12]
-            _REPLICA_TAG = f"{serve.get_replica_context().replica_id.unique_id}@{node}"
-        except Exception:
-            return "-"
-    return _REPLICA_TAG
-
-
-@app.exception_handler(RequestValidationError)
-async def _invalid(_: Request, e: RequestValidationError):
-    msgs = []
-    for err in e.errors()[:5]:
-        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
-        msgs.append(f"{loc or 'body'}: {err.get('msg')}")
-    return JSONResponse({"error": "; ".join(msgs)}, status_code=422)
-
-
-@dataclass(frozen=True)
-class Tenant:
-    name: str | None  # None: the single-tenant (no keys, loopback) server
-    allow_prompt_embeds: bool
-
-    def internal(self, session_id: str) -> str:
-        """The ledger's id of a tenant's session: tenants live in disjoint namespaces, so another tenant's
-        session (and every step id inside it) is simply not found."""
-        if not isinstance(session_id, str) or not session_id:
-            raise HTTPProblem(422, "a session id is required")
-        return session_id if self.name is None else f"{self.name}::{session_id}"
-
-    def external(self, internal_id: str) -> str:
-        return internal_id if self.name is None else internal_id.split("::", 1)[1]
-
-
-class HandleEmbedder:
-    """The Embedder deployment behind the platform's Embedder protocol. Policies call it from a worker
-    thread (plans run off the event loop), where blocking on a handle is allowed.
-
-    Query embeddings are primed: right after a step is appended, the enrichment lane embeds the query the
-    next turn's policy will ask for (the task and the latest steps). A turn then finds it in the cache, or
-    waits for the priming request already in flight instead of queueing a second one. The time a turn spends
-    waiting for the embedder is reported separately (``waited_ms``)."""
-
-    def __init__(self, handle, name: str, cache_size: int = 4096, timeout_s: float = 10.0):
-        self.handle, self.name, self.timeout_s = handle, name, timeout_s
-        self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
-        self._inflight: dict[str, object] = {}
-        self._size = cache_size
-        self._lock = threading.Lock()
-        self._local = threading.local()
-        self.hits = self.misses = 0
-
-    def reset_wait(self) -> None:
-        self._local.waited_ms = 0.0
-
-    @property
-    def waited_ms(self) -> float:
-        return getattr(self._local, "waited_ms", 0.0)
-
-    def embed(self, texts):
-        texts = list(texts)
-        t0 = time.perf_counter()
-        try:
-            if len(texts) == 1:
-                with self._lock:
-                    hit = self._cache.get(texts[0])
-                    pending = self._inflight.get(texts[0])
-                if hit is not None:
-                    self.hits += 1
-                    return hit[None]
-                if pending is not None:  # primed a moment ago and still computing: wait for that one
-                    self.hits += 1
-                    vectors, keys = self._result(pending)
-                    return vectors[keys.index(texts[0])][None]
-                self.misses += 1
-            out, _ = self._result(self.handle.embed.remote(texts), texts)
-            if len(texts) == 1:
-                self._remember(texts, out)
-            return out
-        finally:
-            self._local.waited_ms = self.waited_ms + (time.perf_counter() - t0) * 1000
-
-    def _result(self, response, texts=None):
-        if isinstance(response, tuple):  # an in-flight priming request: (response, texts)
-            response, texts = response
-        try:
-            return np.asarray(response.result(timeout_s=self.timeout_s), dtype=np.float32), texts
-        except Exception as e:  # failed, hung or restarting: the caller falls back (no keys this turn)
-            raise EmbedderUnavailable(f"the embedder did not answer: {type(e).__name__}") from None
-
-    def prime(self, texts: list[str]) -> None:
-        with self._lock:
-            fresh = [t for t in texts if t not in self._cache and t not in self._inflight]
-            if not fresh:
-                return
-            pending = (self.handle.embed.remote(fresh), fresh)
-            for t in fresh:
-                self._inflight[t] = pending
-        try:
-            vectors, _ = self._result(pending)
-            self._remember(fresh, vectors)
-        finally:
-            with self._lock:
-                for t in fresh:
-                    self._inflight.pop(t, None)
-
-    def _remember(self, texts, vectors) -> None:
-        with self._lock:
-            for t, v in zip(texts, vectors):
-                self._cache[t] = v
-                self._cache.move_to_end(t)
-            while len(self._cache) > self._size:
-                self._cache.popitem(last=False)
 
 
 @serve.deployment(name="Ingress", max_ongoing_requests=64, health_check_period_s=10)
@@ -275,10 +75,7 @@ class Ingress:
         app.state.max_request_bytes = self.cfg.limits.max_request_bytes
         self.tenants = {t.key_sha256: (name, t.allow_prompt_embeds) for name, t in self.cfg.auth.resolved().items()}
         self._ready: asyncio.Future | None = None
-        self._queue: asyncio.Queue | None = None
-        self._queued: set[str] = set()
-        self._llm_queued: set[str] = set()
-        self._tried: set[int] = set()
+        self.enrichment: Enrichment | None = None
         self.runtime: Runtime | None = None
 
     # -- start-up ---------------------------------------------------------------------------
@@ -293,9 +90,8 @@ class Ingress:
         self.runtime = Runtime(ledger, embedder=HandleEmbedder(self.embedder_h, emb["name"]), summarizer=RuleSummarizer(),
                                glimpse_limit=self.cfg.limits.glimpses_per_turn, chat=self._chat)
         self.policies = {a.name: self.runtime.policy(a.policy_config()) for a in self.cfg.arms}
-        self._queue, self._llm_queue = asyncio.Queue(), asyncio.Queue()
-        loop = asyncio.get_running_loop()
-        self._workers = [loop.create_task(self._enrich_worker()), loop.create_task(self._llm_worker())]
+        self.enrichment = Enrichment(self.runtime, self.policies, self.summarizer, self.summarizer_info, self.metrics,
+                                     self.cfg)
 
     async def _ensure(self) -> None:
         if self._ready is None:
@@ -342,86 +138,11 @@ class Ingress:
                 return Tenant(name, embeds)
         raise HTTPProblem(401, "a valid API key is required (Authorization: Bearer <key>)")
 
-    # -- background enrichment ----------------------------------------------------------------
+    # -- sessions and steps -------------------------------------------------------------------
 
     def _enqueue(self, session_id: str) -> None:
-        if self._queue is not None and session_id not in self._queued:
-            self._queued.add(session_id)
-            self._queue.put_nowait(session_id)
-
-    async def _enrich_worker(self) -> None:
-        """Fast lane: rule summaries and key embeddings, so every step soon has all four resolutions and a key."""
-        while True:
-            sid = await self._queue.get()
-            self._queued.discard(sid)
-            try:
-                await asyncio.to_thread(self._prime_queries, sid)  # what the next turn waits for comes first
-                await asyncio.to_thread(self.runtime.enrich, sid)
-            except Exception as e:  # a failing enrichment never takes the server down; policies fall back
-                self.metrics.errors.labels(arm="-", kind="enrich").inc()
-                log.warning("enrichment of %s failed: %s", sid, e)
-                self._retry_later(sid)
-                continue
-            if self.summarizer_info["mode"] == "llm" and sid not in self._llm_queued:
-                self._llm_queued.add(sid)
-                self._llm_queue.put_nowait(sid)
-
-    def _prime_queries(self, sid: str) -> None:
-        """Embed the query each arm's policy will use on the next turn (the policy's own query builder)."""
-        wanted = {(p.cfg.recent, p.cfg.query) for p in self.policies.values() if p.name in ("pace", "pace_plus")}
-        if not wanted:
-            return
-        ledger = self.runtime.ledger
-        session, n = ledger.session(sid), ledger.count(sid)
-        texts = []
-        for recent, layout in sorted(wanted):
-            steps = [ledger.step_at(sid, t) for t in range(max(0, n - recent), n)]
-            texts.append(query_from(session.task, steps, layout))
-        self.runtime.embedder.prime(texts)
-
-    def _retry_later(self, sid: str, delay_s: float = 5.0) -> None:
-        asyncio.get_running_loop().call_later(delay_s, self._enqueue, sid)
-
-    async def _llm_worker(self) -> None:
-        """Slow lane: summaries written by the actor for the most recent steps (they replace the rule ones)."""
-        from palimpsest.serving.deployments import summaries_from_wire
-
-        producer = (self.summarizer_info["name"], self.summarizer_info["version"])
-        ledger, rt = self.runtime.ledger, self.runtime
-        lease_s = 3 * self.cfg.summarizer.timeout_s + 30
-        while True:
-            sid = await self._llm_queue.get()
-            self._llm_queued.discard(sid)
-            # With several replicas one of them writes a session's LLM summaries at a time; a replica that
-            # finds the lease held leaves the work to the holder, which looks again after letting go.
-            lease = f"llm-summaries/{sid}/{producer[0]}:{producer[1]}"
-            try:
-                if rt.leases and not await asyncio.to_thread(ledger.claim, lease, rt.owner, lease_s):
-                    continue
-                try:
-                    todo, _ = await asyncio.to_thread(ledger.pending, sid, None, producer)
-                    todo = [s for s in todo if s.id not in self._tried][-8:]  # the most recent matter most
-                    replies = await asyncio.gather(
-                        *(self.summarizer.summarize.remote(_record_dict(s.record())) for s in todo),
-                        return_exceptions=True)
-                    for s, r in zip(todo, replies):
-                        self._tried.add(s.id)
-                        if isinstance(r, dict) and r["producer"] == producer[0]:
-                            await asyncio.to_thread(ledger.add_summaries, sid, s.id, summaries_from_wire(r),
-                                                    r["producer"], r["version"])
-                finally:
-                    if rt.leases:
-                        await asyncio.to_thread(ledger.release, lease, rt.owner)
-                if rt.leases:
-                    left, _ = await asyncio.to_thread(ledger.pending, sid, None, producer)
-                    if any(s.id not in self._tried for s in left[-8:]) and sid not in self._llm_queued:
-                        self._llm_queued.add(sid)
-                        self._llm_queue.put_nowait(sid)
-            except Exception as e:
-                self.metrics.errors.labels(arm="-", kind="summarize").inc()
-                log.warning("LLM summaries of %s failed: %s", sid, e)
-
-    # -- sessions and steps -------------------------------------------------------------------
+        if self.enrichment is not None:
+            self.enrichment.enqueue(session_id)
 
     def _arm_of(self, session) -> str:
         arm = session.meta.get("arm")
@@ -668,6 +389,3 @@ class Ingress:
         return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
 
-def _record_dict(r: StepRecord) -> dict:
-    return {"t": r.t, "kind": r.kind, "action": r.action, "thought": r.thought, "observation": r.observation,
-            "authority": r.authority, "tool": r.tool}

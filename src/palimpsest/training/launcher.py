@@ -41,14 +41,9 @@ class PreparedRun:
 
 
 def resolve_actor(cfg: TrainConfig) -> Path:
-    if cfg.actor.path == "smollm2":
-        from palimpsest.models.assets import smollm2_dir
+    from palimpsest.models.registry import resolve_actor_path
 
-        return smollm2_dir()
-    p = Path(cfg.actor.path).expanduser().resolve()
-    if not (p / "config.json").is_file():
-        raise ConfigError(f"actor path {p} holds no HF model (config.json missing)")
-    return p
+    return resolve_actor_path(cfg.actor.path)
 
 
 def prepare(cfg: TrainConfig) -> PreparedRun:
@@ -272,7 +267,8 @@ def launch(cfg: TrainConfig, fault: dict | None = None, track: bool = True) -> d
     if track:
         import mlflow
 
-        from palimpsest.pipelines.tracking import check, configure, experiment_id, tracking_uri
+        from palimpsest.models.registry import tracking_uri
+        from palimpsest.pipelines.tracking import check, configure, experiment_id
 
         configure(cfg.tracking.uri, cfg.tracking.artifact_location)
         check()
@@ -318,7 +314,7 @@ def register(cfg: TrainConfig, checkpoint, run_id: str) -> str | None:
     """Log the final bundle to the run and register it; returns 'models:/NAME/VERSION'."""
     import mlflow
 
-    from palimpsest.pipelines.tracking import tracking_uri
+    from palimpsest.models.registry import tracking_uri
 
     mlflow.set_tracking_uri(tracking_uri())
     with checkpoint.as_directory() as d, mlflow.start_run(run_id=run_id):

@@ -1,0 +1,197 @@
+"""Background enrichment of appended steps, off the request path: rule summaries and key embeddings (the
+fast lane), the actor's own summaries of the latest steps (the slow lane), and the query embedding the next
+turn will ask for. A turn never waits for any of it: policies fall back to what exists."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import OrderedDict
+
+import numpy as np
+
+from palimpsest.platform.embedding import EmbedderUnavailable
+from palimpsest.platform.policies.base import query_from
+from palimpsest.platform.types import StepRecord
+
+log = logging.getLogger("palimpsest.ingress")
+
+
+class HandleEmbedder:
+    """The Embedder deployment behind the platform's Embedder protocol. Policies call it from a worker
+    thread (plans run off the event loop), where blocking on a handle is allowed.
+
+    Query embeddings are primed: right after a step is appended, the enrichment lane embeds the query the
+    next turn's policy will ask for (the task and the latest steps). A turn then finds it in the cache, or
+    waits for the priming request already in flight instead of queueing a second one. The time a turn spends
+    waiting for the embedder is reported separately (``waited_ms``)."""
+
+    def __init__(self, handle, name: str, cache_size: int = 4096, timeout_s: float = 10.0):
+        self.handle, self.name, self.timeout_s = handle, name, timeout_s
+        self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._inflight: dict[str, object] = {}
+        self._size = cache_size
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self.hits = self.misses = 0
+
+    def reset_wait(self) -> None:
+        self._local.waited_ms = 0.0
+
+    @property
+    def waited_ms(self) -> float:
+        return getattr(self._local, "waited_ms", 0.0)
+
+    def embed(self, texts):
+        texts = list(texts)
+        t0 = time.perf_counter()
+        try:
+            if len(texts) == 1:
+                with self._lock:
+                    hit = self._cache.get(texts[0])
+                    pending = self._inflight.get(texts[0])
+                if hit is not None:
+                    self.hits += 1
+                    return hit[None]
+                if pending is not None:  # primed a moment ago and still computing: wait for that one
+                    self.hits += 1
+                    vectors, keys = self._result(pending)
+                    return vectors[keys.index(texts[0])][None]
+                self.misses += 1
+            out, _ = self._result(self.handle.embed.remote(texts), texts)
+            if len(texts) == 1:
+                self._remember(texts, out)
+            return out
+        finally:
+            self._local.waited_ms = self.waited_ms + (time.perf_counter() - t0) * 1000
+
+    def _result(self, response, texts=None):
+        if isinstance(response, tuple):  # an in-flight priming request: (response, texts)
+            response, texts = response
+        try:
+            return np.asarray(response.result(timeout_s=self.timeout_s), dtype=np.float32), texts
+        except Exception as e:  # failed, hung or restarting: the caller falls back (no keys this turn)
+            raise EmbedderUnavailable(f"the embedder did not answer: {type(e).__name__}") from None
+
+    def prime(self, texts: list[str]) -> None:
+        with self._lock:
+            fresh = [t for t in texts if t not in self._cache and t not in self._inflight]
+            if not fresh:
+                return
+            pending = (self.handle.embed.remote(fresh), fresh)
+            for t in fresh:
+                self._inflight[t] = pending
+        try:
+            vectors, _ = self._result(pending)
+            self._remember(fresh, vectors)
+        finally:
+            with self._lock:
+                for t in fresh:
+                    self._inflight.pop(t, None)
+
+    def _remember(self, texts, vectors) -> None:
+        with self._lock:
+            for t, v in zip(texts, vectors):
+                self._cache[t] = v
+                self._cache.move_to_end(t)
+            while len(self._cache) > self._size:
+                self._cache.popitem(last=False)
+
+
+class Enrichment:
+    """The two background lanes of one ingress replica (started on its event loop)."""
+
+    def __init__(self, runtime, policies: dict, summarizer, summarizer_info: dict, metrics, cfg):
+        self.runtime, self.policies, self.summarizer = runtime, policies, summarizer
+        self.summarizer_info, self.metrics, self.cfg = summarizer_info, metrics, cfg
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._llm_queue: asyncio.Queue = asyncio.Queue()
+        self._queued: set[str] = set()
+        self._llm_queued: set[str] = set()
+        self._tried: set[int] = set()
+        loop = asyncio.get_running_loop()
+        self._workers = [loop.create_task(self._enrich_worker()), loop.create_task(self._llm_worker())]
+
+    def enqueue(self, session_id: str) -> None:
+        if session_id not in self._queued:
+            self._queued.add(session_id)
+            self._queue.put_nowait(session_id)
+
+    async def _enrich_worker(self) -> None:
+        """Fast lane: rule summaries and key embeddings, so every step soon has all four resolutions and a key."""
+        while True:
+            sid = await self._queue.get()
+            self._queued.discard(sid)
+            try:
+                await asyncio.to_thread(self._prime_queries, sid)  # what the next turn waits for comes first
+                await asyncio.to_thread(self.runtime.enrich, sid)
+            except Exception as e:  # a failing enrichment never takes the server down; policies fall back
+                self.metrics.errors.labels(arm="-", kind="enrich").inc()
+                log.warning("enrichment of %s failed: %s", sid, e)
+                self._retry_later(sid)
+                continue
+            if self.summarizer_info["mode"] == "llm" and sid not in self._llm_queued:
+                self._llm_queued.add(sid)
+                self._llm_queue.put_nowait(sid)
+
+    def _prime_queries(self, sid: str) -> None:
+        """Embed the query each arm's policy will use on the next turn (the policy's own query builder)."""
+        wanted = {(p.cfg.recent, p.cfg.query) for p in self.policies.values() if p.name in ("pace", "pace_plus")}
+        if not wanted:
+            return
+        ledger = self.runtime.ledger
+        session, n = ledger.session(sid), ledger.count(sid)
+        texts = []
+        for recent, layout in sorted(wanted):
+            steps = [ledger.step_at(sid, t) for t in range(max(0, n - recent), n)]
+            texts.append(query_from(session.task, steps, layout))
+        self.runtime.embedder.prime(texts)
+
+    def _retry_later(self, sid: str, delay_s: float = 5.0) -> None:
+        asyncio.get_running_loop().call_later(delay_s, self.enqueue, sid)
+
+    async def _llm_worker(self) -> None:
+        """Slow lane: summaries written by the actor for the most recent steps (they replace the rule ones)."""
+        from palimpsest.serving.deployments import summaries_from_wire
+
+        producer = (self.summarizer_info["name"], self.summarizer_info["version"])
+        ledger, rt = self.runtime.ledger, self.runtime
+        lease_s = 3 * self.cfg.summarizer.timeout_s + 30
+        while True:
+            sid = await self._llm_queue.get()
+            self._llm_queued.discard(sid)
+            # With several replicas one of them writes a session's LLM summaries at a time; a replica that
+            # finds the lease held leaves the work to the holder, which looks again after letting go.
+            lease = f"llm-summaries/{sid}/{producer[0]}:{producer[1]}"
+            try:
+                if rt.leases and not await asyncio.to_thread(ledger.claim, lease, rt.owner, lease_s):
+                    continue
+                try:
+                    todo, _ = await asyncio.to_thread(ledger.pending, sid, None, producer)
+                    todo = [s for s in todo if s.id not in self._tried][-8:]  # the most recent matter most
+                    replies = await asyncio.gather(
+                        *(self.summarizer.summarize.remote(_record_dict(s.record())) for s in todo),
+                        return_exceptions=True)
+                    for s, r in zip(todo, replies):
+                        self._tried.add(s.id)
+                        if isinstance(r, dict) and r["producer"] == producer[0]:
+                            await asyncio.to_thread(ledger.add_summaries, sid, s.id, summaries_from_wire(r),
+                                                    r["producer"], r["version"])
+                finally:
+                    if rt.leases:
+                        await asyncio.to_thread(ledger.release, lease, rt.owner)
+                if rt.leases:
+                    left, _ = await asyncio.to_thread(ledger.pending, sid, None, producer)
+                    if any(s.id not in self._tried for s in left[-8:]) and sid not in self._llm_queued:
+                        self._llm_queued.add(sid)
+                        self._llm_queue.put_nowait(sid)
+            except Exception as e:
+                self.metrics.errors.labels(arm="-", kind="summarize").inc()
+                log.warning("LLM summaries of %s failed: %s", sid, e)
+
+
+def _record_dict(r: StepRecord) -> dict:
+    return {"t": r.t, "kind": r.kind, "action": r.action, "thought": r.thought, "observation": r.observation,
+            "authority": r.authority, "tool": r.tool}
