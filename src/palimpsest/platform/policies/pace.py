@@ -1,17 +1,19 @@
-"""`pace`: Predictive Adaptive Context Extraction, as the paper states it.
+"""`pace`: Predictive Adaptive Context Extraction: the paper's formulas and parameters.
 
 Per turn (all numpy over the cached key matrix, O(M)):
 
-    q_t   = Enc(Truncate(task ⊕ R_full(t-N..t-1), L_max))        the embedder truncates to L_max
-    s_i   = cos(q_t, k_i)                                          keys: full text, cached at enrichment
+    q_t   = Enc(query text)                                        recent steps first by default (below)
+    s_i   = cos(q_t, k_i)                                          keys: a head+tail view of the full text
     w_i   = softmax(s_i / tau);  w~_i = M · w_i                    mean 1 over the M old steps
     P_t   = max(t / T_max, |C_{t-1}| / B_max)                      pressure
     (α, β, γ) = (0.4, 0.8, 1.5) · (1 + λ · P_t)
     w~ > γ: full;  β < w~ ≤ γ: detailed;  α < w~ ≤ β: brief;  else placeholder
 
-The last N steps are always full. A summary that is not written yet falls back to full if the
-budget allows, else to placeholder, without waiting. B_max defaults to the turn's budget (the paper
-runs with a 128K budget and B_max = 128K); T_max is the 95th percentile of task length.
+The last N steps are planned full (only the latest is pinned against the budget). A summary that is not
+written yet falls back to full if the budget allows, else to placeholder, without waiting. B_max defaults
+to the turn's budget (the paper runs with a 128K budget and B_max = 128K); T_max is a config default (the
+paper: the 95th percentile of task length). Every departure from the paper, with its reason, is listed in
+docs/methods.md (the query layout, the key view, the hard budget, ...).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ class PaceConfig(PolicyConfigBase):
     beta: float = Field(0.8, gt=0.0, description="detailed threshold")
     gamma: float = Field(1.5, gt=0.0, description="full threshold")
     lam: float = Field(0.5, ge=0.0, le=10.0, description="lambda: how strongly pressure raises the thresholds")
-    t_max: int = Field(150, ge=1, description="T_max: the 95th percentile of task length, in steps")
+    t_max: int = Field(150, ge=1, description="T_max in steps (the paper: the 95th percentile of task length; set per deployment)")
     b_max: int | None = Field(None, ge=1, description="B_max in tokens; None = the turn's budget")
 
     @model_validator(mode="after")

@@ -1,4 +1,4 @@
-"""`pace_plus`: PACE with the improvements its paper names as open problems. `pace` stays paper-exact.
+"""`pace_plus`: PACE with the improvements its paper names as open problems (`pace` keeps the paper's formulas).
 
 1. Identifier-aware hybrid scoring. Cosine similarity misses tool-dependency links: the next action
    reuses an id, path or error string an old observation showed. The score adds the overlap of
