@@ -91,3 +91,14 @@ def test_replay_variant_files_hold_valid_policy_configs(path):
 
     variants = yaml.safe_load(path.read_text())
     assert variants and all(parse_policy_config(body).type for body in variants.values())
+
+
+@pytest.mark.parametrize("patch,field", [({"budget": 9000}, "budget: 9000 tokens exceeds the actor's window"),
+                                         ({"arms": [{"name": "a", "budget": 10_000}]}, "arms.a.budget"),
+                                         ({"budget": 100, "actor": {"max_tokens": 128}}, "leaves no room")])
+def test_a_budget_beyond_the_actors_window_is_a_config_error(patch, field):
+    from palimpsest.platform import ConfigError
+    from palimpsest.serving.config import parse_serve_config
+
+    with pytest.raises(ConfigError, match=field):
+        parse_serve_config({"actor": {"max_model_len": 8192}, **patch})

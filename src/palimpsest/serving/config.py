@@ -192,6 +192,14 @@ class ServeConfig(_Strict):
                 a.policy_config()
             except Exception as e:
                 raise ValueError(f"arm {a.name!r}: {e}") from None
+        window = self.actor.max_model_len
+        for name, budget in [("budget", self.budget)] + [(f"arms.{a.name}.budget", a.budget) for a in self.arms]:
+            if budget is not None and budget > window:
+                raise ValueError(f"{name}: {budget} tokens exceeds the actor's window (actor.max_model_len={window}); "
+                                 "the budget bounds what the actor receives")
+            if budget is not None and budget <= self.actor.max_tokens:
+                raise ValueError(f"{name}: {budget} tokens leaves no room for the prompt after actor.max_tokens="
+                                 f"{self.actor.max_tokens}")
         return self
 
     def check_exposure(self, host: str) -> None:
