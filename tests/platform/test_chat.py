@@ -4,6 +4,7 @@ the budget, decode to the text that is audited, and re-tokenize to the same coun
 from __future__ import annotations
 
 import hashlib
+import unicodedata
 
 import numpy as np
 import pytest
@@ -135,7 +136,11 @@ def test_random_plans_never_exceed_the_budget_and_decode_to_the_audited_text(smo
             return
         assert p.tokens + reserve <= budget
         assert len(p.ids) == p.tokens and tok.decode(p.ids) == p.text
-        assert len(tok.encode(p.text)) == p.tokens  # the decoded text re-tokenizes to the same count
+        texts = "".join(a + o for a, o, _ in steps)
+        if not any(unicodedata.category(c) in ("Cn", "Co") for c in texts):
+            # the decoded text re-tokenizes to the same count (a code point the vocabulary cannot spell, an
+            # unassigned or private-use one, decodes to U+FFFD and is the one exception; its ids still count)
+            assert len(tok.encode(p.text)) == p.tokens
         assert plan.resolution[-1] == Resolution.FULL
         turn = rt.compile(snap, _Fixed(plan), budget, reserve)
         with led.transaction():
@@ -159,6 +164,23 @@ class _Fixed:
         import dataclasses
 
         return dataclasses.replace(self._plan, resolution=self._res.copy(), info={})
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.text(max_size=300) | st.sampled_from(["<|im_start|>x<|im_end|>\n<|im_end|>", "a<|im_end|>b", ""]))
+def test_piecewise_encoding_equals_encoding_the_whole_text(smol_dir, text):
+    """The tokenizer encodes a chat piece by piece between added tokens (cached); the ids equal the
+    tokenizer's own encoding of the whole text, and the piecewise decoding equals decoding those ids."""
+    from tokenizers import Tokenizer
+
+    from palimpsest.platform.tokens import HFTokenizer
+
+    tok = HFTokenizer(smol_dir)
+    raw = Tokenizer.from_file(smol_dir + "/tokenizer.json")
+    for t in (text, text + text, "<|im_start|>user\n" + text + "<|im_end|>\n"):
+        assert tok.encode(t) == raw.encode(t, add_special_tokens=False).ids
+        assert tok.decode_encoded(t) == raw.decode(raw.encode(t, add_special_tokens=False).ids,
+                                                   skip_special_tokens=False)
 
 
 def test_glimpse_calls_are_parsed_strictly():

@@ -102,6 +102,7 @@ class ChatIds:
 
     context: tuple[int, ...]
     bridge: tuple[int, ...]
+    text: str | None = None  # the template's text the ids were encoded from
 
     @property
     def all(self) -> list[int]:
@@ -116,13 +117,28 @@ def chat_ids(tokenizer: ChatTokenizer, messages: Sequence[dict]) -> ChatIds:
     context = tokenizer.template(messages, False)
     full = tokenizer.template(messages, True)
     if not full.startswith(context):  # a template that rewrites earlier turns: no split point
-        return ChatIds(tuple(tokenizer.encode(full)), ())
-    return ChatIds(tuple(tokenizer.encode(context)), tuple(tokenizer.encode(full[len(context):])))
+        return ChatIds(tuple(tokenizer.encode(full)), (), full)
+    return ChatIds(tuple(tokenizer.encode(context)), tuple(tokenizer.encode(full[len(context):])), full)
 
 
 def prefix_tokens(tokenizer: ChatTokenizer, session: Session) -> int:
     """The exact size of the stable prefix, with the assistant prompt: what every turn costs at least."""
-    return len(chat_ids(tokenizer, prefix_messages(session)))
+    return prefix_size(tokenizer, prefix_messages(session))
+
+
+def prefix_size(tokenizer: ChatTokenizer, prefix: list[dict]) -> int:
+    """``len(chat_ids(tokenizer, prefix))``, remembered: a session's prefix is the same on every turn."""
+    key = (tokenizer.name, prefix[0]["content"], prefix[1]["content"])
+    n = _PREFIX.get(key)
+    if n is None:
+        n = len(chat_ids(tokenizer, prefix))
+        if len(_PREFIX) >= 4096:
+            _PREFIX.pop(next(iter(_PREFIX)))
+        _PREFIX[key] = n
+    return n
+
+
+_PREFIX: dict[tuple[str, str, str], int] = {}
 
 
 def message_overhead(tokenizer: ChatTokenizer) -> int:

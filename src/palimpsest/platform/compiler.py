@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from palimpsest.platform.chat import chat_ids, history_messages, message_overhead, prefix_messages
+from palimpsest.platform.chat import chat_ids, history_messages, message_overhead, prefix_messages, prefix_size
 from palimpsest.platform.tokens import ChatTokenizer
 from palimpsest.platform.types import (
     BudgetError,
@@ -142,8 +142,7 @@ def compile_plan(snap: "SessionSnapshot", plan: RenderPlan, budget: int, tokeniz
         raise ValueError(f"plan covers {len(plan)} steps but the snapshot has {snap.t}")
     room = budget - int(reserve)
     prefix = prefix_messages(snap.session)
-    prefix_ids = chat_ids(tokenizer, prefix)
-    prefix_tokens = len(prefix_ids)
+    prefix_tokens = prefix_size(tokenizer, prefix)
     if prefix_tokens > room:
         raise BudgetError(f"budget {budget} cannot hold the fixed prefix ({prefix_tokens} tokens) of session "
                           f"{snap.session.id!r}" + (f" plus the reserve of {reserve}" if reserve else ""))
@@ -221,7 +220,9 @@ def compile_plan(snap: "SessionSnapshot", plan: RenderPlan, budget: int, tokeniz
         kind = "range" if lv == _DROP else "step"
         segments.append(Segment(kind, msgs[first]["role"], text, int(costs[i, lv]), t=step.t, step_id=step.id,
                                 resolution=Resolution(lv), messages=(base + first, base + first + n)))
-    text = tokenizer.decode(ids.all)
+    # The text the actor receives: its ids decoded (piece by piece from the tokenizer's cache where it has one).
+    fast = getattr(tokenizer, "decode_encoded", None)
+    text = fast(ids.text) if fast is not None and ids.text is not None else tokenizer.decode(ids.all)
     prefix_text = tokenizer.template(prefix, False)
     return Prompt(
         segments=tuple(segments),

@@ -140,9 +140,21 @@ class HFTokenizer:
         self._tok = _Tok.from_file(str(p))
         self.name = f"hf:{p.parent.name}"
         self.chat_template, self._extra = _chat_template(p.parent)
-        added = json.loads(p.read_text()).get("added_tokens", [])
+        spec = json.loads(p.read_text())
+        added = spec.get("added_tokens", [])
         specials = {a["content"] for a in added if a.get("special") and len(a.get("content", "")) > 1}
         self.specials = tuple(sorted(specials, key=len, reverse=True))
+        # The tokenizer cuts a text at its added tokens first and encodes the pieces between them on their own,
+        # so a chat (whose messages the template delimits with special tokens) can be encoded piece by piece,
+        # each piece once: a turn re-encodes only the messages it has not seen. Exact only when the added
+        # tokens match verbatim (no strip, word or normalisation rules); otherwise every text is encoded whole.
+        plain = added and all(not (a.get("lstrip") or a.get("rstrip") or a.get("single_word") or a.get("normalized"))
+                              for a in added)
+        self._added = {a["content"]: a["id"] for a in added} if plain else {}
+        self._split = (re.compile("(" + "|".join(re.escape(c) for c in sorted(self._added, key=len, reverse=True)) + ")")
+                       if self._added else None)
+        self._pieces: dict[str, tuple[list[int], str | None]] = {}
+        self._cached_chars = 0
 
     def count(self, text: str) -> int:
         return len(self._tok.encode(text, add_special_tokens=False).ids) if text else 0
@@ -153,10 +165,56 @@ class HFTokenizer:
         return [len(e.ids) for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids if text else []
+        if not text:
+            return []
+        if self._split is None:
+            return self._tok.encode(text, add_special_tokens=False).ids
+        out: list[int] = []
+        for piece in self._split.split(text):
+            if not piece:
+                continue
+            tid = self._added.get(piece)
+            if tid is not None:
+                out.append(tid)
+                continue
+            out.extend(self._piece(piece)[0])
+        return out
+
+    def _piece(self, piece: str) -> tuple[list[int], str | None]:
+        hit = self._pieces.get(piece)
+        if hit is None:
+            hit = (self._tok.encode(piece, add_special_tokens=False).ids, None)
+            while self._pieces and self._cached_chars + len(piece) > _PIECE_CACHE_CHARS:
+                old = next(iter(self._pieces))
+                self._cached_chars -= len(old)
+                self._pieces.pop(old, None)
+            if len(piece) <= _PIECE_CACHE_CHARS:
+                self._pieces[piece] = hit
+                self._cached_chars += len(piece)
+        return hit
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
+
+    def decode_encoded(self, text: str) -> str:
+        """``decode(encode(text))`` (what the actor receives of ``text``), piece by piece from the cache: the
+        pieces between added tokens are whole strings, so their decodings concatenate."""
+        if self._split is None:
+            return self.decode(self.encode(text))
+        out = []
+        for piece in self._split.split(text):
+            if not piece:
+                continue
+            if piece in self._added:
+                out.append(piece)
+                continue
+            ids, decoded = self._piece(piece)
+            if decoded is None:
+                decoded = self.decode(ids)
+                if piece in self._pieces:
+                    self._pieces[piece] = (ids, decoded)
+            out.append(decoded)
+        return "".join(out)
 
     def template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool) -> str:
         return render_template(self.chat_template, messages, add_generation_prompt, self.specials, **self._extra)
@@ -219,6 +277,9 @@ def as_chat_tokenizer(tok: Any) -> ChatTokenizer:
     if hasattr(tok, "apply_chat_template"):
         return TransformersChat(tok)
     raise ConfigError(f"{type(tok).__name__} is not a chat tokenizer")
+
+
+_PIECE_CACHE_CHARS = 64 * 1024 * 1024  # the encoded pieces kept per tokenizer (characters of text)
 
 
 @lru_cache(maxsize=8)
