@@ -53,3 +53,30 @@ def test_no_boundary_that_fits_is_a_clear_error(tmp_path, tok):
     data.write_text(json.dumps(traj("x/1", n=4, obs=2000)) + "\n")
     with pytest.raises(PalimpsestError, match="no Stage II boundary fits max_history_tokens=50"):
         build_datasets(data, tok, tmp_path / "ds", DataConfig(max_history_tokens=50))
+
+
+def test_training_histories_are_the_served_chat(tmp_path, tok):
+    """Train like you serve: a Stage II history is exactly the chat the serving path builds from the ledger
+    for the memory (same module, same roles, same ids). Its summary is the same chat at brief rendering (its
+    placeholders name steps by t: ledger ids are global to a ledger and differ between deployments)."""
+    from palimpsest.pipelines.remory_data import stage2_samples
+    from palimpsest.pipelines.trajectories import import_trajectory, read_trajectories
+    from palimpsest.platform import Ledger, Runtime
+    from palimpsest.platform.chat import chat_ids, raw_history_messages
+    from palimpsest.platform.tokens import as_chat_tokenizer
+
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps(traj("tr/serve", n=5, obs=5)) + "\n")
+    (tr,) = read_trajectories(data).trajectories
+    rows = list(stage2_samples(tr, tok, DataConfig(max_history_tokens=5000)))
+    rt = Runtime(Ledger(tmp_path / "l.db"))
+    import_trajectory(rt.ledger, tr)
+    rt.enrich(tr.id)
+    chat = as_chat_tokenizer(tok)
+    for row in rows:
+        snap = rt.snapshot(tr.id, at=row["t"])
+        served = chat_ids(chat, raw_history_messages(snap.session, snap.steps)).all  # what serving encodes
+        assert row["history"] == served
+        # the summary side is the same chat at brief rendering: every step's assistant line, then its brief
+        text = tok.decode(row["summary"])
+        assert text.count("brief summary; glimpse(#") == snap.t and text.endswith("<|im_end|>\n")

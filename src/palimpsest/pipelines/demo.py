@@ -35,7 +35,7 @@ def run_demo(out: Console, data: Path, trajectory: str | None, budget: int, rt: 
                   f"into {led.path}; keys by {rt.embedder.name}, tokens by {led.tokenizer.name}")
         turns: dict[str, CompiledTurn] = {p: rt.turn(sid, p, budget) for p in ("full", "pace", "ace")}
         snap = rt.snapshot(sid)
-    full_tokens = int(snap.tokens[:, 0].sum()) + snap.prefix_tokens
+    full_tokens = rt.compile(snap, rt.policy("full"), 1 << 40).prompt.tokens  # the whole history, exactly
 
     summary = Table("policy", "tokens", "of full history", "full", "detailed", "brief", "placeholder", "drop",
                     "degraded", title=f"{sid}: context before step {turns['pace'].t}, budget {budget}")
