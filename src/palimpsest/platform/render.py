@@ -143,8 +143,3 @@ def step_text(step: Step | StepRecord, step_id: int, resolution: Resolution, bod
     """The contents of a step's messages, joined: what the ledger counts (an estimate the compiler then
     corrects with the exact ids of the assembled chat)."""
     return "\n".join(c for _, c in step_messages(step, step_id, resolution, body))
-
-
-def render_fold(text: str, upto: int) -> str:
-    return f"## Summary of steps 0..{upto - 1}\n{text.rstrip()}\n\n"
-

@@ -16,7 +16,7 @@ from pydantic import Field
 
 from palimpsest.platform.abstraction import RuleSummarizer
 from palimpsest.platform.policies.base import PolicyConfigBase, PolicyDeps, Reasons, new_plan, recency
-from palimpsest.platform.render import gist, render_fold
+from palimpsest.platform.render import gist
 from palimpsest.platform.types import Fold, RenderPlan, Resolution
 
 if TYPE_CHECKING:
@@ -76,7 +76,10 @@ class RollingSummaryPolicy:
         omitted += n_all - len(kept)
         lines = ([f"({omitted} earlier steps omitted)"] if omitted else []) + kept[::-1]
         text = "\n".join(lines)
-        return Fold(upto=stop, text=text, tokens=self.deps.tokenizer.count(render_fold(text, stop)), producer=self.producer)
+        from palimpsest.platform.chat import fold_message  # the prompt's own rendering of the summary block
+
+        size = self.deps.tokenizer.count(fold_message(Fold(stop, text, 0, self.producer))["content"])
+        return Fold(upto=stop, text=text, tokens=size, producer=self.producer)
 
     def plan(self, snap: "SessionSnapshot", budget: int) -> RenderPlan:
         m, k = snap.t, self.cfg.keep_last
