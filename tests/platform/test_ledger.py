@@ -3,7 +3,7 @@ import multiprocessing as mp
 import numpy as np
 import pytest
 
-from palimpsest.platform import Authority, Ledger, LedgerError, UnknownSessionError, UnknownStepError
+from palimpsest.platform import Authority, Ledger, LedgerError, StepRecord, UnknownSessionError, UnknownStepError
 from palimpsest.platform.abstraction import RuleSummarizer
 from tests.helpers import TASK, step
 
@@ -172,3 +172,24 @@ def test_authority_is_stored_with_the_step(ledger):
     ledger.create_session("s", TASK)
     st = ledger.append("s", step(0, "reply", "ok, thanks", kind="respond", authority=Authority.USER))
     assert st.authority is Authority.USER and st.tokens["full"] > 0
+
+
+def test_concurrent_appends_without_t_each_get_the_next_t(ledger_url):
+    """24 writers append to one session at once without naming t: all 24 are stored, t = 0..23, none refused."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    setup = Ledger(ledger_url)
+    setup.create_session("c", "task")
+
+    def write(i: int) -> int:
+        led = Ledger(ledger_url)  # one connection per writer, as replicas have
+        try:
+            return led.append_next("c", StepRecord(t=0, kind="bash", action=f"echo {i}", observation=str(i))).t
+        finally:
+            led.close()
+
+    with ThreadPoolExecutor(8) as pool:
+        ts = list(pool.map(write, range(24)))
+    assert sorted(ts) == list(range(24))
+    assert sorted(s.action for s in setup.snapshot("c").steps) == sorted(f"echo {i}" for i in range(24))
+    setup.close()

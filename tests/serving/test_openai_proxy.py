@@ -54,3 +54,26 @@ def test_a_list_without_a_task_is_refused():
 def test_text_content_parts_are_read():
     p = parse_messages([ChatMessage(role="user", content=[{"type": "text", "text": "solve it"}])])
     assert p.task == "solve it"
+
+
+def test_no_message_is_dropped_whatever_the_sequence_of_roles():
+    chat = msgs(("system", "be careful"), ("user", "fix the bug"), ("assistant", "I will look first."),
+                ("assistant", "ls"), ("tool", "a.py"), ("tool", "b.py"), ("system", "budget: 3 more steps"),
+                ("assistant", "cat a.py"), ("system", "the sandbox restarted"), ("assistant", "cat a.py"),
+                ("user", "def f(): ..."), ("user", "also check b.py"), ("assistant", "cat b.py"))
+    p = parse_messages(chat)
+    got = [(s.action, s.observation, s.authority) for s in p.steps]
+    assert got == [("I will look first.", None, Authority.MODEL),
+                   ("ls", "a.py\nb.py\nbudget: 3 more steps", Authority.TOOL),
+                   ("cat a.py", "the sandbox restarted", Authority.SYSTEM),
+                   ("cat a.py", "def f(): ...\nalso check b.py", Authority.TOOL)]
+    # only the trailing action waits for its result; every earlier message's text is in a step
+    texts = "\n".join(f"{a}\n{o}" for a, o, _ in got)
+    assert all(m.content in texts for m in chat[2:-1])
+
+
+def test_content_the_text_actor_cannot_read_is_refused_by_position():
+    image = [ChatMessage(role="user", content=[{"type": "text", "text": "what is this?"},
+                                               {"type": "image_url", "image_url": {"url": "data:..."}}])]
+    with pytest.raises(PalimpsestError, match=r"messages\[1\]\.content\[1\]: a 'image_url' content part"):
+        parse_messages(msgs(("system", "s")) + image)

@@ -200,6 +200,9 @@ def compile_plan(snap: "SessionSnapshot", plan: RenderPlan, budget: int, tokeniz
     else:  # pragma: no cover - each round degrades a step, drops the fold or tightens a cap
         raise BudgetError(f"could not fit session {snap.session.id!r} into {budget} tokens")
 
+    # What the whole history would cost, from the stored per-step counts (an estimate: serving reports the
+    # tokens a turn saved against it without encoding the whole history every turn).
+    plan.info["full_tokens_estimate"] = prefix_tokens + int(np.maximum(costs[:, Resolution.FULL], 0).sum())
     plan.resolution = level.astype(np.int8)
     plan.degraded = np.concatenate(degraded) if degraded else np.zeros((0, 3), dtype=np.int64)
     if caps:

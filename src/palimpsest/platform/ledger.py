@@ -252,8 +252,14 @@ class Ledger:
         """Store one raw step durably; returns only after the commit. Idempotent for identical content."""
         return self.append_many(session_id, [record])[0]
 
-    def append_many(self, session_id: str, records: Sequence[StepRecord]) -> list[Step]:
-        """Store several steps in one transaction (all or nothing)."""
+    def append_next(self, session_id: str, record: StepRecord) -> Step:
+        """Store one step as the session's next one: its ``t`` is assigned under the session's lock, so
+        concurrent appends of one session each get their own t (``record.t`` is ignored)."""
+        return self.append_many(session_id, [record], assign_t=True)[0]
+
+    def append_many(self, session_id: str, records: Sequence[StepRecord], assign_t: bool = False) -> list[Step]:
+        """Store several steps in one transaction (all or nothing). With ``assign_t`` the records are the next
+        steps whatever their ``t`` says (t assigned under the session's lock)."""
         for r in records:
             _validate_record(session_id, r)
         out: list[int] = []
@@ -264,6 +270,8 @@ class Ledger:
                 raise UnknownSessionError(f"unknown session {session_id!r}")
             (next_t,) = db.execute("SELECT COUNT(*) FROM steps WHERE session_id=?", (session_id,)).fetchone()
             for r in records:
+                if assign_t:
+                    r = replace(r, t=next_t)
                 digest = r.sha256()
                 row = db.execute("SELECT id, sha256 FROM steps WHERE session_id=? AND t=?",
                                  (session_id, r.t)).fetchone()

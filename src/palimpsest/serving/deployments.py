@@ -48,7 +48,8 @@ class Actor:
         """``request``: {"ids": [...]} or {"context": [...], "bridge": [...]} (+ max_tokens, temperature, seed,
         logprobs), or {"embeds": tensor}. ``memory`` (the encoder's reply) adds its soft span between
         context and bridge; the reply carries the memory's own timing so the ingress can break latency down."""
-        params = {k: request[k] for k in ("max_tokens", "temperature", "seed", "logprobs") if request.get(k) is not None}
+        params = {k: request[k] for k in ("max_tokens", "temperature", "seed", "logprobs", "top_p", "stop")
+                  if request.get(k) is not None}
         soft = memory["soft"] if memory else None
         if "embeds" in request:
             out = await self.engine.generate(embeds=request["embeds"], **params)

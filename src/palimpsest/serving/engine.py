@@ -87,7 +87,8 @@ class ActorEngine:
 
     async def generate(self, *, ids: list[int] | None = None, embeds: torch.Tensor | None = None,
                        max_tokens: int | None = None, temperature: float = 0.0, seed: int | None = None,
-                       logprobs: int | None = None) -> dict[str, Any]:
+                       logprobs: int | None = None, top_p: float | None = None,
+                       stop: list[str] | None = None) -> dict[str, Any]:
         """Exactly one of ``ids`` or ``embeds``; returns the text, token ids, prompt/cached token counts, ms."""
         from vllm import SamplingParams
 
@@ -111,7 +112,8 @@ class ActorEngine:
         limit = min(max_tokens or self.cfg.max_tokens, self.cfg.max_model_len - n_prompt)
         if limit < 1:
             raise ConfigError(f"the prompt has {n_prompt} positions: no room left to generate in {self.cfg.max_model_len}")
-        params = SamplingParams(max_tokens=limit, temperature=temperature, seed=seed, logprobs=logprobs)
+        params = SamplingParams(max_tokens=limit, temperature=temperature, seed=seed, logprobs=logprobs,
+                                top_p=1.0 if top_p is None else top_p, stop=stop or None)
         t0 = time.perf_counter()
         (p,) = await self.engine.renderer.render_cmpl_async([prompt])
         last = None

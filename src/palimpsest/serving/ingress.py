@@ -167,10 +167,11 @@ class Ingress:
         if size > self.cfg.limits.max_step_chars:
             raise HTTPProblem(413, f"the step has {size} characters; at most {self.cfg.limits.max_step_chars} are accepted")
         ledger = self.runtime.ledger
-        t = body.t if body.t is not None else await asyncio.to_thread(ledger.count, session_id)
-        rec = StepRecord(t=t, kind=body.kind, thought=body.thought, action=body.action, observation=body.observation,
-                         authority=body.authority, tool=body.tool)
-        step = await asyncio.to_thread(ledger.append, session_id, rec)
+        rec = StepRecord(t=body.t or 0, kind=body.kind, thought=body.thought, action=body.action,
+                         observation=body.observation, authority=body.authority, tool=body.tool)
+        # Without t the step is the next one: t is assigned under the session's lock (concurrent appends each get
+        # their own); with t the idempotent and conflict rules apply.
+        step = await asyncio.to_thread(ledger.append if body.t is not None else ledger.append_next, session_id, rec)
         self._enqueue(session_id)
         return StepOut(session_id=ext, step_id=step.id, t=step.t)
 
@@ -233,7 +234,8 @@ class Ingress:
         soft = self.memory_info["models"][mem]["max_slots"] if mem is not None else 0
         req = TurnRequest(session_id=sid, policy=self.policies[arm], budget=budget,
                           max_tokens=body.max_tokens or self.cfg.actor.max_tokens, temperature=body.temperature,
-                          seed=body.seed, soft_positions=soft)
+                          seed=body.seed, soft_positions=soft,
+                          sampling={k: v for k, v in (("top_p", body.top_p), ("stop", body.stop)) if v is not None})
         if req.max_tokens + soft >= budget:
             raise HTTPProblem(422, f"max_tokens: {req.max_tokens} (+ {soft} soft positions) leaves no room in the "
                                    f"budget of {budget}")
@@ -249,7 +251,8 @@ class Ingress:
         ct = res.compiled
         tokens = {"context": ct.prompt.tokens, "prefix": ct.prompt.prefix_tokens, "soft": res.soft_tokens,
                   "prompt": res.prompt_tokens, "completion": res.completion_tokens, "cached": res.cached_tokens,
-                  "reserve": ct.prompt.reserve, "generations": res.generations}
+                  "reserve": ct.prompt.reserve, "generations": res.generations, "prompt_total": res.prompt_tokens_total,
+                  "full_history_estimate": ct.plan.info.get("full_tokens_estimate", ct.prompt.tokens)}
         latency = res.latency
         await asyncio.to_thread(self.runtime.ledger.record_served, sid, ct.t, arm, {
             **{f"tokens_{k}": v for k, v in tokens.items()}, **{f"{k}_ms": v for k, v in latency.items()},
@@ -319,14 +322,18 @@ class Ingress:
         if await asyncio.to_thread(record):
             self._enqueue(sid)
         max_tokens = body.max_completion_tokens or body.max_tokens
-        turn = await self._turn(sid, TurnIn(max_tokens=max_tokens, temperature=body.temperature or 0.0, seed=body.seed))
+        stop = [body.stop] if isinstance(body.stop, str) else body.stop
+        turn = await self._turn(sid, TurnIn(max_tokens=max_tokens, seed=body.seed, top_p=body.top_p, stop=stop,
+                                            temperature=1.0 if body.temperature is None else body.temperature))
         return {
             "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
             "model": self.actor_info["model"],
             "choices": [{"index": 0, "message": {"role": "assistant", "content": turn.action},
                          "finish_reason": turn.finish_reason or "stop", "logprobs": None}],
-            "usage": {"prompt_tokens": turn.tokens["prompt"], "completion_tokens": turn.tokens["completion"],
-                      "total_tokens": turn.tokens["prompt"] + turn.tokens["completion"]},
+            # every generation of the turn (a glimpse round is one more), and what the compiled context saved
+            "usage": {"prompt_tokens": turn.tokens["prompt_total"], "completion_tokens": turn.tokens["completion"],
+                      "total_tokens": turn.tokens["prompt_total"] + turn.tokens["completion"],
+                      "context_tokens_saved": max(turn.tokens["full_history_estimate"] - turn.tokens["context"], 0)},
             "palimpsest": {"session_id": ext, "arm": turn.arm, "t": turn.t, "plan": turn.plan, "tokens": turn.tokens,
                            "latency_ms": turn.latency_ms, "glimpses": turn.glimpses},
         }

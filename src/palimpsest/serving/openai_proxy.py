@@ -1,11 +1,14 @@
-"""OpenAI chat messages -> a session and its steps.
+"""OpenAI chat messages -> a session and its steps. Every message is recorded or refused; none is dropped.
 
 An agent framework resends its whole message list every turn. The proxy reads it as: leading
 system/developer messages = the session's system prompt, the first user message = the task, then each
-assistant message with the user/tool messages that follow it = one step (action, observation). A step is
-recorded once its observation has arrived; a trailing assistant message without one is not recorded
-yet. Matching is by position and content hash: steps already in the ledger must hash the same (resending
-history is a no-op), a changed one is a conflict, new ones are appended.
+assistant message with the user/tool/system messages that follow it = one step (action, observation). An
+assistant message followed directly by another is a step without an observation. Messages that come
+before any action (a user or system speaking twice) are a step of their own. A step is recorded once its
+observation has arrived; only a trailing assistant message (the latest action, whose result is yet to
+come) waits. Matching is by position and content hash: steps already in the ledger must hash the same
+(resending history is a no-op), a changed one is a conflict, new ones are appended. Content the text
+actor cannot read (images, audio, files) is refused with an error naming the message and part.
 """
 
 from __future__ import annotations
@@ -19,15 +22,19 @@ class HistoryConflict(PalimpsestError):
     """The message list rewrites history the ledger already holds."""
 
 
-def _text(content) -> str:
+def _text(content, where: str = "content") -> str:
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     parts = []
-    for p in content:  # OpenAI content parts: keep the text ones
+    for j, p in enumerate(content):  # OpenAI content parts: text is read, anything else is refused
         if isinstance(p, dict) and p.get("type") in ("text", "input_text") and isinstance(p.get("text"), str):
             parts.append(p["text"])
+            continue
+        kind = p.get("type") if isinstance(p, dict) else type(p).__name__
+        raise PalimpsestError(f"{where}[{j}]: a {kind!r} content part cannot be read by the text actor "
+                              "(send text parts only)")
     return "\n".join(parts)
 
 
@@ -52,15 +59,15 @@ class ParsedChat:
 def parse_messages(messages, user_after_action: str = "tool") -> ParsedChat:
     """``user_after_action``: the authority of user messages that answer an assistant action (``tool``: agents
     such as mini-swe-agent send command output as user messages; ``user``: they are the principal's words).
-    A ``tool`` message is always TOOL output."""
+    A ``tool`` message is always TOOL output, a system message mid-conversation SYSTEM."""
     i, n = 0, len(messages)
     system = []
     while i < n and messages[i].role in ("system", "developer"):
-        system.append(_text(messages[i].content))
+        system.append(_text(messages[i].content, f"messages[{i}].content"))
         i += 1
     if i >= n or messages[i].role != "user":
         raise PalimpsestError("the message list needs a user message (the task) after the system messages")
-    task = _text(messages[i].content)
+    task = _text(messages[i].content, f"messages[{i}].content")
     if not task.strip():
         raise PalimpsestError("the first user message (the task) is empty")
     i += 1
@@ -68,28 +75,45 @@ def parse_messages(messages, user_after_action: str = "tool") -> ParsedChat:
     while i < n:
         m = messages[i]
         if m.role != "assistant":
-            # Users may speak twice in a row before the agent acts: fold it into the task's step 0 as an observation.
-            obs, j = [], i
+            # Messages before any action of this step (the principal, or the operator, speaking again).
+            j = i
             while j < n and messages[j].role != "assistant":
-                obs.append(_text(messages[j].content))
                 j += 1
-            steps.append(StepRecord(t=len(steps), kind="message", action="", observation="\n".join(obs),
-                                    authority=Authority.USER))
+            group = messages[i:j]
+            roles = {g.role for g in group}
+            authority = (Authority.TOOL if roles & {"tool", "function"} else
+                         Authority.SYSTEM if roles <= {"system", "developer"} else Authority.USER)
+            steps.append(StepRecord(t=len(steps), kind="message", action="",
+                                    observation="\n".join(_text(g.content, f"messages[{k}].content")
+                                                          for k, g in zip(range(i, j), group)),
+                                    authority=authority))
             i = j
             continue
-        action = "\n".join(x for x in (_text(m.content), _tool_calls(m)) if x)
+        action = "\n".join(x for x in (_text(m.content, f"messages[{i}].content"), _tool_calls(m)) if x)
         j = i + 1
-        obs_msgs = []
         while j < n and messages[j].role != "assistant":
-            obs_msgs.append(messages[j])
             j += 1
+        obs_msgs = messages[i + 1: j]
         if not obs_msgs:
-            break  # the latest action has no observation yet: recorded with it next time
-        tool_said = any(o.role in ("tool", "function") for o in obs_msgs)
-        authority = Authority.TOOL if tool_said or user_after_action == "tool" else Authority.USER
+            if j >= n:
+                break  # the latest action has no observation yet: recorded with it next time
+            # another assistant message follows: this one has no observation, ever
+            steps.append(StepRecord(t=len(steps), kind="respond", action=action,
+                                    observation=None, authority=Authority.MODEL))
+            i = j
+            continue
+        roles = {o.role for o in obs_msgs}
+        if roles & {"tool", "function"}:
+            authority = Authority.TOOL
+        elif roles <= {"system", "developer"}:
+            authority = Authority.SYSTEM
+        else:
+            authority = Authority.TOOL if user_after_action == "tool" else Authority.USER
         tool = next((o.name for o in obs_msgs if o.role in ("tool", "function") and o.name), None)
         steps.append(StepRecord(t=len(steps), kind="tool_call" if authority is Authority.TOOL else "message",
-                                action=action, observation="\n".join(_text(o.content) for o in obs_msgs),
+                                action=action,
+                                observation="\n".join(_text(o.content, f"messages[{k}].content")
+                                                      for k, o in zip(range(i + 1, j), obs_msgs)),
                                 authority=authority, tool=tool))
         i = j
     return ParsedChat(system="\n\n".join(s for s in system if s), task=task, steps=steps)

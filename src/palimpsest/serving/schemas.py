@@ -75,6 +75,8 @@ class TurnIn(_In):
     max_tokens: int | None = Field(None, ge=1, le=8192)
     temperature: float = Field(0.0, ge=0.0, le=2.0)
     seed: int | None = Field(None, ge=0, le=2**32 - 1)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stop: list[str] | None = Field(None, max_length=4)
 
 
 class TurnOut(BaseModel):
@@ -130,6 +132,19 @@ class ChatIn(_Text):
     max_completion_tokens: int | None = Field(None, ge=1, le=8192)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     seed: int | None = Field(None, ge=0, le=2**32 - 1)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stop: str | list[str] | None = Field(None, description="up to 4 stop sequences")
+    response_format: dict[str, Any] | None = Field(None, description="only {\"type\": \"text\"} is served")
     user: str | None = None
     stream: bool | None = False
     n: int | None = Field(1, ge=1, le=1)
+
+    @model_validator(mode="after")
+    def _honoured(self) -> "ChatIn":
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("stop: at most 4 non-empty sequences")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise ValueError("response_format: only {\"type\": \"text\"} is served (structured outputs are not "
+                             "enabled on this actor)")
+        return self

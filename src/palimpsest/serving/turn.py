@@ -53,6 +53,7 @@ class TurnResult:
     finish_reason: str | None
     glimpses: list[int]
     prompt_tokens: int  # the ids of the last generation (soft positions included)
+    prompt_tokens_total: int  # summed over every generation of the turn
     completion_tokens: int  # summed over every generation of the turn
     generations: int
     soft_tokens: int
@@ -94,13 +95,14 @@ async def run_turn(rt: Runtime, req: TurnRequest, generate: Generate, glimpse_li
     messages = list(ct.prompt.messages)
     context, bridge = list(ct.prompt.context_ids), list(ct.prompt.bridge_ids)
     glimpsed: list[int] = []
-    actor_ms, completion, generations = 0.0, 0, 0
+    actor_ms, completion, generations, prompt_total = 0.0, 0, 0, 0
     tok = rt.ledger.tokenizer
     while True:
         out = await generate({**request, "context": context, "bridge": bridge}, memory)
         generations += 1
         actor_ms += out["actor_ms"]
         completion += len(out["token_ids"])
+        prompt_total += out["prompt_tokens"]
         step_id = glimpse_call(out["text"])
         if step_id is None or len(glimpsed) >= glimpse_limit:
             break
@@ -117,7 +119,8 @@ async def run_turn(rt: Runtime, req: TurnRequest, generate: Generate, glimpse_li
     total_ms = (time.perf_counter() - t_start) * 1000
     return TurnResult(
         compiled=ct, text=out["text"], finish_reason=out.get("finish_reason"), glimpses=glimpsed,
-        prompt_tokens=out["prompt_tokens"], completion_tokens=completion, generations=generations,
+        prompt_tokens=out["prompt_tokens"], prompt_tokens_total=prompt_total, completion_tokens=completion,
+        generations=generations,
         soft_tokens=out["soft_tokens"], cached_tokens=out["cached_tokens"],
         latency={"plan": plan_ms, "embed": embed_ms, "memory": float(out.get("memory_ms", 0.0)), "actor": actor_ms,
                  "total": total_ms},
