@@ -26,6 +26,8 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
+import numpy as np
+
 from palimpsest.platform.render import head_tail, observation_role, step_messages
 from palimpsest.platform.tokens import ChatTokenizer
 from palimpsest.platform.types import Fold, Resolution, Session, Step, StepRecord
@@ -167,19 +169,20 @@ def history_messages(snap: "SessionSnapshot", level, fold: Fold | None, ranges: 
     spans: list[tuple[int, int, int]] = []
     if fold is not None:
         msgs.append(fold_message(fold))
-    m = len(level)
-    i = 0
+    level = np.asarray(level)
     drop = int(Resolution.DROP)
-    while i < m:
-        lv = int(level[i])
+    # Only the shown steps and the starts of hidden runs are visited: O(shown + runs), not O(M).
+    shown = np.flatnonzero(level < drop)
+    hidden = np.concatenate([[False], level == drop, [False]]).astype(np.int8)
+    edges = np.flatnonzero(np.diff(hidden))
+    runs = {int(a): int(b) - 1 for a, b in zip(edges[::2], edges[1::2])} if ranges else {}
+    order = sorted(set(shown.tolist()) | set(runs)) if runs else shown.tolist()
+    levels = level[order].tolist() if len(order) else []
+    for i, lv in zip(order, levels):
         if lv == drop:
-            j = i
-            while j + 1 < m and int(level[j + 1]) == drop:
-                j += 1
-            if ranges:
-                spans.append((i, len(msgs), 1))
-                msgs.append(range_message(snap.steps[i], snap.steps[j], j - i + 1))
-            i = j + 1
+            j = runs[i]
+            spans.append((i, len(msgs), 1))
+            msgs.append(range_message(snap.steps[i], snap.steps[j], j - i + 1))
             continue
         res = Resolution(lv)
         step = snap.steps[i]
@@ -187,7 +190,6 @@ def history_messages(snap: "SessionSnapshot", level, fold: Fold | None, ranges: 
                               elide=(elide or {}).get(i))
         spans.append((i, len(msgs), len(parts)))
         msgs.extend(message(role, content) for role, content in parts)
-        i += 1
     return msgs, spans
 
 

@@ -47,9 +47,14 @@ def validate_budget(budget: object) -> int:
 
 
 def _messages_per_step(snap: "SessionSnapshot") -> np.ndarray:
-    """(M,) how many messages a step renders as: its turn and its result, or one of them."""
-    return np.fromiter(((1 + ((bool(s.action or s.thought)) and s.observation is not None)) for s in snap.steps),
-                       dtype=np.int64, count=snap.t)
+    """(M,) how many messages a step renders as: its turn and its result, or one of them (built once per
+    snapshot; ``SessionSnapshot.upto`` slices it)."""
+    cached = snap._memo.get("messages_per_step")
+    if cached is None or cached.shape[0] != snap.t:
+        cached = np.fromiter(((1 + ((bool(s.action or s.thought)) and s.observation is not None)) for s in snap.steps),
+                             dtype=np.int64, count=snap.t)
+        snap._memo["messages_per_step"] = cached
+    return cached
 
 
 def _costs(snap: "SessionSnapshot", overhead: int) -> np.ndarray:

@@ -109,7 +109,8 @@ class SessionSnapshot:
         return replace(
             self, steps=self.steps[:t], step_ids=self.step_ids[:t], tokens=self.tokens[:t],
             bodies=tuple(b[:t] for b in self.bodies), keys=self.keys[:t], has_key=self.has_key[:t],
-            abstractions=self.abstractions[:t], _memo={},
+            abstractions=self.abstractions[:t],
+            _memo={k: v[:t] for k, v in self._memo.items() if k == "messages_per_step"},
             folds=dict(folds) if folds is not None else {k: f for k, f in self.folds.items() if f.upto <= t},
             last_context_tokens=dict(last_context_tokens) if last_context_tokens is not None else {},
         )
