@@ -2,7 +2,8 @@
 
 For every strong need of every step (token, last_obs_step), checks whether the token appears in the
 source step's full, detailed, brief and placeholder texts, and reports the share and the mean token
-cost of each resolution. These shares are pace_plus's default ``coverage``.
+cost of each resolution. A diagnostic that reads the need labels: pace_plus's default ``coverage`` is
+fitted without them (benchmarks/fit_pace_plus.py), and this table shows how close that estimate is.
 
     python benchmarks/coverage.py [--data FILE] [--ledger .palimpsest/replay-smollm2.db]
 

@@ -42,8 +42,9 @@ def synthetic_step(rng: random.Random, t: int) -> StepRecord:
                       tool=cmd.split()[0])
 
 
-def build(path: Path, m: int, seed: int = 0) -> tuple[Ledger, Runtime, float]:
-    led = Ledger(path, synchronous="NORMAL")  # bulk load; the durability of one append is not what is measured
+def build(path: Path, m: int, seed: int = 0, tokenizer: str | None = None) -> tuple[Ledger, Runtime, float]:
+    # bulk load; the durability of one append is not what is measured
+    led = Ledger(path, tokenizer=tokenizer, synchronous="NORMAL")
     rt = Runtime(led)
     led.create_session("bench", TASK, system="You are a coding agent.")
     rng = random.Random(seed)
@@ -85,13 +86,19 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=16_000)
     ap.add_argument("--repeat", type=int, default=21)
     ap.add_argument("--json", action="store_true", help="print the results as JSON only")
+    ap.add_argument("--tokenizer", default="smollm2",
+                    help="smollm2 (the actor's tokenizer and chat template: what is served), approx, or a path")
     args = ap.parse_args()
+    if args.tokenizer == "smollm2":
+        from palimpsest.models.assets import smollm2_tokenizer_dir
+
+        args.tokenizer = str(smollm2_tokenizer_dir())
     sizes = [int(s) for s in args.sizes.split(",")]
     results = {"machine": f"{platform.machine()}, {platform.python_version()}, {__import__('os').cpu_count()} cpus",
-               "budget": args.budget, "repeat": args.repeat, "sizes": {}}
+               "budget": args.budget, "repeat": args.repeat, "tokenizer": Path(args.tokenizer).name, "sizes": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for m in sizes:
-            led, rt, build_s = build(Path(tmp) / f"m{m}.db", m)
+            led, rt, build_s = build(Path(tmp) / f"m{m}.db", m, tokenizer=args.tokenizer)
             r = measure(rt, args.budget, args.repeat)
             r["build_and_enrich_s"] = round(build_s, 1)
             results["sizes"][m] = r

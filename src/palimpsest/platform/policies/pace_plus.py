@@ -58,13 +58,14 @@ class PacePlusConfig(PolicyConfigBase):
     eta: float = Field(0.5, ge=0.0, le=10.0, description="weight of identifier overlap in the hybrid score")
     kappa: float = Field(0.3, ge=0.0, le=10.0, description="weight of the recency prior in the hybrid score")
     half_life: float = Field(8.0, gt=0.0, description="h: steps over which the recency prior halves")
-    fill: float = Field(0.5, gt=0.0, le=1.0, description="share of the budget the allocation may spend")
+    fill: float = Field(1.0, gt=0.0, le=1.0, description="share of the budget the allocation may spend")
     price: float = Field(0.002, ge=0.0, description="an upgrade must add at least this much value per token")
     rho: float = Field(0.5, ge=0.0, le=2.0, description="value grows as (number of identifiers a step holds)^rho")
-    # Measured on the dev trajectories: the share of later-needed tokens of a step that its placeholder
-    # (0.014), brief (0.62), detailed (0.947) and full text (1.0) contain (benchmarks/coverage.py).
+    # coverage, fill and price are fitted without need labels on half of the dev trajectories
+    # (benchmarks/fit_pace_plus.py): coverage is the share of a step's identifiers each rendering keeps;
+    # fill and price the cheapest grid point within 0.005 of the best label-free action-identifier recall.
     coverage: tuple[float, float, float, float] = Field(
-        (0.02, 0.6, 0.95, 1.0), description="expected share of needed facts kept at placeholder, brief, detailed, full")
+        (0.182, 0.62, 0.869, 1.0), description="expected share of a step's facts kept at placeholder, brief, detailed, full")
 
     @field_validator("coverage")
     @classmethod
