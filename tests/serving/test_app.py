@@ -150,6 +150,7 @@ def test_the_chat_endpoint_records_every_message_and_refuses_what_it_cannot_hono
     assert audit[-1]["t"] == 2  # two steps recorded: "Let me look." (no result), "ls" with "a.py" and "go on"
     bad = [({"response_format": {"type": "json_object"}}, "response_format"), ({"n": 2}, "n"),
            ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+           ({"tools": [{"type": "function", "function": {"name": "ls"}}]}, "tools"), ({"foo": 1}, "foo"),
            ({"messages": msgs[:1] + [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
             "messages[1].content[0]")]
     for patch, field in bad:

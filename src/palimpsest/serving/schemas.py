@@ -147,4 +147,15 @@ class ChatIn(_Text):
         if self.response_format is not None and self.response_format.get("type") != "text":
             raise ValueError("response_format: only {\"type\": \"text\"} is served (structured outputs are not "
                              "enabled on this actor)")
+        for name, value in (self.model_extra or {}).items():
+            if name in _IGNORABLE or (name in _UNSET_ONLY and value in (None, False, 0, [], {}, "none", "auto")):
+                continue
+            raise ValueError(f"{name}: not served by this endpoint (nothing is ignored silently; remove the field)")
         return self
+
+
+# Fields an OpenAI client may send that change nothing here (bookkeeping, or options of what is not served
+# when they are unset), and fields accepted only unset: anything else is refused by name.
+_IGNORABLE = frozenset({"metadata", "store", "service_tier", "parallel_tool_calls", "stream_options"})
+_UNSET_ONLY = frozenset({"tools", "tool_choice", "functions", "function_call", "logprobs", "top_logprobs",
+                         "logit_bias", "presence_penalty", "frequency_penalty", "modalities", "audio", "prediction"})
