@@ -60,7 +60,8 @@ serve: $(STAMP)
 # Every policy on the dev trajectories at 16K, with the report (plots) in out/replay-dev-16k.
 replay: $(STAMP)
 	$(VENV)/bin/palimpsest replay --data ../shared/data/trajectories/dev.jsonl \
-		--policy full,window,rolling_summary,pace,ace,pace_plus --budget 16000 --out out/replay-dev-16k
+		--policy full,last2,window,rolling_summary,pace,pace_task_first,ace,pace_plus --budget 16000 \
+		--policy-config configs/replay/reference.yaml --out out/replay-dev-16k
 	$(VENV)/bin/palimpsest report out/replay-dev-16k
 
 clean:
