@@ -36,7 +36,7 @@ from palimpsest.platform.policies import parse_policy_config
 from palimpsest.platform.types import Resolution
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from replay_dev import default_data, runtime  # noqa: E402
+from replay_dev import RESERVE, default_data, runtime  # noqa: E402
 
 PREVIOUS = {"coverage": (0.02, 0.6, 0.95, 1.0), "fill": 0.5, "price": 0.002}  # chosen on all of dev, with labels
 FILLS = (0.3, 0.5, 0.7, 1.0)
@@ -101,7 +101,7 @@ def main() -> None:
         for fill in FILLS:
             for price in PRICES:
                 cfg = parse_policy_config({"type": "pace_plus", "coverage": coverage, "fill": fill, "price": price})
-                m = run_replay(rt, fit, {"x": cfg}, budget, timer=timer).summary["policies"]["x"]
+                m = run_replay(rt, fit, {"x": cfg}, budget, timer=timer, reserve=RESERVE).summary["policies"]["x"]
                 grid[(budget, fill, price)] = (m["action_id_recall"] or 0.0, m["mean_tokens"])
                 print(f"  fit b={budget} fill={fill} price={price}: action-id recall {m['action_id_recall']}, "
                       f"{m['mean_tokens']} tokens", flush=True)
@@ -128,7 +128,7 @@ def main() -> None:
               "grid": {f"{b}/{f}/{p}": {"action_id_recall": r, "mean_tokens": t} for (b, f, p), (r, t) in grid.items()},
               "report": {}}
     for budget in budgets:
-        s = run_replay(rt, report, policies, budget, timer=timer).summary
+        s = run_replay(rt, report, policies, budget, timer=timer, reserve=RESERVE).summary
         result["report"][budget] = s["policies"]
         print(f"\nreport half at {budget}:\n| policy | mean tokens | strong recall | far recall | 20+ | action-id recall |")
         print("|---|---|---|---|---|---|")

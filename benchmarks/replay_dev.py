@@ -28,6 +28,10 @@ POLICIES = ["full", "last2", "window", "rolling_summary", "pace", "pace_task_fir
 VARIANTS = {"last2": {"type": "window", "k": 2}, "pace_task_first": {"type": "pace", "query": "task_first"}}
 
 
+# Every prompt keeps room for the reply, as serving does (the serve config's default actor.max_tokens).
+RESERVE = 128
+
+
 def configs() -> dict:
     return {p: parse_policy_config(VARIANTS.get(p, p)) for p in POLICIES}
 
@@ -50,7 +54,7 @@ def match_tokens(rt, timer, data, budget, make, values, target) -> tuple[object,
     best = None
     for v in values:
         cfg = make(v)
-        m = run_replay(rt, data, {"x": cfg}, budget, timer=timer).summary["policies"]["x"]
+        m = run_replay(rt, data, {"x": cfg}, budget, timer=timer, reserve=RESERVE).summary["policies"]["x"]
         gap = abs(m["mean_tokens"] - target)
         if best is None or gap < best[0]:
             best = (gap, cfg, m)
@@ -73,7 +77,7 @@ def main() -> None:
     report: dict = {"data": str(args.data), "budgets": {}}
     for budget in budgets:
         t0 = time.perf_counter()
-        res = run_replay(rt, args.data, configs(), budget, timer=timer)
+        res = run_replay(rt, args.data, configs(), budget, timer=timer, reserve=RESERVE)
         write_outputs(res, args.out / f"b{budget}")
         pols = res.summary["policies"]
         target = pols["pace_plus"]["mean_tokens"]
@@ -99,7 +103,7 @@ def main() -> None:
               f"(20+: {rs['recall_by_distance']['20+']})\n", flush=True)
     if not args.no_concat:
         for budget in budgets:
-            res = run_replay(rt, args.data, configs(), budget, concat=True, timer=timer)
+            res = run_replay(rt, args.data, configs(), budget, concat=True, timer=timer, reserve=RESERVE)
             write_outputs(res, args.out / f"concat-b{budget}")
             report["budgets"][budget]["concat"] = res.summary
             print(summary_markdown(res.summary))

@@ -46,21 +46,25 @@ def test_import_render_glimpse_audit_round_trip(tmp_path, data):
 
 
 def test_render_json_is_exactly_what_the_actor_receives(tmp_path, data):
-    cli("import", str(data), cwd=tmp_path)
-    r = cli("render", "--session", "demo/1", "--policy", "pace", "--budget", "300", "--max-tokens", "64", "--json",
-            "--tokenizer", "approx", cwd=tmp_path)
-    assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout)  # stdout holds the JSON object and nothing else
-    from palimpsest.platform.tokens import ApproxTokenizer
+    """With SmolLM2's tokenizer: the ids are the model's own encoding of the text shown, they fit the budget
+    with max_tokens, and stdout holds the JSON object and nothing else."""
+    from tokenizers import Tokenizer
 
-    tok = ApproxTokenizer()
+    from palimpsest.models.assets import smollm2_tokenizer_dir
+
+    cli("import", str(data), "--embedder", "hashing", cwd=tmp_path)
+    r = cli("render", "--session", "demo/1", "--policy", "pace", "--budget", "300", "--max-tokens", "64", "--json",
+            "--embedder", "hashing", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    raw = Tokenizer.from_file(str(smollm2_tokenizer_dir() / "tokenizer.json"))
     ids = out["prompt_token_ids"]
     assert len(ids) + out["max_tokens"] <= out["budget"] == 300 and out["max_tokens"] == 64
-    assert out["tokens"]["prompt"] == len(ids) == out["tokens"]["prefix"] + out["tokens"]["history"]
-    # the ids are the model's template over the messages, and they decode to the text shown
-    assert tok.encode(tok.template(out["messages"], True)) == tok.encode(out["prompt_text"])
-    assert len(tok.encode(out["prompt_text"])) == len(ids)
-    assert [m["role"] for m in out["messages"][:2]] == ["system", "user"]
+    assert raw.encode(out["prompt_text"], add_special_tokens=False).ids == ids  # independent re-encoding
+    assert raw.decode(ids, skip_special_tokens=False) == out["prompt_text"]
+    assert out["prompt_text"].startswith("<|im_start|>system\nbe careful") and "glimpse(#ID)" in out["prompt_text"]
+    assert 0 < out["tokens"]["tools"] < out["tokens"]["prefix"] < out["tokens"]["prompt"] == len(ids)
+    assert [m["role"] for m in out["messages"][:3]] == ["system", "user", "assistant"]
     assert [p["t"] for p in out["plan"]] == list(range(6)) and out["plan"][-1]["resolution"] == "full"
 
 

@@ -153,10 +153,10 @@ def render(
     if as_json:
         spans = {s.t: s for s in p.segments if s.t is not None and s.kind == "step"}
         prefix = sum(1 for s in p.segments if s.kind in ("system", "task"))
-        from palimpsest.platform.chat import GLIMPSE_TOOL
+        from palimpsest.platform.chat import tool_tokens
 
         history = p.tokens - p.prefix_tokens
-        tools = len(rt.ledger.tokenizer.encode(GLIMPSE_TOOL + ("\n\n## Tools\n" + sess.tools.strip() if sess.tools else "")))
+        tools = tool_tokens(rt.ledger.tokenizer, sess)
         print(json.dumps({
             "session": session, "t": turn.t, "policy": turn.plan.policy, "config_hash": turn.plan.config_hash,
             "tokenizer": rt.ledger.tokenizer.name, "budget": budget, "max_tokens": reserve,
@@ -164,8 +164,9 @@ def render(
             "soft_slot": len(p.context_ids),
             "tokens": {"prompt": p.tokens, "prefix": p.prefix_tokens, "history": history, "tools": tools, "soft": 0,
                        "max_tokens": reserve, "total": p.tokens + reserve},
-            "prefix_messages": prefix, "parts": "prefix holds the system message (tools included) and the task; "
-                                                 "history the rest, with the assistant prompt", "prompt_hash": p.prompt_hash, "prefix_hash": p.prefix_hash,
+            "prefix_messages": prefix, "parts": "prompt = prefix + history; prefix is the system message and the task "
+                                                 "(tools: what the tool declarations add to it); soft is 0 here: a "
+                                                 "memory arm adds its soft positions when serving", "prompt_hash": p.prompt_hash, "prefix_hash": p.prefix_hash,
             "elided": turn.plan.info.get("elided", []),
             "plan": [{"t": e.t, "step_id": e.step_id, "resolution": e.resolution.label, "reason": e.reason,
                       "score": e.score, "messages": list(spans[e.t].messages) if e.t in spans else None}
@@ -256,7 +257,9 @@ def replay(
     policy_config: Optional[Path] = typer.Option(None, "--policy-config", help="YAML: one config, or labels -> configs"),
     concat: bool = typer.Option(False, "--concat", help="replay all trajectories as one continuous session"),
     as_json: bool = typer.Option(False, "--json", help="print the summary JSON to stdout and nothing else"),
-    max_tokens: int = typer.Option(0, "--max-tokens", min=0, help="tokens each prompt keeps free for the reply"),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", min=0,
+                                             help="tokens each prompt keeps free for the reply (default: the serve "
+                                                  "config's actor.max_tokens, as serving reserves it)"),
     ledger: Optional[Path] = typer.Option(None, "--ledger", help="cache ledger (default .palimpsest/replay-<tokenizer>.db)"),
     embedder: str = EmbedderOpt,
     tokenizer: str = TokenizerOpt,
@@ -271,6 +274,11 @@ def replay(
     from palimpsest.pipelines.replay import TimedEmbedder, run_replay, summary_markdown, write_outputs
 
     validate_budget(budget)
+    from palimpsest.serving.config import ActorConfig
+
+    reserve = ActorConfig().max_tokens if max_tokens is None else max_tokens
+    if reserve >= budget:
+        raise PalimpsestError(f"--max-tokens ({reserve}) must be below the budget ({budget})")
     policies = _policy_set(policy, policy_config)
     if not data.is_file():
         raise PalimpsestError(f"trajectory file not found: {data}")
@@ -279,7 +287,7 @@ def replay(
     timer = rt.embedder
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err, transient=True) as bar:
-        result = run_replay(rt, data, policies, budget, concat=concat, timer=timer, progress=bar, reserve=max_tokens)
+        result = run_replay(rt, data, policies, budget, concat=concat, timer=timer, progress=bar, reserve=reserve)
     rt.ledger.close()
     write_outputs(result, out_dir)
     if mlflow:

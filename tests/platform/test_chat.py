@@ -201,3 +201,44 @@ def test_the_exact_count_holds_when_stored_counts_underestimate(smol, monkeypatc
         for budget in (roomy // 2, roomy - 40, roomy + 10):
             p = smol.turn("s1", policy, budget, reserve=16, record=False).prompt
             assert p.tokens + 16 <= budget
+
+
+@pytest.fixture(scope="module")
+def big_session(smol_dir, tmp_path_factory):
+    led = Ledger(str(tmp_path_factory.mktemp("big") / "l.db"), smol_dir)
+    rt = Runtime(led)
+    led.create_session("b", "Fix the bug in settings/loader.py")
+    for t in range(20):
+        rt.append("b", StepRecord(t=t, kind="bash", action=f"grep -n key_{t} settings/mod_{t}.py",
+                                  observation=f"mod_{t}.py:3: key_{t} = env['key_{t}']"))
+    log = "FIRST\n" + "".join(f"line {i}: value={i * 7}\n" for i in range(9000)) + "LAST"
+    rt.append("b", StepRecord(t=20, kind="bash", action="cat big.log", observation=log))
+    yield rt, log
+    led.close()
+
+
+@pytest.mark.parametrize("policy", ["full", "pace", "pace_plus", "rolling_summary"])
+def test_an_oversized_latest_step_leaves_the_rest_of_the_history_in_place(big_session, policy):
+    """A 60K-token output at budget 8192: shown head and tail within half the room, and the 20 earlier steps
+    (which fit easily) are still all shown in full."""
+    rt, log = big_session
+    ct = rt.turn("b", policy, 8192, reserve=256, record=False)
+    assert ct.prompt.tokens + 256 <= 8192
+    assert (ct.plan.resolution[:20] == Resolution.FULL).all()
+    assert "FIRST" in ct.prompt.text and "LAST" in ct.prompt.text and "elided; glimpse(#" in ct.prompt.text
+    assert ct.prompt.tokens > 0.4 * (8192 - 256)  # the room is used, not thrown away
+
+
+def test_a_glimpse_inside_a_turn_shows_what_the_budget_leaves(big_session):
+    from palimpsest.platform.chat import with_glimpse
+
+    rt, log = big_session
+    ct = rt.turn("b", "pace", 8192, reserve=256, record=False)
+    step = rt.ledger.step_at("b", 20)
+    room = 8192 - 256
+    msgs, ids = with_glimpse(rt.ledger.tokenizer, list(ct.prompt.messages), step.id, log, room)
+    assert len(ids) <= room
+    shown = msgs[-1]["content"]
+    assert msgs[-2] == {"role": "assistant", "content": f"glimpse(#{step.id})"} and msgs[-1]["role"] == "tool"
+    assert "FIRST" in shown and "LAST" in shown and len(shown) > 0.25 * (room - ct.prompt.tokens) * 3
+    assert with_glimpse(rt.ledger.tokenizer, list(ct.prompt.messages), step.id, log, ct.prompt.tokens + 2) is None

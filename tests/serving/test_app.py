@@ -136,7 +136,7 @@ def test_an_openai_client_gets_context_management_by_changing_its_base_url(serve
     assert r.status_code == 400 and "session" in r.json()["error"]
 
 
-def test_the_chat_endpoint_records_every_message_and_refuses_what_it_cannot_honour(client):
+def test_the_chat_endpoint_records_every_message_and_refuses_what_it_cannot_honour(server, client):
     msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "Fix the failing test in settings"},
             {"role": "assistant", "content": "Let me look."}, {"role": "assistant", "content": "ls"},
             {"role": "tool", "content": "a.py", "tool_call_id": "c1"}, {"role": "user", "content": "go on"}]
@@ -144,13 +144,20 @@ def test_the_chat_endpoint_records_every_message_and_refuses_what_it_cannot_hono
                                                   "stop": ["\n\n"], "top_p": 0.9, "seed": 1})
     assert r.status_code == 200, r.text
     usage = r.json()["usage"]
-    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
     assert usage["prompt_tokens"] >= r.json()["palimpsest"]["tokens"]["context"] and "context_tokens_saved" in usage
+    tools = [{"type": "function", "function": {"name": "run_shell", "parameters": {"type": "object"}}}]
+    r = client.post("/v1/chat/completions", json={"messages": msgs, "user": "tools-1", "max_tokens": 2,
+                                                  "tools": tools, "tool_choice": "auto"})
+    assert r.status_code == 200, r.text
+    assert "run_shell" in Ledger(server.cfg.ledger).session("alice::tools-1").tools  # recorded with the session
+    other = [{"type": "function", "function": {"name": "other"}}]
+    r = client.post("/v1/chat/completions", json={"messages": msgs, "user": "tools-1", "tools": other})
+    assert r.status_code == 409 and "tools" in r.json()["error"]
     audit = client.get("/v1/sessions/all-1/audit").json()["turns"]
     assert audit[-1]["t"] == 2  # two steps recorded: "Let me look." (no result), "ls" with "a.py" and "go on"
     bad = [({"response_format": {"type": "json_object"}}, "response_format"), ({"n": 2}, "n"),
            ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
-           ({"tools": [{"type": "function", "function": {"name": "ls"}}]}, "tools"), ({"foo": 1}, "foo"),
+           ({"tool_choice": "required"}, "tool_choice"), ({"foo": 1}, "foo"),
            ({"messages": msgs[:1] + [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
             "messages[1].content[0]")]
     for patch, field in bad:

@@ -77,3 +77,24 @@ def test_content_the_text_actor_cannot_read_is_refused_by_position():
                                                {"type": "image_url", "image_url": {"url": "data:..."}}])]
     with pytest.raises(PalimpsestError, match=r"messages\[1\]\.content\[1\]: a 'image_url' content part"):
         parse_messages(msgs(("system", "s")) + image)
+
+
+def test_sessions_recorded_under_the_other_reading_of_user_output_stay_valid():
+    """A session whose command output (user messages after actions) was recorded as the principal's words
+    keeps working after the default reading becomes tool output: resending it is not a conflict."""
+    old = parse_messages(CHAT, user_after_action="user")
+    new = parse_messages(CHAT)  # default: tool
+    assert old.steps[0].sha256() != new.steps[0].sha256()
+    assert new_steps([s.sha256() for s in old.steps], new.steps, new.alternates) == []
+    with pytest.raises(HistoryConflict):  # a real change is still a conflict
+        changed = parse_messages(CHAT[:3] + msgs(("user", "a.py c.py")) + CHAT[4:])
+        new_steps([s.sha256() for s in old.steps], changed.steps, changed.alternates)
+
+
+def test_with_the_user_reading_the_principal_speaking_after_tool_output_is_a_user_step():
+    chat = CHAT + msgs(("user", "now also fix b.py"), ("assistant", "cat b.py"), ("tool", "x"),
+                       ("system", "2 steps left"), ("user", "hurry"))
+    p = parse_messages(chat, user_after_action="user")
+    got = [(s.action, s.observation, s.authority) for s in p.steps]
+    assert got[1:] == [("cat a.py", "def f(): ...", Authority.TOOL), ("", "now also fix b.py", Authority.USER),
+                       ("cat b.py", "x\n2 steps left\nhurry", Authority.TOOL)]

@@ -40,7 +40,6 @@ def test_evaluate_compares_the_three_students_at_their_positions(setup):
     pos = res["positions"]
     assert pos["summary_plus_text"] == pos["summary_memory"] > pos["summary"]  # equal budget for text and memory
     assert all(v >= 0 for v in res["kl"].values()) and 0 <= res["top1"]["summary"] <= 1
-    assert res["gap_closed"] is not None and res["gap_closed"] <= 1.0
     assert res == evaluate(load_bundle(bundle), actor, rows, max_boundaries=5)  # the sample is deterministic
 
 

@@ -32,7 +32,7 @@ def resolve_actor_path(model: str) -> Path:
         return smollm2_dir()
     path = Path(model).expanduser().resolve()
     if not (path / "config.json").is_file():
-        raise ConfigError(f"actor model {model!r}: no HF model folder there (config.json missing)")
+        raise ConfigError(f"actor model {model!r}: {path} holds no HF model (config.json missing)")
     return path
 
 

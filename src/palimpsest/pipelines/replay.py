@@ -245,7 +245,8 @@ def _prefix_text(snap: SessionSnapshot) -> str:
 @lru_cache(maxsize=65536)
 def _pattern(token: str) -> re.Pattern:
     """A match of ``token`` that is not glued inside a longer identifier (``id_42`` does not match ``id_423``)."""
-    left = r"(?<![\w])" if re.match(r"\w", token[:1]) else ""
+    # ... nor a step id or index of the prompt's own markup (`#438`, `t=438`) mistaken for a number needed
+    left = r"(?<![\w#])(?<!t=)" if re.match(r"\w", token[:1]) else ""
     right = r"(?![\w])" if re.match(r"\w", token[-1:]) else ""
     return re.compile(left + re.escape(token) + right)
 

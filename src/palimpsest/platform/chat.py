@@ -80,7 +80,7 @@ def with_glimpse(tokenizer: "ChatTokenizer", messages: Sequence[dict], step_id: 
     """``messages`` with a glimpse of step ``step_id`` appended, its text cut (head and tail, marked) so that
     the ids stay within ``room``; None when not even a notice fits (the turn then ends with what it has)."""
     cap = len(text)
-    for _ in range(8):
+    for _ in range(12):
         shown = text if cap >= len(text) else head_tail(
             text, cap * 2 // 3, cap - cap * 2 // 3,
             f"\n[... {len(text) - cap} characters of step #{step_id} elided for the budget ...]\n")
@@ -90,8 +90,10 @@ def with_glimpse(tokenizer: "ChatTokenizer", messages: Sequence[dict], step_id: 
             return msgs, ids
         if cap == 0:
             break
-        per_token = max(len(shown), 1) / max(len(tokenizer.encode(shown)), 1)
-        cap = max(int(cap - (len(ids) - room + 8) * per_token * 1.2), 0)
+        # Shrink in proportion: the text's own tokens against what the room leaves for them.
+        own = max(len(tokenizer.encode(shown)), 1)
+        fits = own - (len(ids) - room)
+        cap = 0 if fits <= 8 else min(int(cap * fits / own * 0.95), cap - 1)
     msgs = list(messages) + glimpse_messages(step_id, "(too long for the budget)")
     ids = chat_ids(tokenizer, msgs)
     return (msgs, ids) if len(ids) <= room else None
@@ -130,7 +132,7 @@ def prefix_tokens(tokenizer: ChatTokenizer, session: Session) -> int:
 
 def prefix_size(tokenizer: ChatTokenizer, prefix: list[dict]) -> int:
     """``len(chat_ids(tokenizer, prefix))``, remembered: a session's prefix is the same on every turn."""
-    key = (tokenizer.name, prefix[0]["content"], prefix[1]["content"])
+    key = (getattr(tokenizer, "key", tokenizer.name), prefix[0]["content"], prefix[1]["content"])
     n = _PREFIX.get(key)
     if n is None:
         n = len(chat_ids(tokenizer, prefix))
@@ -143,16 +145,25 @@ def prefix_size(tokenizer: ChatTokenizer, prefix: list[dict]) -> int:
 _PREFIX: dict[tuple[str, str, str], int] = {}
 
 
+def tool_tokens(tokenizer: ChatTokenizer, session: Session) -> int:
+    """Tokens the tool declarations (the session's and the glimpse tool) add to the prefix: the exact prefix
+    minus the exact prefix without them."""
+    bare = [message("system", session.system.strip() or DEFAULT_SYSTEM),
+            message("user", session.task.strip() or "(no task)")]
+    return prefix_tokens(tokenizer, session) - len(chat_ids(tokenizer, bare))
+
+
 def message_overhead(tokenizer: ChatTokenizer) -> int:
     """Tokens the template adds around one message's content (ChatML: ``<|im_start|>role\n`` ... ``<|im_end|>\n``),
     measured once per tokenizer: the planning estimate of a step adds it per message."""
-    cached = _OVERHEAD.get(tokenizer.name)
+    key = getattr(tokenizer, "key", tokenizer.name)
+    cached = _OVERHEAD.get(key)
     if cached is None:
         one = [message("system", "s"), message("user", "u")]
         two = one + [message("assistant", "a")]
         cached = max(len(tokenizer.encode(tokenizer.template(two, False)))
                      - len(tokenizer.encode(tokenizer.template(one, False))) - len(tokenizer.encode("a")), 0)
-        _OVERHEAD[tokenizer.name] = cached
+        _OVERHEAD[key] = cached
     return cached
 
 

@@ -37,6 +37,9 @@ if TYPE_CHECKING:
 _DROP = int(Resolution.DROP)
 #: The smallest share of each field of an oversized step that is still shown (characters, head + tail).
 MIN_ELIDE_CHARS = 120
+#: The share of the room (budget - reserve - prefix) an oversized pinned step is cut to, so the rest of the
+#: history still has the other half.
+ELIDE_SHARE = 0.5
 _MAX_ROUNDS = 64
 
 
@@ -121,18 +124,29 @@ def _longest_field(snap: "SessionSnapshot", i: int) -> int:
     return max(len(s.thought or ""), len(s.action or ""), len(s.observation or ""))
 
 
+def _cap_for(lengths: list[int], target: int) -> int:
+    """The per-field character cap c with sum(min(len, c)) about ``target`` (the long fields share the cut)."""
+    lengths = sorted(lengths)
+    left, n = target, len(lengths)
+    for k, length in enumerate(lengths):
+        if length * (n - k) >= left:
+            return max(left // max(n - k, 1), MIN_ELIDE_CHARS)
+        left -= length
+    return max(lengths[-1] if lengths else MIN_ELIDE_CHARS, MIN_ELIDE_CHARS)
+
+
 def _initial_caps(snap: "SessionSnapshot", costs: np.ndarray, pinned_idx: np.ndarray, room: int) -> dict[int, int]:
-    """Character caps that bring the pinned steps' estimated cost within ``room`` (each gets a share of it
-    in proportion to its size), or {} when they fit as they are."""
+    """Character caps that bring the pinned steps, when they do not fit ``room`` as they are, down to
+    ``ELIDE_SHARE`` of it (each in proportion to its size): the rest of the history keeps the other part."""
     full = costs[pinned_idx, Resolution.FULL]
     if int(full.sum()) <= room:
         return {}
     caps = {}
     for i, cost in zip(pinned_idx.tolist(), full.tolist()):
-        share = max(room, 0) * cost / max(int(full.sum()), 1)
-        chars = sum(len(x or "") for x in (snap.steps[i].thought, snap.steps[i].action, snap.steps[i].observation))
-        per_token = chars / max(cost, 1)
-        caps[i] = max(int(share * per_token * 0.9 / 2), MIN_ELIDE_CHARS)  # up to 2 long fields share it
+        share = max(room, 0) * ELIDE_SHARE * cost / max(int(full.sum()), 1)
+        fields = [len(x or "") for x in (snap.steps[i].thought, snap.steps[i].action, snap.steps[i].observation)]
+        per_token = sum(fields) / max(cost, 1)
+        caps[i] = _cap_for([f for f in fields if f], int(share * per_token * 0.9))
     return caps
 
 
@@ -163,8 +177,9 @@ def compile_plan(snap: "SessionSnapshot", plan: RenderPlan, budget: int, tokeniz
     pinned_idx = np.flatnonzero(pinned)
     level[pinned] = Resolution.FULL
     caps = _initial_caps(snap, costs, pinned_idx, room - prefix_tokens)
-    for i, cap in caps.items():  # the estimate of an elided step: its share of what is left
-        costs[i, Resolution.FULL] = min(int(costs[i, Resolution.FULL]), max(room - prefix_tokens, 0) // max(len(caps), 1))
+    for i in caps:  # the estimate of an elided step: its share of what is left
+        costs[i, Resolution.FULL] = min(int(costs[i, Resolution.FULL]),
+                                        int(max(room - prefix_tokens, 0) * ELIDE_SHARE) // max(len(caps), 1))
 
     fold = plan.fold
     fold_tokens = (fold.tokens + overhead) if fold is not None else 0

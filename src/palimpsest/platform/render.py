@@ -49,8 +49,8 @@ def render_full_body(step: Step | StepRecord) -> str:
 
 #: How many characters of a step's text the key embedding reads: its head and its tail, so an output
 #: whose verdict comes last (a test run, a traceback) is represented by both ends (docs/methods.md).
-KEY_HEAD_CHARS = 600
-KEY_TAIL_CHARS = 400
+KEY_HEAD_CHARS = 400
+KEY_TAIL_CHARS = 240
 
 
 def head_tail(text: str, head: int, tail: int, sep: str = "\n…\n") -> str:

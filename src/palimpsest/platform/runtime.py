@@ -6,6 +6,7 @@ this class, so what replay measures is what production serves.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import uuid
@@ -13,13 +14,27 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from palimpsest.platform.abstraction import RuleSummarizer, Summaries
-from palimpsest.platform.compiler import compile_plan, validate_budget
+from palimpsest.platform.compiler import ELIDE_SHARE, compile_plan, validate_budget
 from palimpsest.platform.embedding import Embedder, HashingEmbedder
 from palimpsest.platform.ledger import Ledger, SessionSnapshot
 from palimpsest.platform.policies import PolicyConfigBase, PolicyDeps, build_policy
 from palimpsest.platform.policies.base import ContextPolicy
 from palimpsest.platform.render import key_text, render_full_body
-from palimpsest.platform.types import CompiledTurn, GlimpseLimitError, Step, StepRecord
+from palimpsest.platform.types import CompiledTurn, GlimpseLimitError, Resolution, Step, StepRecord
+
+
+def _as_planned(snap: SessionSnapshot, budget: int) -> SessionSnapshot:
+    """The snapshot a policy plans on: a latest step too large for the budget counts as what the compiler will
+    show of it (head and tail, ``ELIDE_SHARE`` of the room), so the policy still plans the rest of the history."""
+    if not snap.t:
+        return snap
+    room = budget - snap.prefix_tokens
+    cap = int(max(room, 0) * ELIDE_SHARE)
+    if snap.tokens[-1, Resolution.FULL] <= room:
+        return snap
+    tokens = snap.tokens.copy()
+    tokens[-1, Resolution.FULL] = cap
+    return dataclasses.replace(snap, tokens=tokens)
 
 
 class Summarizer(Protocol):
@@ -116,7 +131,8 @@ class Runtime:
         """Plan and compile over a snapshot, with no side effect (the pure part of a turn). The prompt's ids
         plus ``reserve`` (the reply's max_tokens and any soft positions) fit ``budget``."""
         budget = validate_budget(budget)
-        plan = policy.plan(snap, budget - reserve if 0 <= reserve < budget else budget)
+        plan_budget = budget - reserve if 0 <= reserve < budget else budget
+        plan = policy.plan(_as_planned(snap, plan_budget), plan_budget)
         prompt = compile_plan(snap, plan, budget, self.ledger.tokenizer, reserve)
         return CompiledTurn(session_id=snap.session.id, t=snap.t, budget=budget, plan=plan, prompt=prompt)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
@@ -94,9 +95,10 @@ class ApproxTokenizer:
 
     Its ids index a process-wide table of the pieces seen so far, so they decode back to the text."""
 
-    name = "approx-v1"
+    name = key = "approx-v1"
     _vocab: dict[str, int] = {}
     _pieces: list[str] = []
+    _lock = threading.Lock()
 
     def count(self, text: str) -> int:
         return len(_APPROX.findall(text)) if text else 0
@@ -113,9 +115,11 @@ class ApproxTokenizer:
         for p in _PIECES.findall(text):
             i = vocab.get(p)
             if i is None:
-                i = vocab.setdefault(p, len(pieces))
-                if i == len(pieces):
-                    pieces.append(p)
+                with ApproxTokenizer._lock:
+                    i = vocab.get(p)
+                    if i is None:
+                        i = vocab[p] = len(pieces)
+                        pieces.append(p)
             out.append(i)
         return out
 
@@ -155,6 +159,8 @@ class HFTokenizer:
                        if self._added else None)
         self._pieces: dict[str, tuple[list[int], str | None]] = {}
         self._cached_chars = 0
+        self._lock = threading.Lock()  # turns encode from several worker threads
+        self.key = str(p.resolve())  # what caches are keyed by (two folders may share a name)
 
     def count(self, text: str) -> int:
         return len(self._tok.encode(text, add_special_tokens=False).ids) if text else 0
@@ -184,13 +190,14 @@ class HFTokenizer:
         hit = self._pieces.get(piece)
         if hit is None:
             hit = (self._tok.encode(piece, add_special_tokens=False).ids, None)
-            while self._pieces and self._cached_chars + len(piece) > _PIECE_CACHE_CHARS:
-                old = next(iter(self._pieces))
-                self._cached_chars -= len(old)
-                self._pieces.pop(old, None)
-            if len(piece) <= _PIECE_CACHE_CHARS:
-                self._pieces[piece] = hit
-                self._cached_chars += len(piece)
+            with self._lock:
+                while self._pieces and self._cached_chars + len(piece) > _PIECE_CACHE_CHARS:
+                    old = next(iter(self._pieces))
+                    self._cached_chars -= len(old)
+                    del self._pieces[old]
+                if len(piece) <= _PIECE_CACHE_CHARS and piece not in self._pieces:
+                    self._pieces[piece] = hit
+                    self._cached_chars += len(piece)
         return hit
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -211,8 +218,9 @@ class HFTokenizer:
             ids, decoded = self._piece(piece)
             if decoded is None:
                 decoded = self.decode(ids)
-                if piece in self._pieces:
-                    self._pieces[piece] = (ids, decoded)
+                with self._lock:
+                    if piece in self._pieces:
+                        self._pieces[piece] = (ids, decoded)
             out.append(decoded)
         return "".join(out)
 

@@ -50,6 +50,8 @@ class MemoryConfigServe(_Strict):
     stride: int = Field(8, ge=1, description="a compaction boundary every `stride` steps; the soft span is cached per boundary")
     max_history_tokens: int = Field(1024, ge=16, description="the memory reads at most this many history tokens")
     min_steps: int = Field(4, ge=1, description="no soft memory before this many steps")
+    max_field_chars: int = Field(4000, ge=100, description="each field of a step the memory reads is cut to this "
+                                 "(head and tail), as the training data builder cuts it (data.max_observation_chars)")
 
 
 class ArmConfig(_Strict):
@@ -197,6 +199,11 @@ class ServeConfig(_Strict):
             if budget is not None and budget > window:
                 raise ValueError(f"{name}: {budget} tokens exceeds the actor's window (actor.max_model_len={window}); "
                                  "the budget bounds what the actor receives")
+            uses_memory = any(a.memory for a in self.arms) if name == "budget" else next(
+                a.memory for a in self.arms if f"arms.{a.name}.budget" == name)
+            if budget is not None and uses_memory and budget > self.actor.max_embeds_len:
+                raise ValueError(f"{name}: {budget} tokens exceeds actor.max_embeds_len={self.actor.max_embeds_len}; "
+                                 "an arm with soft memory sends its whole prompt as embeddings")
             if budget is not None and budget <= self.actor.max_tokens:
                 raise ValueError(f"{name}: {budget} tokens leaves no room for the prompt after actor.max_tokens="
                                  f"{self.actor.max_tokens}")

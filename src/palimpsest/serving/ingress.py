@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import json
 import logging
 import time
 import uuid
@@ -279,7 +280,7 @@ class Ingress:
         if boundary < m.min_steps:
             return None
         steps = await asyncio.to_thread(lambda: self.runtime.ledger.snapshot(sid, upto=boundary).steps)
-        history = chat_ids(self.runtime.ledger.tokenizer, raw_history_messages(session, steps)).all
+        history = chat_ids(self.runtime.ledger.tokenizer, raw_history_messages(session, steps, m.max_field_chars)).all
         return self.memory.encode.remote(key, sid, boundary, history[-m.max_history_tokens:],
                                          list(ids)[-m.max_history_tokens:])
 
@@ -311,10 +312,13 @@ class Ingress:
                 raise HTTPProblem(413, f"step t={s.t} has {size} characters; at most {self.cfg.limits.max_step_chars}")
         ledger = self.runtime.ledger
         arm = self.router.choose(sid, request.headers.get(ARM_HEADER))
-        await asyncio.to_thread(ledger.create_session, sid, parsed.task, parsed.system, None, {"arm": arm})
+        # Tool declarations belong to the session's stable prefix: recorded with it, declared in the system message
+        # (a later request declaring other tools for the same session is a 409).
+        tools = json.dumps(body.tools, sort_keys=True, ensure_ascii=False) if body.tools else None
+        await asyncio.to_thread(ledger.create_session, sid, parsed.task, parsed.system, tools, {"arm": arm})
 
         def record() -> int:
-            fresh = new_steps(ledger.hashes(sid), parsed.steps)
+            fresh = new_steps(ledger.hashes(sid), parsed.steps, parsed.alternates)
             if fresh:
                 ledger.append_many(sid, fresh)
             return len(fresh)

@@ -13,7 +13,7 @@ actor cannot read (images, audio, files) is refused with an error naming the mes
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from palimpsest.platform.types import Authority, PalimpsestError, StepRecord
 
@@ -54,6 +54,9 @@ class ParsedChat:
     system: str
     task: str
     steps: list[StepRecord]
+    # per step, the hashes of the same messages under the other reading of a user message that answers an
+    # action (tool output or the principal's words): a session recorded under either reading stays valid
+    alternates: list[frozenset[str]] = field(default_factory=list)
 
 
 def parse_messages(messages, user_after_action: str = "tool") -> ParsedChat:
@@ -72,6 +75,7 @@ def parse_messages(messages, user_after_action: str = "tool") -> ParsedChat:
         raise PalimpsestError("the first user message (the task) is empty")
     i += 1
     steps: list[StepRecord] = []
+    alternates: list[frozenset[str]] = []
     while i < n:
         m = messages[i]
         if m.role != "assistant":
@@ -87,6 +91,7 @@ def parse_messages(messages, user_after_action: str = "tool") -> ParsedChat:
                                     observation="\n".join(_text(g.content, f"messages[{k}].content")
                                                           for k, g in zip(range(i, j), group)),
                                     authority=authority))
+            alternates.append(frozenset())
             i = j
             continue
         action = "\n".join(x for x in (_text(m.content, f"messages[{i}].content"), _tool_calls(m)) if x)
@@ -100,29 +105,51 @@ def parse_messages(messages, user_after_action: str = "tool") -> ParsedChat:
             # another assistant message follows: this one has no observation, ever
             steps.append(StepRecord(t=len(steps), kind="respond", action=action,
                                     observation=None, authority=Authority.MODEL))
+            alternates.append(frozenset())
             i = j
             continue
         roles = {o.role for o in obs_msgs}
+        said: list = []  # trailing user messages after tool output, when they are the principal's words
         if roles & {"tool", "function"}:
             authority = Authority.TOOL
+            if user_after_action == "user":
+                last_tool = max(k for k, o in enumerate(obs_msgs) if o.role in ("tool", "function"))
+                after = obs_msgs[last_tool + 1:]
+                if after and all(o.role == "user" for o in after):  # the principal spoke after the output
+                    said = [(i + 2 + last_tool + k, o) for k, o in enumerate(after)]
+                    obs_msgs = obs_msgs[: last_tool + 1]
         elif roles <= {"system", "developer"}:
             authority = Authority.SYSTEM
         else:
             authority = Authority.TOOL if user_after_action == "tool" else Authority.USER
         tool = next((o.name for o in obs_msgs if o.role in ("tool", "function") and o.name), None)
-        steps.append(StepRecord(t=len(steps), kind="tool_call" if authority is Authority.TOOL else "message",
-                                action=action,
-                                observation="\n".join(_text(o.content, f"messages[{k}].content")
-                                                      for k, o in zip(range(i + 1, j), obs_msgs)),
-                                authority=authority, tool=tool))
+        rec = StepRecord(t=len(steps), kind="tool_call" if authority is Authority.TOOL else "message",
+                         action=action,
+                         observation="\n".join(_text(o.content, f"messages[{k}].content")
+                                               for k, o in zip(range(i + 1, j), obs_msgs)),
+                         authority=authority, tool=tool)
+        steps.append(rec)
+        if roles <= {"user"}:  # the other reading of user messages that answer an action
+            other = Authority.USER if authority is Authority.TOOL else Authority.TOOL
+            alternates.append(frozenset({replace(rec, authority=other,
+                                                 kind="message" if other is Authority.USER else "tool_call").sha256()}))
+        else:
+            alternates.append(frozenset())
+        if said:
+            steps.append(StepRecord(t=len(steps), kind="message", action="",
+                                    observation="\n".join(_text(o.content, f"messages[{k}].content") for k, o in said),
+                                    authority=Authority.USER))
         i = j
-    return ParsedChat(system="\n\n".join(s for s in system if s), task=task, steps=steps)
+    alternates += [frozenset()] * (len(steps) - len(alternates))
+    return ParsedChat(system="\n\n".join(s for s in system if s), task=task, steps=steps, alternates=alternates)
 
 
-def new_steps(existing_hashes: list[str], steps: list[StepRecord]) -> list[StepRecord]:
-    """The steps not recorded yet; a recorded position whose content differs is a :class:`HistoryConflict`."""
+def new_steps(existing_hashes: list[str], steps: list[StepRecord],
+              alternates: list[frozenset[str]] | None = None) -> list[StepRecord]:
+    """The steps not recorded yet; a recorded position whose content differs (under every reading in
+    ``alternates``) is a :class:`HistoryConflict`."""
     for k, (have, step) in enumerate(zip(existing_hashes, steps)):
-        if have != step.sha256():
+        if have != step.sha256() and not (alternates and k < len(alternates) and have in alternates[k]):
             raise HistoryConflict(f"message list rewrites recorded step t={k} (messages are matched by position "
                                   "and content hash; recorded history cannot change)")
     if len(steps) < len(existing_hashes):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -76,7 +76,7 @@ class TurnIn(_In):
     temperature: float = Field(0.0, ge=0.0, le=2.0)
     seed: int | None = Field(None, ge=0, le=2**32 - 1)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    stop: list[str] | None = Field(None, max_length=4)
+    stop: list[Annotated[str, Field(min_length=1)]] | None = Field(None, max_length=4)
 
 
 class TurnOut(BaseModel):
@@ -135,6 +135,9 @@ class ChatIn(_Text):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stop: str | list[str] | None = Field(None, description="up to 4 stop sequences")
     response_format: dict[str, Any] | None = Field(None, description="only {\"type\": \"text\"} is served")
+    tools: list[dict[str, Any]] | None = Field(None, max_length=256, description="tool declarations: recorded with "
+                                               "the session (its stable prefix) and declared to the actor")
+    tool_choice: str | dict[str, Any] | None = Field(None, description="auto or none (forcing a call is not served)")
     user: str | None = None
     stream: bool | None = False
     n: int | None = Field(1, ge=1, le=1)
@@ -147,6 +150,9 @@ class ChatIn(_Text):
         if self.response_format is not None and self.response_format.get("type") != "text":
             raise ValueError("response_format: only {\"type\": \"text\"} is served (structured outputs are not "
                              "enabled on this actor)")
+        if self.tool_choice not in (None, "auto", "none"):
+            raise ValueError("tool_choice: only auto or none are served (forcing a tool call needs structured "
+                             "tool-call output, which this endpoint does not produce)")
         for name, value in (self.model_extra or {}).items():
             if name in _IGNORABLE or (name in _UNSET_ONLY and value in (None, False, 0, [], {}, "none", "auto")):
                 continue
@@ -157,5 +163,5 @@ class ChatIn(_Text):
 # Fields an OpenAI client may send that change nothing here (bookkeeping, or options of what is not served
 # when they are unset), and fields accepted only unset: anything else is refused by name.
 _IGNORABLE = frozenset({"metadata", "store", "service_tier", "parallel_tool_calls", "stream_options"})
-_UNSET_ONLY = frozenset({"tools", "tool_choice", "functions", "function_call", "logprobs", "top_logprobs",
+_UNSET_ONLY = frozenset({"functions", "function_call", "logprobs", "top_logprobs",
                          "logit_bias", "presence_penalty", "frequency_penalty", "modalities", "audio", "prediction"})

@@ -105,9 +105,10 @@ def scored_plan_start(snap: "SessionSnapshot", recent: int, embedder, policy: st
     return res, score, codes, reasons, idx
 
 
-#: The query's share of the embedder's window (MiniLM reads 256 word pieces, about 900 characters of
-#: prose and fewer of code): each recent step's head and tail, then the head of the task (docs/methods.md).
-QUERY_STEP_HEAD, QUERY_STEP_TAIL, QUERY_TASK_HEAD = 240, 120, 240
+#: The query's share of the embedder's window (MiniLM reads 256 word pieces: about 900 characters of prose,
+#: as few as ~650 of dense code or logs): each recent step's head and tail, then the head of the task, 640
+#: characters for N = 2 (docs/methods.md).
+QUERY_STEP_HEAD, QUERY_STEP_TAIL, QUERY_TASK_HEAD = 160, 80, 160
 QueryLayout = Literal["recent_first", "task_first"]
 
 
