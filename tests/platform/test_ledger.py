@@ -193,3 +193,13 @@ def test_concurrent_appends_without_t_each_get_the_next_t(ledger_url):
     assert sorted(ts) == list(range(24))
     assert sorted(s.action for s in setup.snapshot("c").steps) == sorted(f"echo {i}" for i in range(24))
     setup.close()
+
+
+def test_steps_are_read_in_pages(ledger):
+    ledger.create_session("p", "task")
+    ledger.append_many("p", [step(t, f"echo {t}", str(t)) for t in range(7)])
+    assert [s.t for s in ledger.steps("p", 0, 3)] == [0, 1, 2]
+    assert [s.action for s in ledger.steps("p", 5, 10)] == ["echo 5", "echo 6"]
+    assert ledger.steps("p", 7, 3) == []
+    with pytest.raises(UnknownSessionError):
+        ledger.steps("nope")

@@ -155,6 +155,12 @@ def test_the_chat_endpoint_records_every_message_and_refuses_what_it_cannot_hono
     assert r.status_code == 409 and "tools" in r.json()["error"]
     audit = client.get("/v1/sessions/all-1/audit").json()["turns"]
     assert audit[-1]["t"] == 2  # two steps recorded: "Let me look." (no result), "ls" with "a.py" and "go on"
+    steps = client.get("/v1/sessions/all-1/steps").json()
+    assert steps["total"] == 2 and steps["next"] is None
+    assert [(x["action"], x["observation"], x["authority"]) for x in steps["steps"]] == [
+        ("Let me look.", None, "model"), ("ls", "a.py\ngo on", "tool")]
+    page = client.get("/v1/sessions/all-1/steps", params={"start": 1, "limit": 1}).json()
+    assert [x["t"] for x in page["steps"]] == [1] and len(page["steps"][0]["sha256"]) == 64
     bad = [({"response_format": {"type": "json_object"}}, "response_format"), ({"n": 2}, "n"),
            ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
            ({"tool_choice": "required"}, "tool_choice"), ({"foo": 1}, "foo"),
@@ -235,6 +241,7 @@ def test_tenants_are_isolated_and_keys_are_required(client, bob, server):
     assert bob.post("/v1/sessions/shared-name/steps", json={"action": "ls"}).status_code == 404
     assert bob.post("/v1/sessions/shared-name/turn", json={}).status_code == 404
     assert bob.get("/v1/sessions/shared-name/audit").status_code == 404
+    assert bob.get("/v1/sessions/shared-name/steps").status_code == 404
     assert bob.post("/v1/sessions/shared-name/glimpse", json={"step_id": step_id}).status_code == 404
     # The same name is a different session for Bob, and Alice's step ids are not his to read through it.
     assert bob.post("/v1/sessions", json={"session_id": "shared-name", "task": "bob's task"}).json()["steps"] == 0

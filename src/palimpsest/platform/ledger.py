@@ -328,6 +328,13 @@ class Ledger:
             raise UnknownStepError(f"no step t={t} in session {session_id!r}")
         return _step_from_row(row)
 
+    def steps(self, session_id: str, start: int = 0, limit: int = 100) -> list[Step]:
+        """Steps ``start`` .. ``start + limit - 1`` of a session, in order (one query; for paging)."""
+        self.session(session_id)
+        rows = self._read(f"SELECT {_STEP_COLS} FROM steps WHERE session_id=? AND t>=? AND t<? ORDER BY t",
+                          (session_id, int(start), int(start) + int(limit)))
+        return [_step_from_row(r) for r in rows]
+
     def hashes(self, session_id: str) -> list[str]:
         """The content hash of every step of a session, in order (what idempotent re-sends match against)."""
         self.session(session_id)

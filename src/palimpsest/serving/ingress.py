@@ -18,7 +18,7 @@ import time
 import uuid
 from typing import Any
 
-from fastapi import Request
+from fastapi import Query, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from ray import serve
 
@@ -187,6 +187,19 @@ class Ingress:
         await self._ensure()
         text = await asyncio.to_thread(self.runtime.glimpse, self._tenant(request).internal(session_id), body.step_id)
         return GlimpseOut(session_id=session_id, step_id=body.step_id, text=text)
+
+    @app.get("/v1/sessions/{session_id:path}/steps", summary="The recorded steps of a session, paged")
+    async def list_steps(self, session_id: str, request: Request, start: int = Query(0, ge=0, le=2**53),
+                         limit: int = Query(100, ge=1, le=1000)) -> dict:
+        await self._ensure()
+        sid = self._tenant(request).internal(session_id)
+        steps = await asyncio.to_thread(self.runtime.ledger.steps, sid, start, limit)
+        total = await asyncio.to_thread(self.runtime.ledger.count, sid)
+        return {"session_id": session_id, "start": start, "total": total,
+                "next": start + len(steps) if start + len(steps) < total else None,
+                "steps": [{"t": s.t, "step_id": s.id, "kind": s.kind, "thought": s.thought, "action": s.action,
+                           "observation": s.observation, "authority": s.authority.value, "tool": s.tool,
+                           "sha256": s.sha256} for s in steps]}
 
     @app.get("/v1/sessions/{session_id:path}/audit", summary="Every audited turn of a session")
     async def audit(self, session_id: str, request: Request, plans: bool = False) -> dict:
