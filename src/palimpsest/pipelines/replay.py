@@ -34,6 +34,7 @@ from palimpsest.pipelines.trajectories import (
 from palimpsest.platform.embedding import Embedder
 from palimpsest.platform.ledger import SessionSnapshot
 from palimpsest.platform.policies import PolicyConfigBase
+from palimpsest.platform.render import own_words
 from palimpsest.platform.runtime import Runtime
 from palimpsest.platform.types import Authority, BudgetError, Fold, LedgerError, PalimpsestError, Resolution, StepRecord
 
@@ -266,7 +267,7 @@ def _check(text: str, turn, rs: ReplayStep, snap: SessionSnapshot, prefix_text: 
     for name, n in turn.plan.counts().items():
         out[f"n_{name}"] = n
     placeholders = {s.t for s in turn.prompt.segments if s.resolution is Resolution.PLACEHOLDER}
-    near = "\n".join(key_text_raw(snap.steps[i]) for i in range(max(0, snap.t - 2), snap.t))
+    near = "\n".join(own_words(snap.steps[i]) for i in range(max(0, snap.t - 2), snap.t))
     for need in rs.needs:
         hit = appears(need.token, text)
         if need.strength != "strong":
@@ -285,10 +286,6 @@ def _check(text: str, turn, rs: ReplayStep, snap: SessionSnapshot, prefix_text: 
             sources = getattr(need, "obs_steps", None) or [need.last_obs_step]
             out["recoverable"] += any(s + rs.offset in placeholders for s in sources)
     return out
-
-
-def key_text_raw(step) -> str:
-    return "\n".join(x for x in (step.thought, step.action, step.observation) if x)
 
 
 def _ratio(hits: int, total: int) -> float | None:

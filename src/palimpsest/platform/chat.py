@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from palimpsest.platform.render import head_tail, observation_role, step_messages
+from palimpsest.platform.render import head_tail, observation_role, render_placeholder_body, step_messages
 from palimpsest.platform.tokens import ChatTokenizer
 from palimpsest.platform.types import Fold, Resolution, Session, Step, StepRecord
 
@@ -214,8 +214,6 @@ def messages_at(session: Session, steps: Sequence[Step | StepRecord], resolution
         step_id = getattr(s, "id", s.t)
         body = None if bodies is None else bodies[k]
         if res is Resolution.PLACEHOLDER and body is None:
-            from palimpsest.platform.render import render_placeholder_body
-
             body = render_placeholder_body(s, step_id)
         msgs.extend(message(r, c) for r, c in step_messages(s, step_id, res, body, elide=max_field_chars))
     return msgs

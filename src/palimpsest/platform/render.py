@@ -60,11 +60,15 @@ def head_tail(text: str, head: int, tail: int, sep: str = "\n…\n") -> str:
     return text[:head] + sep + (text[-tail:] if tail else "")
 
 
+def own_words(step: Step | StepRecord) -> str:
+    """The step's own words (thought, action, observation), without the prompt's markup."""
+    return "\n".join(x for x in (step.thought, step.action, step.observation) if x)
+
+
 def key_text(step: Step | StepRecord) -> str:
-    """R_full as an embedder reads it: the step's own words, without the prompt's markup, as a head-and-tail
-    view that fits the embedder's window (MiniLM reads 256 word pieces)."""
-    return head_tail("\n".join(x for x in (step.thought, step.action, step.observation) if x),
-                     KEY_HEAD_CHARS, KEY_TAIL_CHARS)
+    """R_full as an embedder reads it: the step's own words as a head-and-tail view that fits the embedder's
+    window (MiniLM reads 256 word pieces)."""
+    return head_tail(own_words(step), KEY_HEAD_CHARS, KEY_TAIL_CHARS)
 
 
 def render_placeholder_body(step: Step | StepRecord, step_id: int) -> str:

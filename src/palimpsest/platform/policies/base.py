@@ -17,7 +17,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from palimpsest.platform.embedding import Embedder, HashingEmbedder
-from palimpsest.platform.render import head_tail, key_text
+from palimpsest.platform.render import head_tail, key_text, own_words
 from palimpsest.platform.tokens import ApproxTokenizer, Tokenizer
 from palimpsest.platform.types import ConfigError, Fold, RenderPlan, Resolution
 
@@ -121,7 +121,7 @@ def query_from(task: str, recent_steps, layout: QueryLayout = "recent_first") ->
     head of the task, so the last N steps are never cut."""
     if layout == "task_first":
         return "\n".join([task] + [key_text(s) for s in recent_steps])
-    parts = [head_tail("\n".join(x for x in (s.thought, s.action, s.observation) if x), QUERY_STEP_HEAD,
+    parts = [head_tail(own_words(s), QUERY_STEP_HEAD,
                        QUERY_STEP_TAIL) for s in reversed(list(recent_steps))]
     parts.append(task[:QUERY_TASK_HEAD])
     return "\n".join(parts)
