@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import socket
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ import torch
 from tests.models.tiny import tiny_actor
 from tests.models.tiny_tokenizer import tiny_tokenizer
 
+HERMES = Path(__file__).resolve().parents[2] / "configs" / "templates" / "hermes_tools.jinja"
 HIDDEN = 128  # vLLM's CPU attention needs head_dim >= 32: 2 heads of 64
 KEYS = {"alice": "alice-secret-key", "bob": "bob-secret-key"}
 
@@ -54,14 +56,17 @@ def free_port() -> int:
 def tiny_config(tiny_dir, memory_dir, ledger) -> dict:
     return {
         "ledger": str(ledger), "embedder": "hashing", "budget": 900,
-        "actor": {"model": str(tiny_dir), "max_model_len": 1024, "max_tokens": 6, "max_embeds_len": 1024},
+        "actor": {"model": str(tiny_dir), "max_model_len": 2048, "max_tokens": 6, "max_embeds_len": 2048,
+                  "chat_template": str(HERMES), "tool_parser": "hermes"},
         "summarizer": {"mode": "llm", "timeout_s": 10, "max_tokens": 16},
         "memory": {"model": str(memory_dir), "stride": 4, "min_steps": 4, "max_history_tokens": 256},
         "arms": [{"name": "pace", "policy": {"type": "pace"}, "weight": 1.0},
                  {"name": "pace+memory", "policy": {"type": "pace"}, "memory": True, "weight": 1.0},
                  {"name": "memory-b", "policy": {"type": "pace"}, "memory": True, "memory_model": str(memory_dir),
                   "weight": 0.0},
-                 {"name": "ace-llm", "policy": {"type": "ace", "elasticizer": "llm", "llm_window": 4}, "weight": 0.0}],
+                 {"name": "ace-llm", "policy": {"type": "ace", "elasticizer": "llm", "llm_window": 4}, "weight": 0.0},
+                 # tool declarations cost ~750 byte-level tokens of the tiny tokenizer: a wider budget
+                 {"name": "wide", "policy": {"type": "pace"}, "budget": 2000, "weight": 0.0}],
         "limits": {"max_step_chars": 20_000, "glimpses_per_turn": 3},
         "auth": {"tenants": {
             "alice": {"key_sha256": hashlib.sha256(KEYS["alice"].encode()).hexdigest(), "allow_prompt_embeds": True},

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import json
 import time
 
 import httpx
@@ -12,6 +13,7 @@ import torch
 from palimpsest.platform import Ledger
 from palimpsest.serving.ab import Router
 from palimpsest.serving.embeds import encode_embeds
+from palimpsest.serving.http import ARM_HEADER
 from tests.serving.conftest import KEYS
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.vllm]
@@ -169,6 +171,92 @@ def test_the_chat_endpoint_records_every_message_and_refuses_what_it_cannot_hono
     for patch, field in bad:
         r = client.post("/v1/chat/completions", json={"messages": msgs, "user": "all-2", **patch})
         assert r.status_code in (400, 422) and field in r.json()["error"], (patch, r.text)
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "run_shell", "description": "Run a shell command", "strict": True,
+    "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}}]
+
+
+def tool_history() -> list[dict]:
+    """A history with tools: an assistant tool call, its result, then two assistant messages in a row."""
+    return [{"role": "system", "content": "You are a careful agent."},
+            {"role": "user", "content": "Fix the failing test in settings"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_a", "type": "function", "function": {"name": "run_shell", "arguments": "{}"}},
+                {"id": "call_b", "type": "function", "function": {"name": "run_shell", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "call_a", "content": OBS},
+            {"role": "tool", "tool_call_id": "call_b", "content": "2 passed"},
+            {"role": "assistant", "content": "The loader reads database_url."},
+            {"role": "assistant", "content": "I will patch it."},
+            {"role": "user", "content": "go on"}]
+
+
+def test_the_openai_client_gets_tool_calls_and_streams_and_every_message_is_recorded(server, client):
+    openai = pytest.importorskip("openai")
+    oc = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEYS["alice"], default_headers={ARM_HEADER: "wide"})
+    model = oc.models.list().data[0].id
+    forced = {"type": "function", "function": {"name": "run_shell"}}
+    reply = oc.chat.completions.create(model=model, messages=tool_history(), tools=TOOLS, tool_choice=forced,
+                                       max_tokens=80, user="tc-1")
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "run_shell" and isinstance(json.loads(call.function.arguments), dict) and call.id
+    # the round trip: the call and its result go back, and the agent's next request records them
+    history = tool_history() + [choice.message.model_dump(exclude_none=True),
+                                {"role": "tool", "tool_call_id": call.id, "content": "ok"}]
+    chunks = list(oc.chat.completions.create(model=model, messages=history, tools=TOOLS, max_tokens=5, user="tc-1",
+                                             stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes and finishes[-1] in ("stop", "length", "tool_calls")
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
+    steps = client.get("/v1/sessions/tc-1/steps").json()["steps"]
+    by_t = {s["t"]: s for s in steps}
+    first = by_t[0]
+    assert [c["id"] for c in first["tool_calls"]] == ["call_a", "call_b"] and first["authority"] == "tool"
+    assert [(r["tool_call_id"], r["content"]) for r in first["results"]] == [("call_a", OBS), ("call_b", "2 passed")]
+    assert by_t[1]["action"] == "The loader reads database_url." and by_t[1]["observation"] is None
+    assert by_t[2]["action"] == "I will patch it." and by_t[2]["observation"] == "go on"
+    last = by_t[3]
+    assert last["tool_calls"][0]["id"] == call.id and last["tool_call_id"] == call.id
+    assert last["results"][0]["content"] == "ok" and last["authority"] == "tool"
+    audit = client.get("/v1/sessions/tc-1/audit").json()["turns"]
+    assert len(audit) == 2  # the streamed turn is audited as a non-streamed one
+
+
+def test_a_stream_is_server_sent_events_ending_in_done(server, client):
+    body = {"messages": tool_history()[:2], "user": "sse-1", "max_tokens": 4, "stream": True}
+    with client.stream("POST", "/v1/chat/completions", json=body, headers={ARM_HEADER: "wide"}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    turns = client.get("/v1/sessions/sse-1/audit").json()["turns"]
+    assert len(turns) == 1 and text is not None
+
+
+def test_tool_messages_that_answer_no_call_of_their_action_are_refused_by_field(client):
+    bad = tool_history()
+    bad[4] = {"role": "tool", "tool_call_id": "call_zzz", "content": "?"}
+    r = client.post("/v1/chat/completions", json={"messages": bad, "user": "tc-2", "tools": TOOLS})
+    assert r.status_code == 400 and "messages[4].tool_call_id" in r.json()["error"]
+    many = tool_history()
+    many[2]["tool_calls"] = [{"id": f"c{k}", "type": "function", "function": {"name": "run_shell", "arguments": "{}"}}
+                             for k in range(10_000)]
+    r = client.post("/v1/chat/completions", json={"messages": many, "user": "tc-3", "tools": TOOLS})
+    assert r.status_code in (413, 422) and "tool_calls" in r.json()["error"]
+    odd = tool_history()
+    odd[2]["tool_calls"][0]["function"]["arguments"] = "not json {"
+    r = client.post("/v1/chat/completions", json={"messages": odd, "user": "tc-4", "tools": TOOLS, "max_tokens": 2},
+                    headers={ARM_HEADER: "wide"})
+    assert r.status_code == 200, r.text  # recorded as the agent sent it: arguments are the agent's text
+    step = client.get("/v1/sessions/tc-4/steps").json()["steps"][0]
+    assert step["tool_calls"][0]["function"]["arguments"] == "not json {"
 
 
 def test_greedy_output_from_the_actors_own_embeddings_equals_output_from_ids(client, tiny_dir):

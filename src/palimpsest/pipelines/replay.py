@@ -219,7 +219,7 @@ def _full_sizes(rt: Runtime, snap: SessionSnapshot) -> np.ndarray:
     sizes = np.zeros(snap.t + 1, dtype=np.int64)
     sizes[0] = base
     for i, step in enumerate(snap.steps):
-        msgs = [message(r, c) for r, c in step_messages(step, step.id, Resolution.FULL, None)]
+        msgs = step_messages(step, step.id, Resolution.FULL, None)
         sizes[i + 1] = len(chat_ids(tok, prefix + msgs)) - base
     return base + np.concatenate([[0], np.cumsum(sizes[1:])])
 

@@ -22,6 +22,7 @@ with the step's text. The ids are ``context + [soft] + bridge``: the budget coun
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
@@ -51,13 +52,34 @@ def message(role: str, content: str) -> dict:
     return {"role": role, "content": content}
 
 
+def declared_tools(tools: str | None) -> list[dict] | None:
+    """A session's tool declarations when they are OpenAI function tools (a JSON list), else None (free text)."""
+    if not tools:
+        return None
+    try:
+        doc = json.loads(tools)
+    except ValueError:
+        return None
+    if isinstance(doc, list) and doc and all(isinstance(t, dict) and isinstance(t.get("function"), dict) for t in doc):
+        return doc
+    return None
+
+
 def prefix_messages(session: Session) -> list[dict]:
-    """The stable prefix: byte-identical on every turn of a session, so a prefix cache survives re-rendering."""
+    """The stable prefix: byte-identical on every turn of a session, so a prefix cache survives re-rendering.
+
+    Declared function tools ride on the system message (``tools``): the chat template renders them in its
+    own format, or the tokenizer writes them into the system text (``palimpsest.platform.tokens.for_template``).
+    Tools given as free text are part of the system text."""
     system = [session.system.strip() or DEFAULT_SYSTEM]
-    if session.tools:
+    tools = declared_tools(session.tools)
+    if session.tools and tools is None:
         system.append("## Tools\n" + session.tools.strip())
     system.append(GLIMPSE_TOOL)
-    return [message("system", "\n\n".join(system)), message("user", session.task.strip() or "(no task)")]
+    first = message("system", "\n\n".join(system))
+    if tools:
+        first["tools"] = tools
+    return [first, message("user", session.task.strip() or "(no task)")]
 
 
 def fold_message(fold: Fold) -> dict:
@@ -132,7 +154,8 @@ def prefix_tokens(tokenizer: ChatTokenizer, session: Session) -> int:
 
 def prefix_size(tokenizer: ChatTokenizer, prefix: list[dict]) -> int:
     """``len(chat_ids(tokenizer, prefix))``, remembered: a session's prefix is the same on every turn."""
-    key = (getattr(tokenizer, "key", tokenizer.name), prefix[0]["content"], prefix[1]["content"])
+    key = (getattr(tokenizer, "key", tokenizer.name), prefix[0]["content"], prefix[1]["content"],
+           json.dumps(prefix[0].get("tools"), sort_keys=True))
     n = _PREFIX.get(key)
     if n is None:
         n = len(chat_ids(tokenizer, prefix))
@@ -142,13 +165,13 @@ def prefix_size(tokenizer: ChatTokenizer, prefix: list[dict]) -> int:
     return n
 
 
-_PREFIX: dict[tuple[str, str, str], int] = {}
+_PREFIX: dict[tuple[str, str, str, str], int] = {}
 
 
 def tool_tokens(tokenizer: ChatTokenizer, session: Session) -> int:
     """Tokens the tool declarations (the session's and the glimpse tool) add to the prefix: the exact prefix
     minus the exact prefix without them."""
-    bare = [message("system", session.system.strip() or DEFAULT_SYSTEM),
+    bare = [message("system", session.system.strip() or DEFAULT_SYSTEM),  # neither tools nor the glimpse tool
             message("user", session.task.strip() or "(no task)")]
     return prefix_tokens(tokenizer, session) - len(chat_ids(tokenizer, bare))
 
@@ -200,7 +223,7 @@ def history_messages(snap: "SessionSnapshot", level, fold: Fold | None, ranges: 
         parts = step_messages(step, step.id, res, snap.body(i, res) if res is not Resolution.FULL else None,
                               elide=(elide or {}).get(i))
         spans.append((i, len(msgs), len(parts)))
-        msgs.extend(message(role, content) for role, content in parts)
+        msgs.extend(parts)
     return msgs, spans
 
 
@@ -215,7 +238,7 @@ def messages_at(session: Session, steps: Sequence[Step | StepRecord], resolution
         body = None if bodies is None else bodies[k]
         if res is Resolution.PLACEHOLDER and body is None:
             body = render_placeholder_body(s, step_id)
-        msgs.extend(message(r, c) for r, c in step_messages(s, step_id, res, body, elide=max_field_chars))
+        msgs.extend(step_messages(s, step_id, res, body, elide=max_field_chars))
     return msgs
 
 

@@ -28,6 +28,7 @@ from palimpsest.platform.stores import open_store
 from palimpsest.platform.chat import prefix_tokens
 from palimpsest.platform.render import render_full_body, render_placeholder_body, step_text
 from palimpsest.platform.tokens import Tokenizer, get_tokenizer
+from palimpsest.platform.toolcalls import check_calls
 from palimpsest.platform.types import (
     Authority,
     CompiledTurn,
@@ -297,9 +298,10 @@ class Ledger:
                 ])
                 db.execute(
                     "INSERT INTO steps (id, session_id, t, kind, thought, action, observation, authority, tool, sha256,"
-                    " tok_thought, tok_action, tok_observation, tok_full, created) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                    " tok_thought, tok_action, tok_observation, tok_full, created, calls)"
+                    " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                     (sid, session_id, r.t, r.kind, r.thought, r.action, r.observation, r.authority.value, r.tool,
-                     digest, n_th, n_act, n_obs, n_full, time.time()),
+                     digest, n_th, n_act, n_obs, n_full, time.time(), r.calls),
                 )
                 db.execute(f"INSERT INTO representations ({_REPR_COLS}) VALUES (?,?,?,?,?,?,?)",
                            (sid, "placeholder", ph_body, n_ph, "ledger", "1", time.time()))
@@ -570,7 +572,7 @@ class Ledger:
 
 _REPR_COLS = "step_id, resolution, text, tokens, producer, producer_version, created"
 _STEP_COLS = ("id, session_id, t, kind, thought, action, observation, authority, tool, sha256, tok_thought,"
-              " tok_action, tok_observation, tok_full, created")
+              " tok_action, tok_observation, tok_full, created, calls")
 
 
 def _step_from_row(row) -> Step:
@@ -578,7 +580,7 @@ def _step_from_row(row) -> Step:
         id=row[0], session_id=row[1], t=row[2], kind=row[3], thought=row[4], action=row[5], observation=row[6],
         authority=Authority(row[7]), tool=row[8], sha256=row[9],
         tokens={"thought": row[10], "action": row[11], "observation": row[12], "full": row[13]},
-        created=row[14],
+        created=row[14], calls=row[15],
     )
 
 
@@ -595,6 +597,8 @@ def _validate_record(session_id: str, r: StepRecord) -> None:
             raise LedgerError(f"{where}: {name} must be a string")
     if r.observation is not None and not isinstance(r.observation, str):
         raise LedgerError(f"{where}: observation must be a string or null")
+    if r.calls is not None:
+        check_calls(r, where)
     if not isinstance(r.authority, Authority):
         raise LedgerError(f"{where}: authority must be one of {[a.value for a in Authority]}")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 
+from palimpsest.platform import toolcalls
 from palimpsest.platform.types import Authority, Resolution, Step, StepRecord
 
 _WS = re.compile(r"\s+")
@@ -106,44 +107,74 @@ def _observation_text(step: Step | StepRecord, text: str) -> str:
 
 
 def step_messages(step: Step | StepRecord, step_id: int, resolution: Resolution, body: str | None,
-                  elide: int | None = None) -> list[tuple[str, str]]:
-    """(role, content) of one history step at ``resolution``: the agent's turn (thought and action) as an
+                  elide: int | None = None) -> list[dict]:
+    """The chat messages of one history step at ``resolution``: the agent's turn (thought and action) as an
     assistant message, then its result as a tool message (or a user message where the principal spoke).
 
-    Degrading a step changes the content, never the roles or the order: a summarised step keeps its
-    assistant line (a placeholder naming the step id) and puts the summary where the result was; a
-    placeholder keeps both messages as one line each. ``elide`` caps each field at that many characters
-    (head and tail, with a marker naming the step): how an oversized latest step is still shown.
+    A tool-calling step at FULL keeps its structure: the assistant message carries its ``tool_calls`` and
+    each answer is its own message naming its ``tool_call_id``. Degrading a step changes the content,
+    never the roles or the order: a summarised step keeps its assistant line (a placeholder naming the
+    step id) and puts the summary where the result was; a placeholder keeps both messages as one line
+    each. ``elide`` caps each field at that many characters (head and tail, with a marker naming the
+    step): how an oversized latest step is still shown.
     """
     acted = bool(step.action or step.thought)
     has_obs = step.observation is not None
-    out: list[tuple[str, str]] = []
+    out: list[dict] = []
     if resolution is Resolution.FULL:
+        structure = toolcalls.decode(step)
+        if structure is not None:
+            return _structured(step, step_id, structure, elide)
         if acted or not has_obs:
             said = "\n".join(_elide(x, elide, step_id) for x in (step.thought, step.action) if x)
-            out.append(("assistant", said or "(no action)"))
+            out.append(_msg("assistant", said or "(no action)"))
         if has_obs:
-            out.append((observation_role(step.authority),
-                        _observation_text(step, _elide(step.observation or "", elide, step_id))))
+            out.append(_msg(observation_role(step.authority),
+                            _observation_text(step, _elide(step.observation or "", elide, step_id))))
         return out
     line = render_placeholder_body(step, step_id)
     if resolution is Resolution.PLACEHOLDER:
         if acted or not has_obs:
-            out.append(("assistant", line))
+            out.append(_msg("assistant", line))
         if has_obs:
             note = f"[#{step_id} result hidden: glimpse(#{step_id})]" if acted else line
-            out.append((observation_role(step.authority), note))
+            out.append(_msg(observation_role(step.authority), note))
         return out
     summary = f"[#{step_id} {resolution.label} summary; glimpse(#{step_id}) for the full step]\n{body or ''}"
     if not has_obs:
-        return [("assistant", summary)]
+        return [_msg("assistant", summary)]
     if acted:
-        out.append(("assistant", line))
-    out.append((observation_role(step.authority), _observation_text(step, summary)))
+        out.append(_msg("assistant", line))
+    out.append(_msg(observation_role(step.authority), _observation_text(step, summary)))
+    return out
+
+
+def _msg(role: str, content: str) -> dict:
+    return {"role": role, "content": content}
+
+
+def _structured(step: Step | StepRecord, step_id: int, sc: "toolcalls.StepCalls", elide: int | None) -> list[dict]:
+    """A tool-calling step at FULL: the assistant's calls and each answer, as the agent sent them."""
+    said = "\n".join(_elide(x, elide, step_id) for x in (step.thought, sc.content) if x)
+    out: list[dict] = []
+    if sc.tool_calls or said or not sc.results:
+        m = _msg("assistant", said)
+        if sc.tool_calls:
+            m["tool_calls"] = [toolcalls.wire({**c, "arguments": _elide(c.get("arguments") or "", elide, step_id)})
+                               for c in sc.tool_calls]
+        out.append(m)
+    for r in sc.results:
+        text = _elide(r.content, elide, step_id)
+        m = _msg(r.role, text if r.role == "user" else authority_block(text, step.authority))
+        if r.tool_call_id is not None:
+            m["tool_call_id"] = r.tool_call_id
+        if r.name:
+            m["name"] = r.name
+        out.append(m)
     return out
 
 
 def step_text(step: Step | StepRecord, step_id: int, resolution: Resolution, body: str | None) -> str:
     """The contents of a step's messages, joined: what the ledger counts (an estimate the compiler then
     corrects with the exact ids of the assembled chat)."""
-    return "\n".join(c for _, c in step_messages(step, step_id, resolution, body))
+    return "\n".join(m["content"] for m in step_messages(step, step_id, resolution, body))

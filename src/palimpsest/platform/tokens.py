@@ -12,6 +12,7 @@ approximation with a ChatML template when no model is configured.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import threading
@@ -74,10 +75,44 @@ def _compile_template(source: str):
 
 def render_template(source: str, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool,
                     specials: Sequence[str], **extra: Any) -> str:
-    """Apply a chat template (HF's jinja dialect) to messages whose contents are defused first."""
+    """Apply a chat template (HF's jinja dialect) to messages whose contents are defused first. Tool
+    declarations ride on the first message (``tools``) and reach the template as its ``tools`` variable."""
+    messages, tools = for_template(messages, source)
     safe = [{**m, "content": defuse(m["content"], specials)} if isinstance(m.get("content"), str) else dict(m)
             for m in messages]
+    if tools is not None:
+        extra = {**extra, "tools": tools}
     return _compile_template(source).render(messages=safe, add_generation_prompt=add_generation_prompt, **extra)
+
+
+def supports_tools(source: str) -> bool:
+    """Whether a chat template renders tool declarations and assistant tool calls itself."""
+    return "tools" in source and "tool_calls" in source
+
+
+def for_template(messages: Sequence[Mapping[str, Any]], source: str) -> tuple[list[dict], list | None]:
+    """``messages`` as the template can take them, and the tool declarations to pass it (None: none).
+
+    A template with tool support gets the declarations and the structured tool calls as they are. Any
+    other template would drop them without a word, so they are written into the text instead: the
+    declarations at the end of the system message, each call as a ``name(arguments)`` line of the
+    assistant's content. Nothing the agent sent is missing from the prompt either way."""
+    msgs = [dict(m) for m in messages]
+    tools = msgs[0].pop("tools", None) if msgs else None
+    if supports_tools(source):
+        return msgs, tools
+    if tools:
+        listing = "\n".join(json.dumps(t, ensure_ascii=False, sort_keys=True) for t in tools)
+        first = msgs[0]
+        first["content"] = ((first.get("content") or "") + "\n\n## Tools\n" + listing).lstrip("\n")
+    for m in msgs:
+        calls = m.pop("tool_calls", None)
+        m.pop("tool_call_id", None)
+        if calls:
+            lines = "\n".join(f"{(c.get('function') or {}).get('name', 'tool')}({(c.get('function') or {}).get('arguments', '')})"
+                              for c in calls)
+            m["content"] = "\n".join(x for x in (m.get("content") or "", lines) if x)
+    return msgs, None
 
 
 # Letter runs are cut every 6 characters, digits every 3, every other visible character is a token:
@@ -131,7 +166,7 @@ class HFTokenizer:
     """An HF ``tokenizers`` tokenizer loaded from a local ``tokenizer.json`` (or a folder holding one), with
     the chat template saved beside it (``chat_template.jinja`` or ``tokenizer_config.json``; ChatML if none)."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, chat_template: str | None = None):
         try:
             from tokenizers import Tokenizer as _Tok  # light: a Rust extension, no torch
         except ImportError as e:  # pragma: no cover - tokenizers ships with the full install
@@ -143,7 +178,10 @@ class HFTokenizer:
             raise ConfigError(f"tokenizer file not found: {p}")
         self._tok = _Tok.from_file(str(p))
         self.name = f"hf:{p.parent.name}"
+        self.spec = str(path)  # what a ledger records to reopen it with the same tokenizer
         self.chat_template, self._extra = _chat_template(p.parent)
+        if chat_template is not None:  # a template named in the config (one with tool support, say)
+            self.chat_template = chat_template
         spec = json.loads(p.read_text())
         added = spec.get("added_tokens", [])
         specials = {a["content"] for a in added if a.get("special") and len(a.get("content", "")) > 1}
@@ -161,6 +199,8 @@ class HFTokenizer:
         self._cached_chars = 0
         self._lock = threading.Lock()  # turns encode from several worker threads
         self.key = str(p.resolve())  # what caches are keyed by (two folders may share a name)
+        if chat_template is not None:
+            self.key += "#" + hashlib.sha256(chat_template.encode()).hexdigest()[:16]
 
     def count(self, text: str) -> int:
         return len(self._tok.encode(text, add_special_tokens=False).ids) if text else 0
@@ -260,10 +300,14 @@ class TransformersChat:
         self.specials = tuple(sorted((n for n in names if isinstance(n, str) and len(n) > 1), key=len, reverse=True))
 
     def template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool) -> str:
-        safe = [{**m, "content": defuse(m["content"], self.specials)} for m in messages]
-        if getattr(self._tok, "chat_template", None) is None:
-            return render_template(CHATML, safe, add_generation_prompt, ())
-        return self._tok.apply_chat_template(safe, add_generation_prompt=add_generation_prompt, tokenize=False)
+        source = getattr(self._tok, "chat_template", None)
+        if source is None:
+            return render_template(CHATML, messages, add_generation_prompt, self.specials)
+        messages, tools = for_template(messages, source)
+        safe = [{**m, "content": defuse(m["content"], self.specials)} if isinstance(m.get("content"), str) else m
+                for m in messages]
+        return self._tok.apply_chat_template(safe, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                             **({"tools": tools} if tools is not None else {}))
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False)) if text else []
@@ -291,12 +335,13 @@ _PIECE_CACHE_CHARS = 64 * 1024 * 1024  # the encoded pieces kept per tokenizer (
 
 
 @lru_cache(maxsize=8)
-def _hf(path: str) -> HFTokenizer:
-    return HFTokenizer(path)
+def _hf(path: str, chat_template: str | None = None) -> HFTokenizer:
+    return HFTokenizer(path, chat_template)
 
 
-def get_tokenizer(spec: str | None = None) -> Tokenizer:
-    """``None`` or ``"approx"`` gives the approximation; anything else is a path to an HF tokenizer."""
+def get_tokenizer(spec: str | None = None, chat_template: str | None = None) -> Tokenizer:
+    """``None`` or ``"approx"`` gives the approximation; anything else is a path to an HF tokenizer, whose
+    own chat template ``chat_template`` (the template's source) replaces when given."""
     if spec in (None, "", "approx", ApproxTokenizer.name):
         return ApproxTokenizer()
-    return _hf(str(spec))
+    return _hf(str(spec), chat_template)

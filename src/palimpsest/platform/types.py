@@ -117,9 +117,12 @@ class StepRecord:
     observation: str | None = None
     authority: Authority = Authority.TOOL
     tool: str | None = None  # tool or command name, for placeholders
+    # The structure of a tool-calling step (``palimpsest.platform.toolcalls``): canonical JSON of the
+    # assistant's tool calls and of the messages that answered them; None for a plain step.
+    calls: str | None = None
 
     def canonical(self) -> dict[str, Any]:
-        return {
+        out = {
             "t": self.t,
             "kind": self.kind,
             "thought": self.thought,
@@ -128,6 +131,9 @@ class StepRecord:
             "authority": self.authority.value,
             "tool": self.tool,
         }
+        if self.calls is not None:  # absent for plain steps: their hashes are what they always were
+            out["calls"] = self.calls
+        return out
 
     def sha256(self) -> str:
         blob = json.dumps(self.canonical(), sort_keys=True, ensure_ascii=False, separators=(",", ":"))
@@ -150,6 +156,7 @@ class Step:
     sha256: str
     tokens: Mapping[str, int]  # thought/action/observation/full (full = the rendered full segment)
     created: float
+    calls: str | None = None
 
     def record(self) -> StepRecord:
         return StepRecord(
@@ -160,6 +167,7 @@ class Step:
             observation=self.observation,
             authority=self.authority,
             tool=self.tool,
+            calls=self.calls,
         )
 
 

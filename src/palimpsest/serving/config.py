@@ -35,6 +35,23 @@ class ActorConfig(_Strict):
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
     tensor_parallel_size: int = Field(1, ge=1)
+    chat_template: str | None = Field(None, description="a Jinja chat template file that replaces the model's own "
+                                      "(configs/templates/hermes_tools.jinja gives SmolLM2 tool calling)")
+    tool_parser: str | None = Field(None, description="vLLM tool parser that reads tool calls out of the actor's "
+                                    "replies (e.g. hermes); requests with tools are refused without one")
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        path = Path(v).expanduser()
+        if not path.is_file():
+            raise ValueError(f"chat_template: no file {v!r}")
+        return str(path.resolve())  # replicas may start elsewhere
+
+    def template_source(self) -> str | None:
+        return Path(self.chat_template).read_text() if self.chat_template else None
 
 
 class SummarizerConfig(_Strict):

@@ -37,33 +37,72 @@ class Actor:
 
         self.cfg = ActorConfig.model_validate(cfg)
         self.engine = ActorEngine(self.cfg, replica_rank=_replica_rank())
-        self.tokenizer = get_tokenizer(str(self.engine.path))  # the chat template and ids of palimpsest.platform.chat
+        self.template = self.cfg.template_source()
+        # the chat template and ids of palimpsest.platform.chat
+        self.tokenizer = get_tokenizer(str(self.engine.path), self.template)
+        self.tools = None
+        if self.cfg.tool_parser:
+            from palimpsest.serving.tools import ToolCalling
+
+            self.tools = ToolCalling(self.cfg.tool_parser, str(self.engine.path), self.engine.model_name)
 
     def info(self) -> dict:
         return {"model": self.engine.model_name, "path": str(self.engine.path), "hidden_size": self.engine.hidden_size,
                 "vocab_size": self.engine.vocab_size, "max_model_len": self.cfg.max_model_len,
-                "max_embeds_len": self.cfg.max_embeds_len, "dtype": self.cfg.dtype}
+                "max_embeds_len": self.cfg.max_embeds_len, "dtype": self.cfg.dtype, "chat_template": self.template,
+                "tool_parser": self.cfg.tool_parser, "prompt_embeds": True, "remote": None,
+                "tokenizer": str(self.engine.path)}
 
     async def generate(self, request: dict, memory: dict | None = None) -> dict:
         """``request``: {"ids": [...]} or {"context": [...], "bridge": [...]} (+ max_tokens, temperature, seed,
-        logprobs), or {"embeds": tensor}. ``memory`` (the encoder's reply) adds its soft span between
-        context and bridge; the reply carries the memory's own timing so the ingress can break latency down."""
+        logprobs, top_p, stop, and ``tools`` / ``tool_choice`` / ``parallel_tool_calls``), or {"embeds": tensor}.
+        ``memory`` (the encoder's reply) adds its soft span between context and bridge; the reply carries the
+        memory's own timing so the ingress can break latency down, and with tools the parsed ``content`` and
+        ``tool_calls``."""
+        final = None
+        async for event in self._events(request, memory, stream=False):
+            final = event
+        return final
+
+    async def generate_stream(self, request: dict, memory: dict | None = None):
+        """As :meth:`generate`, event by event: ``{"delta", "content"}`` while generating, then the result
+        (``done``). ``content`` is the part of the delta that is not tool-call markup."""
+        async for event in self._events(request, memory, stream=True):
+            yield event
+
+    async def _events(self, request: dict, memory: dict | None, stream: bool):
         params = {k: request[k] for k in ("max_tokens", "temperature", "seed", "logprobs", "top_p", "stop")
                   if request.get(k) is not None}
+        turn = None
+        if request.get("tools") and request.get("tool_choice") != "none":
+            if self.tools is None:
+                raise ValueError("tools: this actor has no tool parser (actor.tool_parser)")
+            turn = self.tools.turn(request["tools"], request.get("tool_choice"), request.get("parallel_tool_calls"))
+            params.update(turn.sampling())
         soft = memory["soft"] if memory else None
         if "embeds" in request:
-            out = await self.engine.generate(embeds=request["embeds"], **params)
+            source = self.engine.stream(embeds=request["embeds"], **params)
         elif soft is not None:
             embeds = self.engine.compose(request["context"], soft, request.get("bridge", []))
-            out = await self.engine.generate(embeds=embeds, **params)
+            source = self.engine.stream(embeds=embeds, **params)
         else:
             ids = request["ids"] if "ids" in request else request["context"] + request.get("bridge", [])
-            out = await self.engine.generate(ids=ids, **params)
-        out["soft_tokens"] = int(soft.shape[0]) if soft is not None else 0
-        if memory:
-            out["memory_ms"] = memory["ms"]
-            out["memory_cached"] = memory["cached"]
-        return out
+            source = self.engine.stream(ids=ids, **params)
+        async for event in source:
+            if not event.get("done"):
+                if stream:
+                    content = (turn.content_delta(event["delta"], event["delta_ids"], event["finished"])
+                               if turn is not None else event["delta"])
+                    yield {"delta": event["delta"], "content": content}
+                continue
+            out = event
+            out["content"], out["tool_calls"] = (turn.parse(out["text"], out["token_ids"]) if turn is not None
+                                                 else (out["text"], []))
+            out["soft_tokens"] = int(soft.shape[0]) if soft is not None else 0
+            if memory:
+                out["memory_ms"] = memory["ms"]
+                out["memory_cached"] = memory["cached"]
+            yield out
 
     async def chat(self, messages: list[dict], max_tokens: int = 96) -> str:
         from palimpsest.platform.chat import chat_ids

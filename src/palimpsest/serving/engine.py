@@ -85,12 +85,22 @@ class ActorEngine:
         parts.append(self.embed(bridge))
         return validate_embeds(torch.cat(parts, 0), self.hidden_size, self.cfg.max_embeds_len, dtype=self.dtype)
 
-    async def generate(self, *, ids: list[int] | None = None, embeds: torch.Tensor | None = None,
-                       max_tokens: int | None = None, temperature: float = 0.0, seed: int | None = None,
-                       logprobs: int | None = None, top_p: float | None = None,
-                       stop: list[str] | None = None) -> dict[str, Any]:
-        """Exactly one of ``ids`` or ``embeds``; returns the text, token ids, prompt/cached token counts, ms."""
+    async def generate(self, **kwargs) -> dict[str, Any]:
+        """Exactly one of ``ids`` or ``embeds``; returns the text, token ids, prompt/cached token counts, ms
+        (the last event of :meth:`stream`)."""
+        final = None
+        async for event in self.stream(**kwargs):
+            final = event
+        return final
+
+    async def stream(self, *, ids: list[int] | None = None, embeds: torch.Tensor | None = None,
+                     max_tokens: int | None = None, temperature: float = 0.0, seed: int | None = None,
+                     logprobs: int | None = None, top_p: float | None = None, stop: list[str] | None = None,
+                     structured_outputs: Any = None, skip_special_tokens: bool = True):
+        """One generation, as it happens: ``{"delta", "delta_ids"}`` events, then the whole result (``done``).
+        A consumer that stops iterating (a client gone) aborts the request in the engine."""
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
         if (ids is None) == (embeds is None):
             raise ValueError("give exactly one of ids or embeds")
@@ -113,24 +123,34 @@ class ActorEngine:
         if limit < 1:
             raise ConfigError(f"the prompt has {n_prompt} positions: no room left to generate in {self.cfg.max_model_len}")
         params = SamplingParams(max_tokens=limit, temperature=temperature, seed=seed, logprobs=logprobs,
-                                top_p=1.0 if top_p is None else top_p, stop=stop or None)
+                                top_p=1.0 if top_p is None else top_p, stop=stop or None,
+                                structured_outputs=structured_outputs, skip_special_tokens=skip_special_tokens,
+                                output_kind=RequestOutputKind.DELTA)
         t0 = time.perf_counter()
         (p,) = await self.engine.renderer.render_cmpl_async([prompt])
-        last = None
+        text: list[str] = []
+        token_ids: list[int] = []
+        steps: list = []
+        cached, finish = 0, None
         async for out in self.engine.generate(p, params, request_id=uuid.uuid4().hex):
-            last = out
+            o = out.outputs[0]
+            cached = max(cached, int(out.num_cached_tokens or 0))
+            text.append(o.text)
+            token_ids.extend(o.token_ids)
+            steps.extend(o.logprobs or [])
+            finish = o.finish_reason or finish
+            if o.text or o.token_ids:
+                yield {"delta": o.text, "delta_ids": list(o.token_ids), "finished": bool(out.finished)}
         ms = (time.perf_counter() - t0) * 1000
-        o = last.outputs[0]
-        cached = int(last.num_cached_tokens or 0)
         self.stats["requests"] += 1
         self.stats["embeds_requests"] += int(embeds is not None)
         self.stats["prompt_tokens"] += n_prompt
         self.stats["cached_tokens"] += cached
-        out = {"text": o.text, "token_ids": list(o.token_ids), "prompt_tokens": n_prompt, "cached_tokens": cached,
-               "finish_reason": o.finish_reason, "actor_ms": ms}
+        result = {"done": True, "text": "".join(text), "token_ids": token_ids, "prompt_tokens": n_prompt,
+                  "cached_tokens": cached, "finish_reason": finish, "actor_ms": ms}
         if logprobs:
-            out["logprobs"] = [{int(k): float(v.logprob) for k, v in step.items()} for step in (o.logprobs or [])]
-        return out
+            result["logprobs"] = [{int(k): float(v.logprob) for k, v in step.items()} for step in steps]
+        yield result
 
     async def check_health(self) -> None:
         """Raises when the engine is dead (Serve then replaces the replica)."""

@@ -19,12 +19,13 @@ import uuid
 from typing import Any
 
 from fastapi import Query, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray import serve
 
 from palimpsest.platform import Ledger, Runtime
 from palimpsest.platform.abstraction import RuleSummarizer
-from palimpsest.platform.chat import chat_ids, raw_history_messages
+from palimpsest.platform.chat import chat_ids, declared_tools, raw_history_messages
+from palimpsest.platform.tokens import get_tokenizer
 from palimpsest.platform.types import (
     BudgetError,
     ConfigError,
@@ -46,7 +47,7 @@ from palimpsest.serving.http import (
     app,
 )
 from palimpsest.serving.metrics import Metrics
-from palimpsest.serving.openai_proxy import new_steps, parse_messages
+from palimpsest.serving.openai_proxy import new_steps, parse_messages, step_view
 from palimpsest.serving.schemas import (
     ChatIn,
     CompletionIn,
@@ -65,6 +66,23 @@ from palimpsest.serving.turn import TurnRequest, run_turn
 log = logging.getLogger("palimpsest.ingress")
 
 
+def _finish(turn: TurnOut) -> str:
+    return "tool_calls" if turn.tool_calls else (turn.finish_reason or "stop")
+
+
+def _usage(turn: TurnOut) -> dict:
+    """Every generation of the turn (a glimpse round is one more), and what the compiled context saved."""
+    return {"prompt_tokens": turn.tokens["prompt_total"], "completion_tokens": turn.tokens["completion"],
+            "total_tokens": turn.tokens["prompt_total"] + turn.tokens["completion"],
+            "context_tokens_saved": max(turn.tokens["full_history_estimate"] - turn.tokens["context"], 0)}
+
+
+def _extension(ext: str, turn: TurnOut) -> dict:
+    return {"session_id": ext, "arm": turn.arm, "t": turn.t, "plan": turn.plan, "tokens": turn.tokens,
+            "latency_ms": turn.latency_ms, "glimpses": turn.glimpses}
+
+
+# The deployment is serialised when it is declared: what its methods call is defined above it.
 @serve.deployment(name="Ingress", max_ongoing_requests=64, health_check_period_s=10)
 @serve.ingress(app)
 class Ingress:
@@ -87,7 +105,9 @@ class Ingress:
         emb = await self.embedder_h.info.remote()
         self.memory_info = await self.memory.info.remote()
         self.summarizer_info = await self.summarizer.info.remote()
-        ledger = await asyncio.to_thread(Ledger, self.cfg.ledger, info["path"], pool_size=self.cfg.ledger_pool_size)
+        # the actor's own template (or the one its config names): what the budget counts is what it receives
+        tokenizer = get_tokenizer(info["tokenizer"], info.get("chat_template"))
+        ledger = await asyncio.to_thread(Ledger, self.cfg.ledger, tokenizer, pool_size=self.cfg.ledger_pool_size)
         self.runtime = Runtime(ledger, embedder=HandleEmbedder(self.embedder_h, emb["name"]), summarizer=RuleSummarizer(),
                                glimpse_limit=self.cfg.limits.glimpses_per_turn, chat=self._chat)
         self.policies = {a.name: self.runtime.policy(a.policy_config()) for a in self.cfg.arms}
@@ -197,9 +217,7 @@ class Ingress:
         total = await asyncio.to_thread(self.runtime.ledger.count, sid)
         return {"session_id": session_id, "start": start, "total": total,
                 "next": start + len(steps) if start + len(steps) < total else None,
-                "steps": [{"t": s.t, "step_id": s.id, "kind": s.kind, "thought": s.thought, "action": s.action,
-                           "observation": s.observation, "authority": s.authority.value, "tool": s.tool,
-                           "sha256": s.sha256} for s in steps]}
+                "steps": [step_view(s) for s in steps]}
 
     @app.get("/v1/sessions/{session_id:path}/audit", summary="Every audited turn of a session")
     async def audit(self, session_id: str, request: Request, plans: bool = False) -> dict:
@@ -222,14 +240,16 @@ class Ingress:
 
     # -- the turn -------------------------------------------------------------------------------
 
-    async def _turn(self, sid: str, body: TurnIn) -> TurnOut:
+    async def _turn(self, sid: str, body: TurnIn, tool_choice: Any = None, parallel_tool_calls: bool | None = None,
+                    emit=None) -> TurnOut:
         t_start = time.perf_counter()
         ledger = self.runtime.ledger
         session = await asyncio.to_thread(ledger.session, sid)
         arm = self._arm_of(session)
         armcfg = self.cfg.arm(arm)
         try:
-            return await self._turn_inner(sid, session, arm, armcfg, body, t_start)
+            return await self._turn_inner(sid, session, arm, armcfg, body, t_start, tool_choice, parallel_tool_calls,
+                                           emit)
         except Exception as e:
             self.metrics.errors.labels(arm=arm, kind=type(e).__name__).inc()
             if isinstance(e, (UnknownSessionError, BudgetError, HTTPProblem, LedgerUnavailableError)):
@@ -239,7 +259,8 @@ class Ingress:
                 raise HTTPProblem(503, f"a model replica is unavailable ({type(e).__name__}); retry shortly") from None
             raise
 
-    async def _turn_inner(self, sid, session, arm, armcfg, body: TurnIn, t_start: float) -> TurnOut:
+    async def _turn_inner(self, sid, session, arm, armcfg, body: TurnIn, t_start: float, tool_choice=None,
+                          parallel_tool_calls=None, emit=None) -> TurnOut:
         budget = body.budget or armcfg.budget or self.cfg.budget
         window = self.actor_info["max_model_len"]
         if budget > window:
@@ -249,7 +270,9 @@ class Ingress:
         req = TurnRequest(session_id=sid, policy=self.policies[arm], budget=budget,
                           max_tokens=body.max_tokens or self.cfg.actor.max_tokens, temperature=body.temperature,
                           seed=body.seed, soft_positions=soft,
-                          sampling={k: v for k, v in (("top_p", body.top_p), ("stop", body.stop)) if v is not None})
+                          sampling={k: v for k, v in (("top_p", body.top_p), ("stop", body.stop)) if v is not None},
+                          tools=declared_tools(session.tools) if self.actor_info.get("tool_parser") else None,
+                          tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls)
         if req.max_tokens + soft >= budget:
             raise HTTPProblem(422, f"max_tokens: {req.max_tokens} (+ {soft} soft positions) leaves no room in the "
                                    f"budget of {budget}")
@@ -257,8 +280,10 @@ class Ingress:
         async def memory_for(ct):
             return await self._memory_request(mem, sid, session, ct.t, ct.prompt.context_ids)
 
+        stream = (lambda r, m: self.actor.options(stream=True).generate_stream.remote(r, m)) if emit else None
         res = await run_turn(self.runtime, req, self.actor.generate.remote, self.cfg.limits.glimpses_per_turn,
-                             memory_for if mem is not None else None, clock=self.runtime.embedder)
+                             memory_for if mem is not None else None, clock=self.runtime.embedder,
+                             stream=stream, emit=emit)
         if res.fallback:
             self.metrics.fallbacks.labels(arm=arm, kind=res.fallback).inc()
             self._enqueue(sid)
@@ -271,11 +296,12 @@ class Ingress:
         await asyncio.to_thread(self.runtime.ledger.record_served, sid, ct.t, arm, {
             **{f"tokens_{k}": v for k, v in tokens.items()}, **{f"{k}_ms": v for k, v in latency.items()},
             "glimpses": len(res.glimpses), "budget": ct.budget, "memory_cached": bool(res.out.get("memory_cached", False)),
-            "elided": len(ct.plan.info.get("elided", [])), **({"fallback": res.fallback} if res.fallback else {})})
+            "elided": len(ct.plan.info.get("elided", [])), "tool_calls": len(res.tool_calls), "streamed": emit is not None,
+            **({"fallback": res.fallback} if res.fallback else {})})
         self.metrics.observe_turn(arm, tokens, latency, len(res.glimpses))
         return TurnOut(session_id=sid, t=ct.t, arm=arm, action=res.text, finish_reason=res.finish_reason,
                        plan=ct.plan.counts(), tokens=tokens, latency_ms=latency, glimpses=res.glimpses,
-                       prompt_hash=ct.prompt.prompt_hash)
+                       prompt_hash=ct.prompt.prompt_hash, content=res.content, tool_calls=res.tool_calls)
 
     def _memory_of(self, armcfg) -> str | None:
         """The memory encoder's key for this arm (its own model, else the default), or None: no soft memory."""
@@ -307,16 +333,17 @@ class Ingress:
                                             "owned_by": "palimpsest"}]}
 
     @app.post("/v1/chat/completions", summary="OpenAI-compatible chat: the history is recorded and the context compiled")
-    async def chat_completions(self, body: ChatIn, request: Request) -> dict:
+    async def chat_completions(self, body: ChatIn, request: Request):
         await self._ensure()
-        if body.stream:
-            raise HTTPProblem(400, "stream=true is not supported; send stream=false")
         if len(body.messages) > self.cfg.limits.max_messages:
             raise HTTPProblem(413, f"{len(body.messages)} messages; at most {self.cfg.limits.max_messages} are accepted")
         tenant = self._tenant(request)
         ext = request.headers.get(SESSION_HEADER) or body.user
         if not ext:
             raise HTTPProblem(400, f"name the session: the {SESSION_HEADER!r} header or the 'user' field")
+        if body.tools and body.tool_choice != "none" and not self.actor_info.get("tool_parser"):
+            raise HTTPProblem(422, "tools: this actor reads no tool calls (configure actor.tool_parser and a "
+                                   "tool-capable actor.chat_template), or send tool_choice \"none\"")
         sid = tenant.internal(ext)
         parsed = parse_messages(body.messages, self.cfg.proxy.user_messages_after_actions)
         for s in parsed.steps:
@@ -338,22 +365,63 @@ class Ingress:
 
         if await asyncio.to_thread(record):
             self._enqueue(sid)
-        max_tokens = body.max_completion_tokens or body.max_tokens
         stop = [body.stop] if isinstance(body.stop, str) else body.stop
-        turn = await self._turn(sid, TurnIn(max_tokens=max_tokens, seed=body.seed, top_p=body.top_p, stop=stop,
-                                            temperature=1.0 if body.temperature is None else body.temperature))
-        return {
-            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": self.actor_info["model"],
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": turn.action},
-                         "finish_reason": turn.finish_reason or "stop", "logprobs": None}],
-            # every generation of the turn (a glimpse round is one more), and what the compiled context saved
-            "usage": {"prompt_tokens": turn.tokens["prompt_total"], "completion_tokens": turn.tokens["completion"],
-                      "total_tokens": turn.tokens["prompt_total"] + turn.tokens["completion"],
-                      "context_tokens_saved": max(turn.tokens["full_history_estimate"] - turn.tokens["context"], 0)},
-            "palimpsest": {"session_id": ext, "arm": turn.arm, "t": turn.t, "plan": turn.plan, "tokens": turn.tokens,
-                           "latency_ms": turn.latency_ms, "glimpses": turn.glimpses},
-        }
+        turn_in = TurnIn(max_tokens=body.max_completion_tokens or body.max_tokens, seed=body.seed, top_p=body.top_p,
+                         stop=stop, temperature=1.0 if body.temperature is None else body.temperature)
+        choice = body.tool_choice if body.tools else None
+        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.actor_info["model"]}
+        if body.stream:
+            usage = bool((body.stream_options or {}).get("include_usage"))
+            return StreamingResponse(self._chat_stream(sid, ext, turn_in, choice, body.parallel_tool_calls, head, usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        turn = await self._turn(sid, turn_in, choice, body.parallel_tool_calls)
+        message = {"role": "assistant", "content": turn.content}
+        if turn.tool_calls:
+            message["tool_calls"] = turn.tool_calls
+        return {**head, "object": "chat.completion",
+                "choices": [{"index": 0, "message": message, "finish_reason": _finish(turn), "logprobs": None}],
+                "usage": _usage(turn), "palimpsest": _extension(ext, turn)}
+
+    async def _chat_stream(self, sid: str, ext: str, turn_in: TurnIn, choice, parallel, head: dict, usage: bool):
+        """Server-Sent Events in OpenAI's chunk format: the role, content deltas of the final answer (a glimpse
+        round inside the turn is not streamed), tool calls, the finish reason, usage if asked, ``[DONE]``. The
+        turn is recorded as a non-streamed one is; a client that goes away cancels it (and its generation)."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def chunk(delta: dict, finish: str | None = None, **extra) -> str:
+            body = {**head, "object": "chat.completion.chunk",
+                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **extra}
+            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+        async def emit(text: str) -> None:
+            await queue.put(chunk({"content": text}))
+
+        async def run() -> None:
+            try:
+                turn = await self._turn(sid, turn_in, choice, parallel, emit=emit)
+                if turn.tool_calls:
+                    await queue.put(chunk({"tool_calls": [{"index": k, **c} for k, c in enumerate(turn.tool_calls)]}))
+                await queue.put(chunk({}, _finish(turn), palimpsest=_extension(ext, turn)))
+                if usage:
+                    await queue.put(f"data: {json.dumps({**head, 'object': 'chat.completion.chunk', 'choices': [], 'usage': _usage(turn)})}\n\n")
+            except HTTPProblem as e:
+                await queue.put(f"data: {json.dumps({'error': {'message': e.message, 'code': e.status}})}\n\n")
+            except Exception as e:  # the status line is sent: the error travels as an event
+                log.exception("streamed turn failed")
+                await queue.put(f"data: {json.dumps({'error': {'message': f'{type(e).__name__}: {e}', 'code': 500}})}\n\n")
+            finally:
+                await queue.put(None)
+
+        task = asyncio.ensure_future(run())
+        try:
+            yield chunk({"role": "assistant", "content": ""})
+            while (item := await queue.get()) is not None:
+                yield item
+            yield "data: [DONE]\n\n"
+        finally:
+            if not task.done():  # the client went away: stop generating
+                task.cancel()
+                self.metrics.errors.labels(arm="-", kind="ClientDisconnected").inc()
 
     @app.post("/v1/completions", summary="Raw completion from a prompt or from prompt_embeds (base64 of torch.save)")
     async def completions(self, body: CompletionIn, request: Request) -> dict:
@@ -411,5 +479,6 @@ class Ingress:
     @app.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse)
     async def prometheus(self):
         return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4")
+
 
 

@@ -4,7 +4,9 @@ An agent framework resends its whole message list every turn. The proxy reads it
 system/developer messages = the session's system prompt, the first user message = the task, then each
 assistant message with the user/tool/system messages that follow it = one step (action, observation). An
 assistant message followed directly by another is a step without an observation. Messages that come
-before any action (a user or system speaking twice) are a step of their own. A step is recorded once its
+before any action (a user or system speaking twice) are a step of their own. An assistant's tool calls and
+the tool messages answering them (by ``tool_call_id``, each checked against the calls) are recorded
+structurally with their step (``palimpsest.platform.toolcalls``). A step is recorded once its
 observation has arrived; only a trailing assistant message (the latest action, whose result is yet to
 come) waits. Matching is by position and content hash: steps already in the ledger must hash the same
 (resending history is a no-op), a changed one is a conflict, new ones are appended. Content the text
@@ -13,8 +15,10 @@ actor cannot read (images, audio, files) is refused with an error naming the mes
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, replace
 
+from palimpsest.platform import toolcalls
 from palimpsest.platform.types import Authority, PalimpsestError, StepRecord
 
 
@@ -38,15 +42,40 @@ def _text(content, where: str = "content") -> str:
     return "\n".join(parts)
 
 
-def _tool_calls(m) -> str:
-    calls = (getattr(m, "model_extra", None) or {}).get("tool_calls")
-    if not isinstance(calls, list) or not calls:
-        return ""
+def _tool_calls(m) -> list[dict]:
+    """An assistant message's tool calls as the ledger records them (arguments as JSON text)."""
     out = []
-    for c in calls:
-        f = (c or {}).get("function", {}) if isinstance(c, dict) else {}
-        out.append(f"{f.get('name', 'tool')}({f.get('arguments', '')})")
-    return "\n".join(out)
+    for c in getattr(m, "tool_calls", None) or []:
+        args = c.function.arguments
+        if not isinstance(args, str):
+            args = json.dumps(args, ensure_ascii=False, sort_keys=True)
+        out.append({"id": c.id, "name": c.function.name, "arguments": args})
+    return out
+
+
+_ROLE = {"function": "tool", "developer": "system"}
+
+
+def _action(m, i: int) -> tuple[str, list[dict]]:
+    calls = _tool_calls(m)
+    return toolcalls.action_text(_text(m.content, f"messages[{i}].content"), calls), calls
+
+
+def _answers(calls: list[dict], obs: list[tuple[int, object]], call_at: int | None) -> list[toolcalls.Result]:
+    """The messages that answer an action, each checked against the calls it names."""
+    ids = {c["id"] for c in calls}
+    out = []
+    for k, o in obs:
+        tcid = getattr(o, "tool_call_id", None) or (getattr(o, "model_extra", None) or {}).get("tool_call_id")
+        # A tool message after an action without structured calls keeps its id as it came (older agents write
+        # the call in the text); one naming a call its action did not make is refused.
+        if tcid is not None and calls:
+            if tcid not in ids:
+                raise PalimpsestError(f"messages[{k}].tool_call_id: {tcid!r} answers none of the tool calls of "
+                                      f"messages[{call_at}] ({', '.join(sorted(ids))})")
+        out.append(toolcalls.Result(_ROLE.get(o.role, o.role), _text(o.content, f"messages[{k}].content"), tcid,
+                                    o.name if o.role in ("tool", "function") else None))
+    return out
 
 
 @dataclass(frozen=True)
@@ -87,14 +116,13 @@ def parse_messages(messages, user_after_action: str = "tool") -> ParsedChat:
             roles = {g.role for g in group}
             authority = (Authority.TOOL if roles & {"tool", "function"} else
                          Authority.SYSTEM if roles <= {"system", "developer"} else Authority.USER)
+            answers = _answers([], list(zip(range(i, j), group)), None)
             steps.append(StepRecord(t=len(steps), kind="message", action="",
-                                    observation="\n".join(_text(g.content, f"messages[{k}].content")
-                                                          for k, g in zip(range(i, j), group)),
-                                    authority=authority))
+                                    observation="\n".join(a.content for a in answers), authority=authority))
             alternates.append(frozenset())
             i = j
             continue
-        action = "\n".join(x for x in (_text(m.content, f"messages[{i}].content"), _tool_calls(m)) if x)
+        action, calls = _action(m, i)
         j = i + 1
         while j < n and messages[j].role != "assistant":
             j += 1
@@ -103,9 +131,10 @@ def parse_messages(messages, user_after_action: str = "tool") -> ParsedChat:
             if j >= n:
                 break  # the latest action has no observation yet: recorded with it next time
             # another assistant message follows: this one has no observation, ever
-            steps.append(StepRecord(t=len(steps), kind="respond", action=action,
-                                    observation=None, authority=Authority.MODEL))
-            alternates.append(frozenset())
+            rec = StepRecord(t=len(steps), kind="respond", action=action, observation=None,
+                             authority=Authority.MODEL, calls=toolcalls.encode(calls, []))
+            steps.append(rec)
+            alternates.append(_unstructured(rec))
             i = j
             continue
         roles = {o.role for o in obs_msgs}
@@ -123,18 +152,18 @@ def parse_messages(messages, user_after_action: str = "tool") -> ParsedChat:
         else:
             authority = Authority.TOOL if user_after_action == "tool" else Authority.USER
         tool = next((o.name for o in obs_msgs if o.role in ("tool", "function") and o.name), None)
+        answers = _answers(calls, list(zip(range(i + 1, j), obs_msgs)), i)
         rec = StepRecord(t=len(steps), kind="tool_call" if authority is Authority.TOOL else "message",
-                         action=action,
-                         observation="\n".join(_text(o.content, f"messages[{k}].content")
-                                               for k, o in zip(range(i + 1, j), obs_msgs)),
-                         authority=authority, tool=tool)
+                         action=action, observation="\n".join(a.content for a in answers),
+                         authority=authority, tool=tool, calls=toolcalls.encode(calls, answers))
         steps.append(rec)
         if roles <= {"user"}:  # the other reading of user messages that answer an action
             other = Authority.USER if authority is Authority.TOOL else Authority.TOOL
             alternates.append(frozenset({replace(rec, authority=other,
-                                                 kind="message" if other is Authority.USER else "tool_call").sha256()}))
+                                                 kind="message" if other is Authority.USER else "tool_call").sha256()})
+                              | _unstructured(rec))
         else:
-            alternates.append(frozenset())
+            alternates.append(_unstructured(rec))
         if said:
             steps.append(StepRecord(t=len(steps), kind="message", action="",
                                     observation="\n".join(_text(o.content, f"messages[{k}].content") for k, o in said),
@@ -142,6 +171,12 @@ def parse_messages(messages, user_after_action: str = "tool") -> ParsedChat:
         i = j
     alternates += [frozenset()] * (len(steps) - len(alternates))
     return ParsedChat(system="\n\n".join(s for s in system if s), task=task, steps=steps, alternates=alternates)
+
+
+def _unstructured(rec: StepRecord) -> frozenset[str]:
+    """The hash the same step had before tool calls were recorded structurally (sessions recorded then stay
+    valid when the agent resends them)."""
+    return frozenset() if rec.calls is None else frozenset({replace(rec, calls=None).sha256()})
 
 
 def new_steps(existing_hashes: list[str], steps: list[StepRecord],
@@ -156,3 +191,17 @@ def new_steps(existing_hashes: list[str], steps: list[StepRecord],
         raise HistoryConflict(f"message list holds {len(steps)} steps but the session already has "
                               f"{len(existing_hashes)}: history cannot be removed")
     return steps[len(existing_hashes):]
+
+
+def step_view(s) -> dict:
+    """A recorded step on the wire (``GET /v1/sessions/{id}/steps``): its text fields, authority and hash, and,
+    for a tool-calling step, the calls and each answer with its ``tool_call_id``."""
+    sc = toolcalls.decode(s)
+    out = {"t": s.t, "step_id": s.id, "kind": s.kind, "thought": s.thought, "action": s.action,
+           "observation": s.observation, "authority": s.authority.value, "tool": s.tool, "sha256": s.sha256,
+           "tool_calls": [toolcalls.wire(c) for c in sc.tool_calls] if sc else [],
+           "results": [{"role": r.role, "tool_call_id": r.tool_call_id, "name": r.name, "content": r.content}
+                       for r in sc.results] if sc else []}
+    ids = [r.tool_call_id for r in sc.results if r.tool_call_id] if sc else []
+    out["tool_call_id"] = ids[0] if len(ids) == 1 else (ids or None)
+    return out

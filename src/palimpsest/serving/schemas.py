@@ -91,6 +91,9 @@ class TurnOut(BaseModel):
                                                      "embedding), memory, actor, total")
     glimpses: list[int] = Field(description="step ids the model glimpsed in this turn")
     prompt_hash: str
+    content: str | None = Field(None, description="the reply without tool-call markup")
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list, description="tool calls read from the reply "
+                                             "(OpenAI's shape), when the session declares tools")
 
 
 class GlimpseIn(_In):
@@ -117,11 +120,31 @@ class CompletionIn(_In):
     model: str | None = None
 
 
+MAX_TOOL_CALLS = 128  # per assistant message
+
+
+class FunctionCallIn(_Text):
+    name: str = Field(..., min_length=1, max_length=256)
+    arguments: str | dict[str, Any] = Field("", description="JSON text (an object is accepted and serialised)")
+
+
+class ToolCallIn(_Text):
+    model_config = ConfigDict(extra="forbid")
+    id: str = Field(..., min_length=1, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+    index: int | None = Field(None, ge=0, le=MAX_TOOL_CALLS, description="accepted as streamed replies carry it")
+
+
 class ChatMessage(_Text):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = Field(None, max_length=MAX_TOOL_CALLS,
+                                                description="an assistant message's tool calls")
+    tool_call_id: str | None = Field(None, min_length=1, max_length=256,
+                                     description="the tool call a tool message answers")
 
 
 class ChatIn(_Text):
@@ -137,9 +160,12 @@ class ChatIn(_Text):
     response_format: dict[str, Any] | None = Field(None, description="only {\"type\": \"text\"} is served")
     tools: list[dict[str, Any]] | None = Field(None, max_length=256, description="tool declarations: recorded with "
                                                "the session (its stable prefix) and declared to the actor")
-    tool_choice: str | dict[str, Any] | None = Field(None, description="auto or none (forcing a call is not served)")
+    tool_choice: str | dict[str, Any] | None = Field(None, description="auto, none, required, or "
+                                                     "{\"type\": \"function\", \"function\": {\"name\": ...}}")
+    parallel_tool_calls: bool | None = None
     user: str | None = None
     stream: bool | None = False
+    stream_options: dict[str, Any] | None = Field(None, description="{\"include_usage\": true} adds a usage chunk")
     n: int | None = Field(1, ge=1, le=1)
 
     @model_validator(mode="after")
@@ -150,9 +176,22 @@ class ChatIn(_Text):
         if self.response_format is not None and self.response_format.get("type") != "text":
             raise ValueError("response_format: only {\"type\": \"text\"} is served (structured outputs are not "
                              "enabled on this actor)")
-        if self.tool_choice not in (None, "auto", "none"):
-            raise ValueError("tool_choice: only auto or none are served (forcing a tool call needs structured "
-                             "tool-call output, which this endpoint does not produce)")
+        names = [((t.get("function") or {}).get("name") if isinstance(t, dict) else None) for t in (self.tools or [])]
+        for k, (t, name) in enumerate(zip(self.tools or [], names)):
+            if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(name, str) or not name:
+                raise ValueError(f"tools[{k}]: a function tool needs type \"function\" and function.name")
+        choice = self.tool_choice
+        if isinstance(choice, str) and choice not in ("auto", "none", "required"):
+            raise ValueError("tool_choice: auto, none, required, or a named function")
+        if choice == "required" or isinstance(choice, dict):
+            if not self.tools:
+                raise ValueError("tool_choice: forcing a tool call needs tools")
+        if isinstance(choice, dict):
+            wanted = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+            if wanted not in names:
+                raise ValueError(f"tool_choice: names {wanted!r}, which tools do not declare")
+        if self.stream_options is not None and set(self.stream_options) - {"include_usage"}:
+            raise ValueError("stream_options: only include_usage is served")
         for name, value in (self.model_extra or {}).items():
             if name in _IGNORABLE or (name in _UNSET_ONLY and value in (None, False, 0, [], {}, "none", "auto")):
                 continue
@@ -162,6 +201,6 @@ class ChatIn(_Text):
 
 # Fields an OpenAI client may send that change nothing here (bookkeeping, or options of what is not served
 # when they are unset), and fields accepted only unset: anything else is refused by name.
-_IGNORABLE = frozenset({"metadata", "store", "service_tier", "parallel_tool_calls", "stream_options"})
+_IGNORABLE = frozenset({"metadata", "store", "service_tier"})
 _UNSET_ONLY = frozenset({"functions", "function_call", "logprobs", "top_logprobs",
                          "logit_bias", "presence_penalty", "frequency_penalty", "modalities", "audio", "prediction"})

@@ -9,9 +9,10 @@ the bound holds on every generation of the turn.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Protocol
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
 from palimpsest.platform.chat import glimpse_call, with_glimpse
 from palimpsest.platform.embedding import EmbedderUnavailable
@@ -44,12 +45,15 @@ class TurnRequest:
     seed: int | None = None
     soft_positions: int = 0  # reserved for the soft span when the arm has memory
     sampling: dict = field(default_factory=dict)  # further sampling fields passed to the actor as they are
+    tools: list[dict] | None = None  # the session's declared function tools, for the actor's tool parser
+    tool_choice: Any = None  # auto, none, required or a named function
+    parallel_tool_calls: bool | None = None
 
 
 @dataclass
 class TurnResult:
     compiled: CompiledTurn
-    text: str
+    text: str  # the reply as generated
     finish_reason: str | None
     glimpses: list[int]
     prompt_tokens: int  # the ids of the last generation (soft positions included)
@@ -61,6 +65,8 @@ class TurnResult:
     latency: dict[str, float]
     fallback: str | None
     out: dict
+    content: str | None = None  # the reply without tool-call markup
+    tool_calls: list[dict] = field(default_factory=list)  # OpenAI wire shape, each with an id
 
 
 async def compile_turn(rt: Runtime, req: TurnRequest, clock: WaitClock | None) -> tuple[CompiledTurn, float, str | None]:
@@ -82,23 +88,77 @@ async def compile_turn(rt: Runtime, req: TurnRequest, clock: WaitClock | None) -
         return ct, waited, "embedder"
 
 
+_GLIMPSE_PREFIX = re.compile(r"^\s*#?\d{0,18}\s*(\)\s*)?$")
+
+
+def could_be_glimpse(text: str) -> bool:
+    """Whether a reply that begins with ``text`` may still turn out to be a glimpse call."""
+    s = text.lstrip()
+    if len(s) <= len("glimpse("):
+        return "glimpse(".startswith(s)
+    return s.startswith("glimpse(") and bool(_GLIMPSE_PREFIX.match(s[len("glimpse("):]))
+
+
+class _Gate:
+    """What a streamed generation may show the client: nothing while the reply may still be a glimpse call
+    (answered inside the turn, never shown), everything once it cannot be."""
+
+    def __init__(self, emit: Callable[[str], Awaitable[None]], may_glimpse: bool):
+        self.emit, self.open, self.held, self.text = emit, not may_glimpse, [], ""
+
+    async def feed(self, delta: str, content: str | None) -> None:
+        self.text += delta
+        if not self.open and not could_be_glimpse(self.text):
+            await self.release()
+        if content:
+            if self.open:
+                await self.emit(content)
+            else:
+                self.held.append(content)
+
+    async def release(self) -> None:
+        self.open = True
+        for c in self.held:
+            await self.emit(c)
+        self.held = []
+
+
+async def _streamed(events: AsyncIterator[dict], gate: _Gate) -> dict:
+    async for ev in events:
+        if ev.get("done"):
+            return ev
+        await gate.feed(ev["delta"], ev.get("content"))
+    raise RuntimeError("the actor's stream ended without a result")
+
+
 async def run_turn(rt: Runtime, req: TurnRequest, generate: Generate, glimpse_limit: int,
                    memory_for: Callable[[CompiledTurn], Awaitable[Any]] | None = None,
-                   clock: WaitClock | None = None) -> TurnResult:
+                   clock: WaitClock | None = None,
+                   stream: Callable[[dict, Any], AsyncIterator[dict]] | None = None,
+                   emit: Callable[[str], Awaitable[None]] | None = None) -> TurnResult:
+    """One served turn. With ``stream`` and ``emit``, the final answer's content is handed to ``emit`` as
+    it is generated (a glimpse round inside the turn never is); the result is the same either way."""
     t_start = time.perf_counter()
     ct, embed_ms, fallback = await compile_turn(rt, req, clock)
     plan_ms = (time.perf_counter() - t_start) * 1000
     memory = await memory_for(ct) if (memory_for is not None and req.soft_positions) else None
     request: dict[str, Any] = {**req.sampling, "max_tokens": req.max_tokens, "temperature": req.temperature,
                                "seed": req.seed}
+    if req.tools:
+        request.update(tools=req.tools, tool_choice=req.tool_choice, parallel_tool_calls=req.parallel_tool_calls)
     room = req.budget - req.max_tokens - req.soft_positions
     messages = list(ct.prompt.messages)
     context, bridge = list(ct.prompt.context_ids), list(ct.prompt.bridge_ids)
     glimpsed: list[int] = []
     actor_ms, completion, generations, prompt_total = 0.0, 0, 0, 0
     tok = rt.ledger.tokenizer
+    gate = None
     while True:
-        out = await generate({**request, "context": context, "bridge": bridge}, memory)
+        if stream is not None and emit is not None:
+            gate = _Gate(emit, may_glimpse=len(glimpsed) < glimpse_limit)
+            out = await _streamed(stream({**request, "context": context, "bridge": bridge}, memory), gate)
+        else:
+            out = await generate({**request, "context": context, "bridge": bridge}, memory)
         generations += 1
         actor_ms += out["actor_ms"]
         completion += len(out["token_ids"])
@@ -116,6 +176,8 @@ async def run_turn(rt: Runtime, req: TurnRequest, generate: Generate, glimpse_li
         messages, ids = grown
         context, bridge = list(ids.context), list(ids.bridge)
         glimpsed.append(step_id)
+    if gate is not None and not gate.open:  # the reply stands (a glimpse call past the limit, or no room)
+        await gate.release()
     total_ms = (time.perf_counter() - t_start) * 1000
     return TurnResult(
         compiled=ct, text=out["text"], finish_reason=out.get("finish_reason"), glimpses=glimpsed,
@@ -124,4 +186,4 @@ async def run_turn(rt: Runtime, req: TurnRequest, generate: Generate, glimpse_li
         soft_tokens=out["soft_tokens"], cached_tokens=out["cached_tokens"],
         latency={"plan": plan_ms, "embed": embed_ms, "memory": float(out.get("memory_ms", 0.0)), "actor": actor_ms,
                  "total": total_ms},
-        fallback=fallback, out=out)
+        fallback=fallback, out=out, content=out.get("content", out["text"]), tool_calls=list(out.get("tool_calls") or []))
