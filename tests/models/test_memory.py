@@ -18,8 +18,41 @@ def test_blocks_become_queries_in_order_and_merge_beyond_max_slots():
     m = net()
     assert m(torch.randn(16, 64)).shape == (4, 64)  # one block -> Q tokens
     assert m(torch.randn(40, 64)).shape == (12, 64)  # 3 blocks -> 12 slots = m
-    long = m(torch.randn(64, 64))  # 4 blocks = 16 slots > m=12: merged hierarchically
-    assert long.shape == (m.slots_for(64), 64) == (4, 64)
+    long = m(torch.randn(64, 64))  # 4 blocks = 16 slots > m=12: the oldest 8 merged into 4
+    assert long.shape == (m.slots_for(64), 64) == (12, 64) and m.merges(16) == [8]
+
+
+def test_soft_tokens_never_decrease_as_the_history_grows_and_stay_within_max_slots():
+    """The paper's sizes: 1,024-position blocks to 64 soft tokens, at most 4,096 (no cliff past 64 blocks)."""
+    import math
+
+    m = net(block_size=1024, queries=64, max_slots=4096, d_actor=8, d_model=8, n_heads=2)
+    lengths = sorted({*range(1, 70 * 1024, 97), 64 * 1024, 64 * 1024 + 1, 10**6, 10**7})
+    curve = [m.slots_for(t) for t in lengths]
+    assert all(a <= b for a, b in zip(curve, curve[1:])) and max(curve) == 4096
+    assert curve[lengths.index(64 * 1024)] == curve[lengths.index(64 * 1024 + 1)] == 4096
+    for t in (64 * 1024 + 1, 10**6, 10**7):  # the merges the forward pass makes land exactly on the curve
+        n = math.ceil(t / 1024) * 64
+        for oldest in m.merges(n):
+            n = n - oldest + math.ceil(oldest / 1024) * 64
+        assert n == m.slots_for(t) == 4096
+    with torch.no_grad():
+        assert m(torch.randn(64 * 1024 + 1, 8)).shape == (4096, 8)
+
+
+def test_a_merge_compresses_the_oldest_history_and_keeps_the_newest_as_it_was():
+    m = net()  # B=16, Q=4, max 12: 64 positions = 16 first-level tokens, the oldest 8 merged into 4
+    with torch.no_grad():
+        x = torch.randn(64, 64)
+        y = x.clone()
+        y[-8:] += 1.0  # the newest positions change
+        a, b = m(x), m(y)
+        assert torch.allclose(a[:4], b[:4], atol=1e-6)  # the merged oldest tokens do not see newer history
+        assert not torch.allclose(a[-4:], b[-4:], atol=1e-3)
+        z = x.clone()
+        z[:8] += 1.0  # the oldest positions change: only the merged head moves
+        c = m(z)
+        assert torch.allclose(a[4:], c[4:], atol=1e-6) and not torch.allclose(a[:4], c[:4], atol=1e-3)
 
 
 def test_output_is_in_the_actor_embedding_scale():

@@ -226,6 +226,35 @@ def test_the_openai_client_gets_tool_calls_and_streams_and_every_message_is_reco
     assert len(audit) == 2  # the streamed turn is audited as a non-streamed one
 
 
+def test_a_langchain_agent_drives_its_own_tool_loop_through_the_proxy(server, client):
+    """LangChain's ChatOpenAI with bound tools, pointed at the proxy: every step recorded in order, each tool
+    result paired with its call, and every turn's compiled context within its budget."""
+    lc = pytest.importorskip("langchain_openai")
+    from langchain_core.messages import HumanMessage, SystemMessage, ToolMessage
+
+    llm = lc.ChatOpenAI(base_url=f"{server.url}/v1", api_key=KEYS["alice"], model="actor", max_tokens=80,
+                        default_headers={ARM_HEADER: "wide", "x-palimpsest-session": "lc-1"}, max_retries=0)
+    agent = llm.bind_tools(TOOLS, tool_choice="run_shell")
+    messages = [SystemMessage("You are a careful agent."), HumanMessage("Fix the failing test in settings")]
+    calls = []
+    for k in range(3):
+        ai = agent.invoke(messages)
+        assert ai.tool_calls and ai.tool_calls[0]["name"] == "run_shell", ai
+        messages.append(ai)
+        for call in ai.tool_calls:
+            calls.append(call["id"])
+            messages.append(ToolMessage(f"output {k}", tool_call_id=call["id"]))
+    agent.invoke(messages)  # the last results are recorded with this request
+    steps = client.get("/v1/sessions/lc-1/steps").json()["steps"]
+    assert [s["t"] for s in steps] == list(range(len(steps))) and len(steps) == 3
+    assert [c["id"] for s in steps for c in s["tool_calls"]] == calls
+    for k, s in enumerate(steps):
+        assert [r["tool_call_id"] for r in s["results"]] == [c["id"] for c in s["tool_calls"]]
+        assert [r["content"] for r in s["results"]] == [f"output {k}"] * len(s["tool_calls"])
+    turns = client.get("/v1/sessions/lc-1/audit").json()["turns"]
+    assert len(turns) == 4 and all(t["tokens"] + t["reserve"] <= t["budget"] for t in turns), turns
+
+
 def test_a_stream_is_server_sent_events_ending_in_done(server, client):
     body = {"messages": tool_history()[:2], "user": "sse-1", "max_tokens": 4, "stream": True}
     with client.stream("POST", "/v1/chat/completions", json=body, headers={ARM_HEADER: "wide"}) as r:
@@ -290,10 +319,11 @@ def test_bad_input_is_a_4xx_and_loses_nothing(client):
         client.post("/v1/completions", json={"prompt_embeds": encode_embeds(torch.full((4, 128), float("nan")))}),
         client.post("/v1/completions", json={"prompt_embeds": encode_embeds(torch.randn(2, 4, 128))}),
         client.post("/v1/completions", json={"prompt_embeds": base64.b64encode(b"junk").decode()}),
-        client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "stream": True, "user": "s"}),
+        client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "stream": True,
+                                                  "user": "s", "tool_choice": "required"}),
     ]
     codes = [r.status_code for r in cases]
-    assert codes == [422, 404, 404, 413, 409, 422, 422, 400, 400, 400, 400, 400, 400], [r.text for r in cases]
+    assert codes == [422, 404, 404, 413, 409, 422, 422, 400, 400, 400, 400, 400, 422], [r.text for r in cases]
     assert all(r.json()["error"] for r in cases)
     assert client.get("/healthz").json() == {"status": "ok"}
     assert new_session(client, "bad-1")["steps"] == 2  # nothing stored was lost or added

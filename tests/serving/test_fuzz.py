@@ -100,9 +100,20 @@ class _Evil:
         return (os.system, ("touch /tmp/palimpsest-pwned",))
 
 
+def _chat(calls: list[dict], answers: list[dict], user: str) -> dict:
+    """A chat request whose history holds one assistant action with ``calls`` answered by ``answers``."""
+    return {"json": {"user": user, "max_tokens": 2, "messages": [
+        {"role": "user", "content": "task"}, {"role": "assistant", "content": None, "tool_calls": calls}, *answers]}}
+
+
+def _call(k: int, args: str = "{}") -> dict:
+    return {"id": f"c{k}", "type": "function", "function": {"name": "run", "arguments": args}}
+
+
 def test_hostile_corpus(server, anchor):
     url = server.url
     deep = "[" * 100_000 + "]" * 100_000
+    chat = "/v1/chat/completions"
     cases = [
         ("huge body", "POST", "/v1/sessions", {"content": b'{"task": "' + b"x" * (9 << 20) + b'"}'}, (413,)),
         ("deep JSON", "POST", "/v1/sessions", {"content": ('{"task": ' + deep + "}").encode()}, (400, 422)),
@@ -120,6 +131,17 @@ def test_hostile_corpus(server, anchor):
         ("huge prompt", "POST", "/v1/completions", {"json": {"prompt": "word " * 5000}}, (422,)),
         ("bad content-length", "POST", "/v1/sessions", {"content": b"{}", "headers": {"content-length": "abc"}}, (400,)),
         ("unknown route", "GET", "/v1/../../etc/passwd", {}, (404,)),
+        ("mismatched tool_call_id", "POST", chat,
+         _chat([_call(0)], [{"role": "tool", "tool_call_id": "c9", "content": "x"}], "h-1"), (400,)),
+        ("tool message without a call", "POST", chat,
+         {"json": {"user": "h-2", "max_tokens": 2, "messages": [{"role": "user", "content": "task"},
+                                                               {"role": "tool", "tool_call_id": "c0", "content": "x"}]}},
+         (200,)),
+        ("10,000 tool calls in one message", "POST", chat,
+         _chat([_call(k) for k in range(10_000)], [{"role": "tool", "tool_call_id": "c0", "content": "x"}], "h-3"),
+         (413, 422)),
+        ("arguments that are not JSON", "POST", chat,
+         _chat([_call(0, "{not json")], [{"role": "tool", "tool_call_id": "c0", "content": "x"}], "h-4"), (200,)),
     ]
     with httpx.Client(base_url=url, headers=AUTH, timeout=120) as c:
         got = {}

@@ -139,3 +139,17 @@ def test_zero3_and_ddp_train_and_export_the_same_architecture(tmp_path, actor_di
     assert summary["metrics"]["step"] == 4 and summary["metrics"]["loss"] == summary["metrics"]["loss"]
     net = load_bundle(Path(summary["checkpoint"]))  # gathered full weights, loadable without DeepSpeed
     assert net(torch.randn(50, 64)).shape == (4, 64)
+
+
+def test_each_stage_walks_its_own_rows_from_the_shortest_history_epoch_by_epoch():
+    from palimpsest.training.launcher import curriculum_row
+
+    stage1, world, n = 7, 2, 5
+    # Stage II's first step on each rank takes the first (shortest) rows, whatever the global step count.
+    assert [curriculum_row(stage1, stage1, world, r, n) for r in range(world)] == [(2, 0), (2, 1)]
+    walk = [curriculum_row(step, stage1, world, 0, n)[1] for step in range(stage1, stage1 + 5)]
+    assert walk == [0, 2, 4, 1, 3]  # rank 0's share of epoch 1, then on into epoch 2 from the start
+    both = sorted(curriculum_row(step, stage1, world, r, n)[1] for step in range(stage1, stage1 + 5)
+                  for r in range(world))
+    assert both == sorted(k % n for k in range(10))  # two epochs, every row once per epoch
+    assert curriculum_row(0, stage1, world, 1, 3) == (1, 1)

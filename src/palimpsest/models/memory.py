@@ -38,6 +38,9 @@ class MemoryConfig:
         problems = []
         if self.queries > self.block_size:
             problems.append(f"queries ({self.queries}) must not exceed block_size ({self.block_size})")
+        elif self.queries == self.block_size:
+            problems.append(f"queries ({self.queries}) must be fewer than block_size ({self.block_size}): "
+                            "a merge must shrink the memory")
         if self.max_slots < self.queries:
             problems.append(f"max_slots ({self.max_slots}) must be at least queries ({self.queries})")
         if self.d_model % self.n_heads:
@@ -130,21 +133,40 @@ class MemoryNetwork(nn.Module):
             q = block(q, blocks, mask)
         return q.reshape(n * Q, -1)  # (n*Q, d), block order kept
 
-    def slots_for(self, positions: int) -> int:
-        """How many soft tokens a history of ``positions`` source positions yields."""
+    def merges(self, n: int) -> list[int]:
+        """The hierarchical merges that bring ``n`` first-level soft tokens within ``max_slots``: each entry is
+        how many of the oldest tokens one pass resamples (blocks of B -> Q each, order kept), the rest stay.
+
+        A pass merges the fewest oldest tokens that bring the count to exactly ``max_slots`` (the saving of
+        merging s tokens, s - ceil(s / B) * Q, grows one by one within a block, so ``max_slots`` is hit
+        exactly): the number of soft tokens never decreases as the history grows, and the newest history
+        keeps the finest resolution. Only when even merging everything once is not enough is a whole pass
+        made first."""
         B, Q, m = self.cfg.block_size, self.cfg.queries, self.cfg.max_slots
-        n = math.ceil(max(positions, 1) / B) * Q
+        out = []
         while n > m:
-            n = math.ceil(n / B) * Q
-        return n
+            e = n - m
+            if n - math.ceil(n / B) * Q < e:  # one pass over everything cannot save enough
+                out.append(n)
+                n = math.ceil(n / B) * Q
+                continue
+            # the fewest oldest tokens whose merge saves e: within the k-th block the saving is s - k * Q
+            k = math.ceil(e / (B - Q))
+            s_ = e + k * Q  # in block k: s - k*Q = e, with (k-1)*B < s <= k*B
+            out.append(s_)
+            n = n - s_ + math.ceil(s_ / B) * Q
+        return out
+
+    def slots_for(self, positions: int) -> int:
+        """How many soft tokens a history of ``positions`` source positions yields: one block of B positions
+        gives Q tokens, up to ``max_slots`` (never fewer for a longer history)."""
+        B, Q, m = self.cfg.block_size, self.cfg.queries, self.cfg.max_slots
+        return min(math.ceil(max(positions, 1) / B) * Q, m)
 
     def merge_passes(self, positions: int) -> int:
         """How many hierarchical merges a history of ``positions`` source positions needs."""
-        B, Q, m = self.cfg.block_size, self.cfg.queries, self.cfg.max_slots
-        n, passes = math.ceil(max(positions, 1) / B) * Q, 0
-        while n > m:
-            n, passes = math.ceil(n / B) * Q, passes + 1
-        return passes
+        B, Q = self.cfg.block_size, self.cfg.queries
+        return len(self.merges(math.ceil(max(positions, 1) / B) * Q))
 
     def forward(self, features: torch.Tensor, summary: torch.Tensor | None = None, min_passes: int = 0) -> torch.Tensor:
         """features: (T, d_actor) actor hidden states of the history; summary: (T_s, d_actor) token
@@ -161,8 +183,8 @@ class MemoryNetwork(nn.Module):
         x = self.in_proj(features.to(self.in_proj.weight.dtype))  # (T, d)
         mem = self._resample(x, self.queries)  # (ceil(T/B)*Q, d)
         passes = 0
-        while mem.shape[0] > self.cfg.max_slots:  # hierarchical merge, order preserved
-            mem = self._resample(mem, self.merge_queries)
+        for oldest in self.merges(mem.shape[0]):  # hierarchical merge of the oldest tokens, order preserved
+            mem = torch.cat([self._resample(mem[:oldest], self.merge_queries), mem[oldest:]], 0)
             passes += 1
         idle = mem.new_zeros(())
         for _ in range(passes, min_passes):  # keep collective calls in step across ranks (see above)

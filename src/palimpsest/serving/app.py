@@ -22,7 +22,7 @@ from palimpsest.serving.config import ServeConfig, parse_serve_config
 
 
 def build_app(config: ServeConfig | dict | None = None) -> Application:
-    from palimpsest.serving.deployments import Actor, Embedder, MemoryEncoder, Summarizer, deployment_env
+    from palimpsest.serving.deployments import Actor, Embedder, MemoryEncoder, RemoteActor, Summarizer, deployment_env
     from palimpsest.models.registry import resolve_actor_path
     from palimpsest.serving.ingress import Ingress
 
@@ -34,7 +34,8 @@ def build_app(config: ServeConfig | dict | None = None) -> Application:
     actor_opts: dict[str, Any] = {"num_cpus": res.actor, "runtime_env": env}
     if res.actor_gpus:
         actor_opts["num_gpus"] = res.actor_gpus
-    actor = Actor.options(num_replicas=n.actor, ray_actor_options=actor_opts).bind(
+    actor_cls = RemoteActor if cfg.actor.remote is not None else Actor
+    actor = actor_cls.options(num_replicas=n.actor, ray_actor_options=actor_opts).bind(
         cfg.actor.model_dump() | {"model": actor_path})
     embedder = Embedder.options(num_replicas=n.embedder, ray_actor_options={"num_cpus": res.embedder, "runtime_env": env}
                                 ).bind(cfg.embedder, cfg.device)

@@ -25,6 +25,20 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class RemoteActorConfig(_Strict):
+    """An upstream OpenAI-compatible server as the actor (``palimpsest.serving.remote``)."""
+
+    url: str = Field(..., pattern=r"^https?://[^\s/]+(/[^\s]*)?$", description="the upstream's base URL (without /v1)")
+    model: str | None = Field(None, description="the upstream's model name; its first model when unset")
+    api_key_env: str | None = Field(None, description="an environment variable holding the upstream's API key")
+    timeout_s: float = Field(120.0, gt=0, description="time-out of one upstream call")
+    connect_timeout_s: float = Field(5.0, gt=0)
+    retries: int = Field(2, ge=0, le=10, description="bounded retries of idempotent calls (and of connections "
+                                                    "never made)")
+    tool_calls: bool = Field(False, description="the upstream reads tool calls itself (vLLM started with "
+                                                "--enable-auto-tool-choice and a --tool-call-parser)")
+
+
 class ActorConfig(_Strict):
     model: str = Field("smollm2", description="`smollm2` (the cached SmolLM2-135M-Instruct folder) or a local HF model folder")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -39,6 +53,9 @@ class ActorConfig(_Strict):
                                       "(configs/templates/hermes_tools.jinja gives SmolLM2 tool calling)")
     tool_parser: str | None = Field(None, description="vLLM tool parser that reads tool calls out of the actor's "
                                     "replies (e.g. hermes); requests with tools are refused without one")
+    remote: RemoteActorConfig | None = Field(None, description="serve through an upstream OpenAI-compatible server "
+                                             "instead of the in-process vLLM engine; `model` then names the local "
+                                             "folder of the same model (tokenizer and embeddings)")
 
     @field_validator("chat_template")
     @classmethod

@@ -132,6 +132,85 @@ class Actor:
                 pass
 
 
+@serve.deployment(name="Actor", max_ongoing_requests=64, health_check_period_s=10, graceful_shutdown_timeout_s=20)
+class RemoteActor:
+    """The actor as an upstream OpenAI-compatible server (``actor.remote``), with :class:`Actor`'s interface.
+    Deployed under the same name, so the ingress, the summarizer and the metrics do not change."""
+
+    def __init__(self, cfg: dict):
+        from palimpsest.platform.tokens import get_tokenizer
+        from palimpsest.serving.engine import load_embedding_table
+        from palimpsest.serving.remote import RemoteEngine
+        from pathlib import Path
+
+        self.cfg = ActorConfig.model_validate(cfg)
+        path = Path(self.cfg.model)
+        self.table = load_embedding_table(path)
+        self.template = self.cfg.template_source()
+        self.tokenizer = get_tokenizer(str(path), self.template)  # what the budget counts with
+        self.engine = RemoteEngine(self.cfg, str(path), self.table)
+        self._started: asyncio.Future | None = None
+
+    async def _ready(self) -> None:
+        if self._started is None:
+            self._started = asyncio.ensure_future(self.engine.start(int(self.table.shape[1])))
+        try:
+            await asyncio.shield(self._started)
+        except Exception:
+            self._started = None
+            raise
+
+    async def info(self) -> dict:
+        await self._ready()
+        return {"model": self.engine.model, "path": self.cfg.model, "hidden_size": int(self.table.shape[1]),
+                "vocab_size": int(self.table.shape[0]), "max_model_len": self.cfg.max_model_len,
+                "max_embeds_len": self.cfg.max_embeds_len, "dtype": self.cfg.dtype, "chat_template": self.template,
+                "tool_parser": "upstream" if self.cfg.remote.tool_calls else None,
+                "prompt_embeds": self.engine.prompt_embeds, "remote": self.engine.url, "tokenizer": self.cfg.model}
+
+    async def generate(self, request: dict, memory: dict | None = None) -> dict:
+        await self._ready()
+        out = await self.engine.generate(self._request(request), memory)
+        return self._finish(out, memory)
+
+    async def generate_stream(self, request: dict, memory: dict | None = None):
+        await self._ready()
+        async for event in self.engine.stream(self._request(request), memory, live=True):
+            yield self._finish(event, memory) if event.get("done") else event
+
+    def _request(self, request: dict) -> dict:
+        if "messages" not in request and "context" in request:  # a helper call by ids: its text as one prompt
+            request = {**request, "messages": [{"role": "user", "content": self.tokenizer.decode(request["context"])}]}
+        return request
+
+    @staticmethod
+    def _finish(out: dict, memory: dict | None) -> dict:
+        out["soft_tokens"] = int(memory["soft"].shape[0]) if memory and memory.get("soft") is not None else 0
+        if memory:
+            out["memory_ms"] = memory["ms"]
+            out["memory_cached"] = memory["cached"]
+        return out
+
+    async def chat(self, messages: list[dict], max_tokens: int = 96) -> str:
+        await self._ready()
+        out = await self.engine.generate({"messages": messages, "max_tokens": max_tokens})
+        return out["text"]
+
+    def embed_ids(self, ids: list[int]):
+        import torch
+
+        return self.table[torch.as_tensor(ids, dtype=torch.long)]
+
+    def stats(self) -> dict:
+        return dict(self.engine.stats)
+
+    async def check_health(self) -> None:
+        await self.engine.check_health()
+
+    async def reset_prefix_cache(self) -> None:  # the upstream's cache is its own
+        return None
+
+
 @serve.deployment(name="Embedder", max_ongoing_requests=64)
 class Embedder:
     """Key embeddings of step texts (all-MiniLM-L6-v2, or the hashing embedder for tiny setups)."""

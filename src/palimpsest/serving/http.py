@@ -40,7 +40,8 @@ _RETRIABLE = _retriable()
 
 def _retriable_error(e: BaseException) -> bool:
     """A replica failure (by class, including a dead vLLM engine, which arrives wrapped by Ray)."""
-    return isinstance(e, _RETRIABLE) or any(c.__name__ == "EngineDeadError" for c in type(e).__mro__)
+    return isinstance(e, _RETRIABLE) or any(c.__name__ in ("EngineDeadError", "UpstreamUnavailable")
+                                            for c in type(e).__mro__)
 SESSION_HEADER = "x-palimpsest-session"
 ARM_HEADER = "x-palimpsest-arm"
 

@@ -102,6 +102,9 @@ class Ingress:
     async def _start(self) -> None:
         info = await self.actor.info.remote()
         self.actor_info = info
+        if not info.get("prompt_embeds", True) and any(a.memory for a in self.cfg.arms):
+            raise ConfigError(f"arms {[a.name for a in self.cfg.arms if a.memory]} need soft memory, and the upstream "
+                              f"actor at {info.get('remote')} does not take prompt embeds (vLLM --enable-prompt-embeds)")
         emb = await self.embedder_h.info.remote()
         self.memory_info = await self.memory.info.remote()
         self.summarizer_info = await self.summarizer.info.remote()
@@ -473,7 +476,8 @@ class Ingress:
         except HTTPProblem as e:
             return JSONResponse({"ready": False, "error": e.message}, status_code=503)
         return {"ready": True, "arms": dict(zip(self.router.names, self.router.weights)),
-                "actor": self.actor_info["model"], "memory": self.memory_info, "summarizer": self.summarizer_info,
+                "actor": self.actor_info["model"], "remote": self.actor_info.get("remote"),
+                "prompt_embeds": self.actor_info.get("prompt_embeds", True), "memory": self.memory_info, "summarizer": self.summarizer_info,
                 "embedder": self.runtime.embedder.name}
 
     @app.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse)

@@ -156,12 +156,13 @@ async def run_turn(rt: Runtime, req: TurnRequest, generate: Generate, glimpse_li
     while True:
         if stream is not None and emit is not None:
             gate = _Gate(emit, may_glimpse=len(glimpsed) < glimpse_limit)
-            out = await _streamed(stream({**request, "context": context, "bridge": bridge}, memory), gate)
+            out = await _streamed(stream({**request, "context": context, "bridge": bridge, "messages": messages},
+                                         memory), gate)
         else:
-            out = await generate({**request, "context": context, "bridge": bridge}, memory)
+            out = await generate({**request, "context": context, "bridge": bridge, "messages": messages}, memory)
         generations += 1
         actor_ms += out["actor_ms"]
-        completion += len(out["token_ids"])
+        completion += int(out.get("completion_tokens", len(out["token_ids"])))
         prompt_total += out["prompt_tokens"]
         step_id = glimpse_call(out["text"])
         if step_id is None or len(glimpsed) >= glimpse_limit:

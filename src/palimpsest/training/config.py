@@ -42,6 +42,9 @@ class MemorySection(_Strict):
     def _sizes(self) -> "MemorySection":
         if self.queries > self.block_size:
             raise ValueError(f"queries ({self.queries}) must not exceed block_size ({self.block_size})")
+        if self.queries == self.block_size:
+            raise ValueError(f"queries ({self.queries}) must be fewer than block_size ({self.block_size}): "
+                             "a merge must shrink the memory")
         if self.max_slots < self.queries:
             raise ValueError(f"max_slots ({self.max_slots}) must be at least queries ({self.queries})")
         if self.d_model % self.n_heads:

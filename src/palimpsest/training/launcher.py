@@ -87,6 +87,15 @@ def ds_config(cfg: TrainConfig) -> dict[str, Any]:
     return out
 
 
+def curriculum_row(step: int, stage1_steps: int, world: int, rank: int, n_rows: int) -> tuple[int, int]:
+    """(stage, row index) of a global step on one rank. Each stage walks its own rows from the start (they
+    are sorted shortest history first: the curriculum), the ranks taking consecutive rows, epoch after
+    epoch; Stage II starts at its shortest history, not where the global step count happens to point."""
+    stage = 1 if step < stage1_steps else 2
+    local = step if stage == 1 else step - stage1_steps
+    return stage, (local * world + rank) % n_rows
+
+
 def _load_rows(data_dir: str, stage: int, split: str = "train") -> list[dict]:
     import pyarrow.parquet as pq
 
@@ -154,7 +163,7 @@ def train_loop(loop_config: dict) -> None:
     while step < total:
         stage = 1 if step < cfg.optim.stage1_steps else 2
         data = rows[stage]
-        row = data[(step * world + rank) % len(data)]  # curriculum order, each rank its own sample
+        row = data[curriculum_row(step, cfg.optim.stage1_steps, world, rank, len(data))[1]]
         sample = _tensors(row, stage)
         t0 = time.perf_counter()
         # Every rank runs as many merge passes as the rank that needs most (ZeRO-3 gathers per call).
