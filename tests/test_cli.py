@@ -188,3 +188,19 @@ def test_train_refuses_bad_configs_before_any_worker(tmp_path, body, message):
 def test_eval_memory_refuses_what_is_not_a_model(tmp_path, data):
     r = cli("eval-memory", "--model", "not-a-model", "--data", str(data), cwd=tmp_path)
     assert r.returncode == 2 and "neither a checkpoint directory nor an MLflow model URI" in r.stderr
+
+
+def test_json_mode_sends_whatever_libraries_print_to_stderr(capfd):
+    """What a library prints while a --json command works (DeepSpeed's accelerator notice is one) must not
+    reach stdout, whether through Python's sys.stdout or straight to file descriptor 1."""
+    import os
+
+    from palimpsest.cli import _json_stdout
+
+    with _json_stdout(True):
+        print("[WARNING] [real_accelerator.py] Setting accelerator to CPU")
+        os.write(1, b"a C library line\n")
+    print('{"ok": true}')
+    got = capfd.readouterr()
+    assert got.out == '{"ok": true}\n'
+    assert "real_accelerator" in got.err and "a C library line" in got.err

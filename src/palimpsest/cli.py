@@ -16,6 +16,7 @@ Every refused input ends with one line on stderr naming the problem and exit sta
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -67,6 +68,25 @@ def _existing(path: str | Path) -> str:
     if "://" not in str(path) and not Path(path).is_file():
         raise PalimpsestError(f"no ledger at {path}; `palimpsest import FILE` creates one")
     return str(path)
+
+
+@contextlib.contextmanager
+def _json_stdout(active: bool):
+    """With --json, stdout carries the JSON object and nothing else: whatever libraries print while the work
+    runs (DeepSpeed's accelerator notice, progress lines) goes to stderr, at the file-descriptor level."""
+    if not active:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _fail(message: str) -> None:
@@ -327,6 +347,123 @@ def train(config: Path = typer.Option(..., "--config", help="configs/train/<name
     out.print(_json.dumps(summary, indent=2, default=str), markup=False, highlight=False)
 
 
+@app.command("eval-actions")
+def eval_actions(
+    data: Path = typer.Option(..., "--data", help="trajectories (JSONL, the shared schema)"),
+    policy: str = typer.Option(..., "--policy", help="comma-separated policies or labels; NAME+memory adds the "
+                                                     "soft memory of --memory to NAME (e.g. pace+memory)"),
+    budget: int = typer.Option(..., "--budget", help="token budget of every student prompt"),
+    max_boundaries: Optional[int] = typer.Option(None, "--max-boundaries", min=1, help="a deterministic sample of N"),
+    reference: Optional[str] = typer.Option(None, "--reference", help="gap_closed = 1 - KL(policy) / KL(reference) "
+                                                                      "(default: pace when listed, else the first)"),
+    memory: Optional[str] = typer.Option(None, "--memory", help="memory bundle or MLflow URI for NAME+memory "
+                                                                "(default: the latest registered)"),
+    policy_config: Optional[Path] = typer.Option(None, "--policy-config", help="YAML: labels -> configs "
+                                                                              "(configs/replay/reference.yaml has last2)"),
+    include_train: bool = typer.Option(False, "--include-train", help="also score trajectories the memory trained on"),
+    max_target_tokens: int = typer.Option(48, "--max-target-tokens", min=1),
+    window: Optional[int] = typer.Option(None, "--window", help="the actor's window (default: the serve config's)"),
+    seed: int = typer.Option(0, "--seed"),
+    cache: Optional[Path] = typer.Option(None, "--cache", help="teacher cache (Parquet; default .palimpsest/teachers.parquet)"),
+    ledger: Optional[Path] = typer.Option(None, "--ledger", help="cache ledger (default .palimpsest/replay-<tokenizer>.db)"),
+    embedder: str = EmbedderOpt,
+    tokenizer: str = TokenizerOpt,
+    mlflow: bool = typer.Option(True, "--mlflow/--no-mlflow", help="log the evaluation as an MLflow run"),
+    as_json: bool = typer.Option(False, "--json", help="print the result JSON to stdout and nothing else"),
+) -> None:
+    """Action fidelity: KL to the actor given the whole history, NLL of the recorded action, top-1 agreement."""
+    import json as _json
+
+    validate_budget(budget)
+    if not data.is_file():
+        raise PalimpsestError(f"trajectory file not found: {data}")
+    names = [n.strip() for n in policy.split(",") if n.strip()]
+    base = {n.removesuffix("+memory") for n in names}
+    configs = _policy_set(",".join(sorted(base)), policy_config)
+    with _json_stdout(as_json):
+        out_json, result = _eval_actions_run(
+            data, names, configs, budget, memory, include_train, max_target_tokens, window, seed, cache, ledger,
+            embedder, tokenizer, mlflow, max_boundaries, reference)
+    if as_json:
+        sys.stdout.write(_json.dumps(out_json) + "\n")
+        return
+    table = Table("policy", "KL (95% CI)", "NLL", "top-1", "positions", "boundaries", "gap closed")
+    for label, p in result.policies.items():
+        g = result.gap_closed.get(label)
+        table.add_row(label, f"{p['kl']:.4f} ({p['kl_ci'][0]:.4f}-{p['kl_ci'][1]:.4f})", f"{p['nll']:.3f}",
+                      f"{p['top1']:.3f}", f"{p['positions']:.0f}", str(p["boundaries"]), "-" if g is None else f"{g:.3f}")
+    out.print(table)
+    out.print(f"gap closed relative to {result.reference}")
+
+
+def _eval_actions_run(data, names, configs, budget, memory, include_train, max_target_tokens, window, seed, cache,
+                      ledger, embedder, tokenizer, mlflow, max_boundaries, reference):
+    from palimpsest.models.actor import FrozenActor
+    from palimpsest.models.registry import resolve_actor_path
+    from palimpsest.pipelines.environment import open_runtime, tokenizer_spec
+    from palimpsest.pipelines.remory_data import split_of
+    from palimpsest.pipelines.replay import prepare_sessions
+    from palimpsest.pipelines.trajectories import file_sha256, read_trajectories
+    from palimpsest.serving.config import ActorConfig, MemoryConfigServe
+    from palimpsest.training.actions import Arm, MemoryArm, TeacherCache, evaluate_actions
+
+    ref, trained_on, val_fraction = None, None, 0.2
+    if any(n.endswith("+memory") for n in names):
+        from palimpsest.models.encoder import BUNDLE_META
+        from palimpsest.models.registry import resolve_memory_ref
+
+        ref = resolve_memory_ref(memory or "auto")
+        if ref is None:
+            raise PalimpsestError("NAME+memory needs a memory model: --memory, or a registered palimpsest-memory")
+        meta_file = Path(str(ref), BUNDLE_META)
+        if meta_file.is_file():
+            meta = json.loads(meta_file.read_text()).get("data") or {}
+            trained_on = set(meta.get("train_trajectories") or []) or None
+            val_fraction = float(meta.get("val_fraction", val_fraction))
+    tok_spec = tokenizer_spec(tokenizer)
+    actor_path = str(resolve_actor_path("smollm2" if tokenizer == "smollm2" else tokenizer))
+    act = FrozenActor.from_pretrained(actor_path)
+    serve_mem = MemoryConfigServe()
+    mem_arm = None
+    if ref is not None:
+        from palimpsest.models.encoder import MemoryEncoder
+
+        mem_arm = MemoryArm(MemoryEncoder.load(ref, act), serve_mem.stride, serve_mem.min_steps,
+                            serve_mem.max_history_tokens, serve_mem.max_field_chars)
+    arms = [Arm(n, configs[n.removesuffix("+memory")], mem_arm if n.endswith("+memory") else None) for n in names]
+
+    def allowed(trajectory: str) -> bool:
+        if mem_arm is None or include_train:
+            return True
+        if trained_on is not None:
+            return trajectory not in trained_on
+        return split_of(trajectory, val_fraction) == "val"
+
+    read = read_trajectories(data)
+    rt = open_runtime(ledger or Path(f".palimpsest/replay-{Path(tokenizer).name}.db"), embedder, tokenizer)
+    skipped: list = []
+    sessions = prepare_sessions(rt, read.trajectories, False, file_sha256(data), skipped)
+    teacher_cache = TeacherCache(cache or Path(".palimpsest/teachers.parquet"))
+    ref_label = reference or ("pace" if "pace" in names else names[0])
+    if ref_label not in names:
+        raise PalimpsestError(f"--reference {ref_label!r} is not among --policy {names}")
+    result = evaluate_actions(rt, sessions, arms, budget, act, data_sha=file_sha256(data), actor_key=tok_spec,
+                              window=window or ActorConfig().max_model_len, max_boundaries=max_boundaries,
+                              max_target_tokens=max_target_tokens, seed=seed, reference=ref_label,
+                              cache=teacher_cache, allowed=allowed,
+                              on_progress=lambda sid: err.print(f"scored {sid}", highlight=False))
+    rt.ledger.close()
+    out_json = result.to_json() | {"budget": budget, "data": {"file": str(data), "sha256": file_sha256(data)},
+                                   "teacher_cache": {"hits": teacher_cache.hits, "misses": teacher_cache.misses},
+                                   "held_out_only": mem_arm is not None and not include_train,
+                                   "skipped": [{"trajectory": s.trajectory, "reason": s.reason} for s in skipped]}
+    if mlflow:
+        from palimpsest.pipelines.tracking import log_actions
+
+        out_json["mlflow_run_id"] = log_actions(out_json, {k: v.model_dump(mode="json") for k, v in configs.items()})
+    return out_json, result
+
+
 @app.command("eval-memory")
 def eval_memory(
     model: str = typer.Option(..., "--model", help="models:/palimpsest-memory/latest, a runs:/ URI, or a checkpoint dir"),
@@ -341,32 +478,33 @@ def eval_memory(
     as_json: bool = typer.Option(False, "--json", help="print the result JSON to stdout and nothing else"),
 ) -> None:
     """KL to the teacher and top-1 agreement for summary, summary + equal-budget text, summary + memory."""
-    import json as _json
+    with _json_stdout(as_json):
+        import json as _json
 
-    from palimpsest.models.actor import FrozenActor
-    from palimpsest.models.encoder import BUNDLE_META, load_memory
-    from palimpsest.training.evaluate import boundaries_from_file, evaluate
+        from palimpsest.models.actor import FrozenActor
+        from palimpsest.models.encoder import BUNDLE_META, load_memory
+        from palimpsest.training.evaluate import boundaries_from_file, evaluate
 
-    if split not in ("all", "val"):
-        raise PalimpsestError(f"--split must be all or val, got {split!r}")
-    if max_boundaries is not None and max_boundaries < 1:
-        raise PalimpsestError("--max-boundaries must be >= 1")
-    if not data.is_file():
-        raise PalimpsestError(f"trajectory file not found: {data}")
-    net = load_memory(model)
-    if actor is None and Path(model, BUNDLE_META).is_file():
-        actor = _json.loads(Path(model, BUNDLE_META).read_text())["actor"]["path"]
-    from palimpsest.models.registry import resolve_actor_path
+        if split not in ("all", "val"):
+            raise PalimpsestError(f"--split must be all or val, got {split!r}")
+        if max_boundaries is not None and max_boundaries < 1:
+            raise PalimpsestError("--max-boundaries must be >= 1")
+        if not data.is_file():
+            raise PalimpsestError(f"trajectory file not found: {data}")
+        net = load_memory(model)
+        if actor is None and Path(model, BUNDLE_META).is_file():
+            actor = _json.loads(Path(model, BUNDLE_META).read_text())["actor"]["path"]
+        from palimpsest.models.registry import resolve_actor_path
 
-    actor = str(resolve_actor_path(actor or "smollm2"))
-    act = FrozenActor.from_pretrained(actor)
-    if act.tokenizer is None:
-        raise PalimpsestError(f"the actor at {actor} has no tokenizer.json")
-    rows = boundaries_from_file(data, act.tokenizer, max_history_tokens, max_observation_chars, max_target_tokens, split,
-                                val_fraction)
-    if not rows:
-        raise PalimpsestError(f"{data}: no Stage II boundary within {max_history_tokens} tokens ({split} split)")
-    result = evaluate(net, act, rows, max_boundaries)
+        actor = str(resolve_actor_path(actor or "smollm2"))
+        act = FrozenActor.from_pretrained(actor)
+        if act.tokenizer is None:
+            raise PalimpsestError(f"the actor at {actor} has no tokenizer.json")
+        rows = boundaries_from_file(data, act.tokenizer, max_history_tokens, max_observation_chars, max_target_tokens, split,
+                                    val_fraction)
+        if not rows:
+            raise PalimpsestError(f"{data}: no Stage II boundary within {max_history_tokens} tokens ({split} split)")
+        result = evaluate(net, act, rows, max_boundaries)
     if as_json:
         sys.stdout.write(_json.dumps(result) + "\n")
     else:

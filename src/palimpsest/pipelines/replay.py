@@ -160,44 +160,58 @@ def action_targets(snap: SessionSnapshot) -> list[tuple[str, ...]]:
     return out
 
 
+def walk_turns(rt: Runtime, sess: ReplaySession, cfg: PolicyConfigBase, budget: int, reserve: int = 0):
+    """The served turn of every step of a session under one policy, in order (a rolling summary carries its
+    fold from turn to turn as a served session does): yields (step, snapshot, turn or BudgetError,
+    compile seconds). Replay measures these turns; ``eval-actions`` scores the actor on them."""
+    full = rt.snapshot(sess.session_id)
+    policy = rt.policy(cfg)
+    bound = UNBOUNDED if cfg.type == "full" else budget
+    state = _PolicyState()
+    for rs in sess.steps:
+        snap = full.upto(rs.t, folds={policy.config_hash: state.fold} if state.fold else {},
+                         last_context_tokens={policy.name: state.prev_tokens})
+        t0 = time.perf_counter()
+        try:
+            turn = rt.compile(snap, policy, bound, reserve if bound != UNBOUNDED else 0)
+        except BudgetError as e:
+            yield rs, snap, e, time.perf_counter() - t0
+            continue
+        elapsed = time.perf_counter() - t0
+        if turn.plan.new_fold:
+            state.fold = turn.plan.fold
+        state.prev_tokens = turn.prompt.tokens
+        yield rs, snap, turn, elapsed
+
+
 def replay_session(rt: Runtime, sess: ReplaySession, label: str, cfg: PolicyConfigBase, budget: int,
                    timer: TimedEmbedder | None, on_step: Callable[[], None] | None = None,
                    reserve: int = 0, targets: list[tuple[str, ...]] | None = None) -> list[dict]:
     """Per-step rows for one policy over one session: the served prompt (its exact ids), checked on the
     text the actor receives."""
     full = rt.snapshot(sess.session_id)
-    policy = rt.policy(cfg)
-    bound = UNBOUNDED if cfg.type == "full" else budget
-    state = _PolicyState()
     full_cost = _full_sizes(rt, full)
     prefix_text = _prefix_text(full)
     rows = []
-    for rs in sess.steps:
+    embed_before = timer.seconds if timer else 0.0
+    for rs, snap, turn, seconds in walk_turns(rt, sess, cfg, budget, reserve):
         t = rs.t
-        snap = full.upto(t, folds={policy.config_hash: state.fold} if state.fold else {},
-                         last_context_tokens={policy.name: state.prev_tokens})
         row = {"policy": label, "budget": budget, "trajectory": rs.trajectory, "t": t - rs.offset, "session_t": t,
                "full_tokens": int(full_cost[t]), "skipped": None}
+        embedded = (timer.seconds - embed_before) if timer else 0.0
         embed_before = timer.seconds if timer else 0.0
-        t0 = time.perf_counter()
-        try:
-            turn = rt.compile(snap, policy, bound, reserve if bound != UNBOUNDED else 0)
-        except BudgetError as e:
+        if isinstance(turn, BudgetError):
             row.update(_empty_row(rs.needs))
-            row["skipped"] = str(e)
+            row["skipped"] = str(turn)
             rows.append(row)
             if on_step:
                 on_step()
             continue
-        elapsed = time.perf_counter() - t0 - ((timer.seconds - embed_before) if timer else 0.0)
-        if turn.plan.new_fold:
-            state.fold = turn.plan.fold
-        state.prev_tokens = turn.prompt.tokens
         row.update(_check(turn.prompt.text, turn, rs, snap, prefix_text))
         if targets is not None and t < len(targets):
             row["action_ids"] = len(targets[t])
             row["action_id_hits"] = sum(appears(tok, turn.prompt.text) for tok in targets[t])
-        row["ms"] = elapsed * 1000
+        row["ms"] = (seconds - embedded) * 1000
         row["over_budget"] = turn.prompt.tokens + reserve > budget
         row["elided"] = len(turn.plan.info.get("elided", []))
         rows.append(row)

@@ -24,6 +24,7 @@ from typing import Any
 from palimpsest.platform.types import PalimpsestError
 
 EXPERIMENT_REPLAY = "palimpsest-replay"
+EXPERIMENT_ACTIONS = "palimpsest-eval-actions"
 
 
 def configure(uri: str | None = None, artifact_location: str | None = None) -> str:
@@ -98,4 +99,26 @@ def log_replay(summary: dict, out_dir: Path) -> str:
                 mlflow.log_artifact(str(out_dir / name))
         for png in sorted(out_dir.glob("*.png")):
             mlflow.log_artifact(str(png), artifact_path="plots")
+        return run.info.run_id
+
+
+def log_actions(result: dict, configs: dict[str, dict]) -> str:
+    """One run per `eval-actions`: the parameters, every policy's figures as metrics, the result as JSON."""
+    import mlflow
+
+    try:
+        mlflow.set_tracking_uri(tracking_uri())
+        exp = experiment_id(mlflow, EXPERIMENT_ACTIONS)
+    except Exception as e:
+        raise PalimpsestError(f"MLflow tracking at {tracking_uri()} is not usable: {e}") from None
+    with mlflow.start_run(experiment_id=exp, run_name=f"eval-actions-{Path(result['data']['file']).stem}-{result['budget']}") as run:
+        mlflow.log_params({"data.file": result["data"]["file"], "data.sha256": result["data"]["sha256"],
+                           "budget": result["budget"], "reference": result["reference"],
+                           "policies": ",".join(result["policies"]), "held_out_only": result["held_out_only"]})
+        metrics: dict[str, float] = {}
+        _flat("", {"policies": result["policies"], "gap_closed": result["gap_closed"]}, metrics)
+        mlflow.log_metrics(metrics)
+        mlflow.log_dict(result, "eval_actions.json")
+        for label, cfg in configs.items():
+            mlflow.log_dict(cfg, f"policies/{label}.json")
         return run.info.run_id

@@ -249,8 +249,24 @@ def raw_history_messages(session: Session, steps: Sequence[Step | StepRecord],
     return messages_at(session, steps, [Resolution.FULL] * len(steps), None, max_field_chars)
 
 
+def memory_boundary(t: int, stride: int, min_steps: int) -> int | None:
+    """The latest compaction boundary at or before step ``t`` (every ``stride`` steps), or None before
+    ``min_steps``: the soft span of a turn is the one of this boundary (cached per boundary)."""
+    boundary = (t // stride) * stride
+    return boundary if boundary >= min_steps else None
+
+
+def memory_input(tokenizer: ChatTokenizer, session: Session, steps: Sequence[Step | StepRecord],
+                 context_ids: Sequence[int], max_field_chars: int, max_history_tokens: int) -> tuple[list[int], list[int]]:
+    """What the memory network reads for a turn: (history, summary) ids. ``history`` is the raw chat of the
+    steps before the boundary (each field cut to ``max_field_chars``), its last ``max_history_tokens``;
+    ``summary`` the tail of the turn's compiled context. Serving and ``eval-actions`` both call this."""
+    history = chat_ids(tokenizer, raw_history_messages(session, steps, max_field_chars)).all
+    return history[-max_history_tokens:], list(context_ids)[-max_history_tokens:]
+
+
 __all__ = [
     "ChatIds", "DEFAULT_SYSTEM", "GLIMPSE_TOOL", "chat_ids", "fold_message", "glimpse_call", "glimpse_messages",
-    "head_tail", "history_messages", "message", "message_overhead", "messages_at", "observation_role",
+    "head_tail", "history_messages", "memory_boundary", "memory_input", "message", "message_overhead", "messages_at", "observation_role",
     "prefix_messages", "prefix_tokens", "range_message", "raw_history_messages", "with_glimpse",
 ]

@@ -24,7 +24,7 @@ from ray import serve
 
 from palimpsest.platform import Ledger, Runtime
 from palimpsest.platform.abstraction import RuleSummarizer
-from palimpsest.platform.chat import chat_ids, declared_tools, raw_history_messages
+from palimpsest.platform.chat import declared_tools, memory_boundary, memory_input
 from palimpsest.platform.tokens import get_tokenizer
 from palimpsest.platform.types import (
     BudgetError,
@@ -318,13 +318,13 @@ class Ingress:
         """The soft span of the latest compaction boundary (a handle response: it is not awaited here, so the
         tensor goes from the encoder to the actor directly), or None before the first boundary."""
         m = self.cfg.memory
-        boundary = (t // m.stride) * m.stride
-        if boundary < m.min_steps:
+        boundary = memory_boundary(t, m.stride, m.min_steps)
+        if boundary is None:
             return None
         steps = await asyncio.to_thread(lambda: self.runtime.ledger.snapshot(sid, upto=boundary).steps)
-        history = chat_ids(self.runtime.ledger.tokenizer, raw_history_messages(session, steps, m.max_field_chars)).all
-        return self.memory.encode.remote(key, sid, boundary, history[-m.max_history_tokens:],
-                                         list(ids)[-m.max_history_tokens:])
+        history, summary = memory_input(self.runtime.ledger.tokenizer, session, steps, ids, m.max_field_chars,
+                                        m.max_history_tokens)
+        return self.memory.encode.remote(key, sid, boundary, history, summary)
 
     # -- OpenAI-compatible --------------------------------------------------------------------
 

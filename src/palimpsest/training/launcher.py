@@ -199,7 +199,7 @@ def train_loop(loop_config: dict) -> None:
                     torch.save({"model": memnet.state_dict(), "optim": opt.state_dict(), "step": step},
                                Path(tmp) / "ddp.pt")
                 if step == total:
-                    _export_bundle(cfg, memnet, actor, Path(tmp), engine)
+                    _export_bundle(cfg, memnet, actor, Path(tmp), engine, loop_config["data_dir"])
                 ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
         else:
             ray.train.report(metrics)
@@ -210,7 +210,7 @@ def train_loop(loop_config: dict) -> None:
         dist.barrier()
 
 
-def _export_bundle(cfg: TrainConfig, module, actor, out: Path, engine) -> None:
+def _export_bundle(cfg: TrainConfig, module, actor, out: Path, engine, data_dir: str | None = None) -> None:
     """Full weights + config for loading without DeepSpeed (gathered under ZeRO-3)."""
     import torch
 
@@ -224,8 +224,19 @@ def _export_bundle(cfg: TrainConfig, module, actor, out: Path, engine) -> None:
         state = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
     torch.save(state, out / BUNDLE_WEIGHTS)
     meta = {"memory": {"d_actor": actor.hidden_size, **cfg.memory.model_dump()}, "embed_norm": actor.embed_norm(),
-            "actor": cfg.actor.model_dump(), "policy_config": cfg.tracking.policy_config, "name": cfg.name}
+            "actor": cfg.actor.model_dump(), "policy_config": cfg.tracking.policy_config, "name": cfg.name,
+            "data": {"file": str(cfg.data.file), "val_fraction": cfg.data.val_fraction, **_splits(data_dir)}}
     (out / BUNDLE_META).write_text(json.dumps(meta, indent=2))
+
+
+def _splits(data_dir: str | None) -> dict:
+    """The trajectories each split of the training data held: evaluation refuses the training ones."""
+    if data_dir is None or not (Path(data_dir) / "stage2.parquet").is_file():
+        return {}
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(Path(data_dir) / "stage2.parquet", columns=["trajectory", "split"]).to_pylist()
+    return {f"{sp}_trajectories": sorted({r["trajectory"] for r in rows if r["split"] == sp}) for sp in ("train", "val")}
 
 
 class _RankZeroTracker:

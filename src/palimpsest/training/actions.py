@@ -1,0 +1,275 @@
+"""`palimpsest eval-actions`: does the actor act as it would with the whole history?
+
+One behavioural measure for every policy. At sampled boundaries t of a trajectory file (those whose whole
+history, with the recorded next action, fits the actor's window):
+
+- the **teacher** is the actor given the whole history (the ``full`` policy's served prompt);
+- each **student** is the actor given a policy's served prompt at the budget (the prompt serving sends:
+  ``pipelines.replay.walk_turns`` compiles it with the served code), and ``NAME+memory`` adds the soft
+  span of a memory model where serving puts it (``platform.chat.memory_input`` builds what it reads);
+- each is scored on the recorded next action (step t's thought and action, its first
+  ``max_target_tokens`` tokens): KL(student || teacher) per target token, the recorded action's NLL
+  under the student, and top-1 agreement with the teacher.
+
+Teacher distributions are cached as their top-k plus the tail mass (Parquet, keyed by actor, data sha
+and boundary), so each teacher pass is computed once; the KL is then taken over the partition {the
+teacher's top-k tokens, the rest}, a lower bound of the full KL that is exact as k grows (docs/metrics.md).
+Means come with bootstrap 95% intervals over trajectories; ``gap_closed`` is 1 - KL(policy) / KL(reference).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from palimpsest.platform.types import BudgetError, PalimpsestError
+
+TOP_K = 64
+
+
+@dataclass
+class Teacher:
+    ids: torch.Tensor  # (R, k) the teacher's most likely tokens, most likely first
+    logp: torch.Tensor  # (R, k) their log-probabilities
+    tail: torch.Tensor  # (R,) log of the probability mass outside the top k
+
+
+def teacher_of(logits: torch.Tensor, k: int = TOP_K) -> Teacher:
+    logp = F.log_softmax(logits.float(), -1)
+    top, ids = logp.topk(min(k, logp.shape[-1]), -1)
+    rest = (1.0 - top.exp().sum(-1)).clamp(min=1e-12)
+    return Teacher(ids, top, rest.log())
+
+
+def score(q_logits: torch.Tensor, target: torch.Tensor, teacher: Teacher) -> dict[str, float]:
+    """KL(q || p) over {teacher top-k, rest}, NLL of the target under q, top-1 agreement; means per token."""
+    log_q = F.log_softmax(q_logits.float(), -1)
+    q_k = log_q.gather(-1, teacher.ids)
+    q_rest = (1.0 - q_k.exp().sum(-1)).clamp(min=1e-12).log()
+    kl = (q_k.exp() * (q_k - teacher.logp)).sum(-1) + q_rest.exp() * (q_rest - teacher.tail)
+    nll = -log_q.gather(-1, target[:, None])[:, 0]
+    top1 = (log_q.argmax(-1) == teacher.ids[:, 0]).float()
+    return {"kl": float(kl.clamp(min=0).mean()), "nll": float(nll.mean()), "top1": float(top1.mean())}
+
+
+class TeacherCache:
+    """Teacher distributions in Parquet, keyed by (actor, data sha, trajectory, t, target length)."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        self.rows: dict[str, dict] = {}
+        self.dirty = False
+        self.hits = self.misses = 0
+        if path is not None and path.is_file():
+            import pyarrow.parquet as pq
+
+            for r in pq.read_table(path).to_pylist():
+                self.rows[r["key"]] = r
+
+    @staticmethod
+    def key(actor: str, data_sha: str, trajectory: str, t: int, n_target: int, k: int) -> str:
+        return hashlib.sha256(json.dumps([actor, data_sha, trajectory, t, n_target, k]).encode()).hexdigest()
+
+    def get(self, key: str) -> Teacher | None:
+        r = self.rows.get(key)
+        if r is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        return Teacher(torch.tensor(r["ids"], dtype=torch.long), torch.tensor(r["logp"]), torch.tensor(r["tail"]))
+
+    def put(self, key: str, trajectory: str, t: int, teacher: Teacher) -> None:
+        self.rows[key] = {"key": key, "trajectory": trajectory, "t": t, "ids": teacher.ids.tolist(),
+                          "logp": teacher.logp.tolist(), "tail": teacher.tail.tolist()}
+        self.dirty = True
+
+    def save(self) -> None:
+        if self.path is None or not self.dirty:
+            return
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        pq.write_table(pa.Table.from_pylist(list(self.rows.values())), tmp)
+        tmp.replace(self.path)
+        self.dirty = False
+
+
+@dataclass
+class MemoryArm:
+    """Soft memory on top of a text policy, as serving adds it (``memory.*`` of the serve config)."""
+
+    encoder: Any  # palimpsest.models.encoder.MemoryEncoder
+    stride: int = 8
+    min_steps: int = 4
+    max_history_tokens: int = 1024
+    max_field_chars: int = 4000
+
+    @property
+    def slots(self) -> int:
+        return self.encoder.slots_for(self.max_history_tokens)
+
+
+@dataclass
+class Arm:
+    label: str
+    config: Any  # a policy config
+    memory: MemoryArm | None = None
+
+
+@dataclass
+class ActionsResult:
+    policies: dict[str, dict]
+    gap_closed: dict[str, float | None]
+    reference: str
+    boundaries: list[dict] = field(default_factory=list)
+    meta: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"policies": self.policies, "gap_closed": self.gap_closed, "reference": self.reference, **self.meta}
+
+
+def bootstrap_ci(values_by_group: dict[str, list[float]], reps: int = 1000, seed: int = 0) -> tuple[float, float]:
+    """95% interval of the mean over all values, resampling groups (trajectories) with replacement."""
+    groups = [np.asarray(v, dtype=float) for v in values_by_group.values() if v]
+    if not groups:
+        return (float("nan"), float("nan"))
+    rng = np.random.default_rng(seed)
+    means = []
+    for _ in range(reps):
+        pick = rng.integers(0, len(groups), len(groups))
+        vals = np.concatenate([groups[i] for i in pick])
+        means.append(vals.mean())
+    lo, hi = np.percentile(means, [2.5, 97.5])
+    return (float(lo), float(hi))
+
+
+def _target_text(step) -> str:
+    return "\n".join(x for x in (step.thought, step.action) if x).strip() or "(no action)"
+
+
+def evaluate_actions(rt, sessions, arms: list[Arm], budget: int, actor, *, data_sha: str, actor_key: str,
+                     window: int, max_boundaries: int | None = None, max_target_tokens: int = 48,
+                     min_t: int = 2, seed: int = 0, reference: str | None = None, cache: TeacherCache | None = None,
+                     allowed: Callable[[str], bool] = lambda _: True,
+                     on_progress: Callable[[str], None] | None = None) -> ActionsResult:
+    """Score every arm at the sampled boundaries of ``sessions`` (replay sessions already imported into
+    ``rt``'s ledger). ``allowed(trajectory)`` filters trajectories (held-out ones only, for a memory)."""
+    from palimpsest.pipelines.replay import walk_turns
+    from palimpsest.platform.chat import memory_boundary, memory_input
+    from palimpsest.platform.policies import parse_policy_config
+    from palimpsest.training.losses import student_logits
+
+    tok = rt.ledger.tokenizer
+    cache = cache or TeacherCache(None)
+    full_cfg = parse_policy_config("full")
+    # 1. Boundaries: the whole history and the target fit the actor's window.
+    candidates: list[tuple[Any, int, list[int]]] = []
+    for sess in sessions:
+        if not allowed(sess.session_id):
+            continue
+        snap = rt.snapshot(sess.session_id)
+        for rs, _snap, turn, _s in walk_turns(rt, sess, full_cfg, budget, 0):
+            if rs.t < min_t or isinstance(turn, BudgetError) or rs.t >= len(snap.steps):
+                continue
+            target = tok.encode(_target_text(snap.steps[rs.t]))[:max_target_tokens]
+            if target and len(turn.prompt.ids) + len(target) <= window:
+                candidates.append((sess, rs.t, target))
+    if not candidates:
+        raise PalimpsestError("no boundary whose whole history fits the actor's window")
+    if max_boundaries is not None and len(candidates) > max_boundaries:
+        candidates = random.Random(seed).sample(candidates, max_boundaries)
+    wanted: dict[str, dict[int, list[int]]] = {}
+    for sess, t, target in candidates:
+        wanted.setdefault(sess.session_id, {})[t] = target
+    by_id = {s.session_id: s for s in sessions}
+    rows: list[dict] = []
+    reserve = max_target_tokens
+    for sid, ts in wanted.items():
+        sess = by_id[sid]
+        snap_all = rt.snapshot(sid)
+        # 2. The teacher at each boundary (cached).
+        teachers: dict[int, Teacher] = {}
+        for rs, _snap, turn, _s in walk_turns(rt, sess, full_cfg, budget, 0):
+            if rs.t not in ts:
+                continue
+            key = cache.key(actor_key, data_sha, sid, rs.t, len(ts[rs.t]), TOP_K)
+            teacher = cache.get(key)
+            if teacher is None:
+                ids = torch.tensor(list(turn.prompt.ids) + ts[rs.t], dtype=torch.long)
+                with torch.inference_mode():
+                    logits = actor(input_ids=ids[None], last=len(ts[rs.t]) + 1)[0, : len(ts[rs.t])]
+                teacher = teacher_of(logits)
+                cache.put(key, sid, rs.t, teacher)
+            teachers[rs.t] = teacher
+        # 3. Every student at the same boundaries.
+        for arm in arms:
+            soft = arm.memory.slots if arm.memory else 0
+            for rs, _snap, turn, _s in walk_turns(rt, sess, arm.config, budget, reserve + soft):
+                if rs.t not in ts:
+                    continue
+                target = torch.tensor(ts[rs.t], dtype=torch.long)
+                row = {"policy": arm.label, "trajectory": sid, "t": rs.t, "budget": budget}
+                if isinstance(turn, BudgetError):
+                    rows.append({**row, "skipped": str(turn)})
+                    continue
+                context, bridge = list(turn.prompt.context_ids), list(turn.prompt.bridge_ids)
+                parts = [actor.embed(torch.tensor(context, dtype=torch.long))]
+                n_soft = 0
+                if arm.memory is not None:
+                    b = memory_boundary(rs.t, arm.memory.stride, arm.memory.min_steps)
+                    if b is not None:
+                        history, summary = memory_input(tok, snap_all.session, snap_all.steps[:b], context,
+                                                        arm.memory.max_field_chars, arm.memory.max_history_tokens)
+                        with torch.inference_mode():
+                            mem = arm.memory.encoder.encode(torch.tensor(history, dtype=torch.long),
+                                                            torch.tensor(summary, dtype=torch.long))
+                        parts.append(mem.to(parts[0].dtype))
+                        n_soft = int(mem.shape[0])
+                if bridge:
+                    parts.append(actor.embed(torch.tensor(bridge, dtype=torch.long)))
+                with torch.inference_mode():
+                    q = student_logits(actor, torch.cat(parts), target)
+                rows.append({**row, **score(q, target, teachers[rs.t]), "positions": len(context) + n_soft + len(bridge),
+                             "soft": n_soft, "skipped": None})
+        if on_progress:
+            on_progress(sid)
+    cache.save()
+    result = summarize_actions(rows, [a.label for a in arms], reference, seed)
+    result.boundaries = rows
+    return result
+
+
+def summarize_actions(rows: list[dict], labels: list[str], reference: str | None, seed: int = 0) -> ActionsResult:
+    policies: dict[str, dict] = {}
+    for label in labels:
+        ok = [r for r in rows if r["policy"] == label and r.get("skipped") is None]
+        groups: dict[str, list[float]] = {}
+        for r in ok:
+            groups.setdefault(r["trajectory"], []).append(r["kl"])
+        n = len(ok)
+        mean = (lambda k: float(np.mean([r[k] for r in ok])) if ok else float("nan"))  # noqa: E731
+        policies[label] = {"kl": mean("kl"), "kl_ci": list(bootstrap_ci(groups, seed=seed)), "nll": mean("nll"),
+                           "top1": mean("top1"), "positions": mean("positions"), "boundaries": n,
+                           "trajectories": len(groups),
+                           "skipped": sum(1 for r in rows if r["policy"] == label and r.get("skipped"))}
+    ref = reference if reference in policies else None
+    gap: dict[str, float | None] = {}
+    for label, p in policies.items():
+        base = policies[ref]["kl"] if ref else float("nan")
+        gap[label] = (1.0 - p["kl"] / base) if ref and base > 0 and not math.isnan(p["kl"]) else None
+    return ActionsResult(policies, gap, ref or "")
+
+
+__all__ = ["ActionsResult", "Arm", "MemoryArm", "TOP_K", "Teacher", "TeacherCache", "bootstrap_ci",
+           "evaluate_actions", "score", "summarize_actions", "teacher_of"]

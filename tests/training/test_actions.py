@@ -1,0 +1,104 @@
+"""eval-actions: the behavioural measure of every policy, on a tiny random actor (the arithmetic and the
+plumbing are under test; the figures on real trajectories are in BENCHMARKS.md)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from palimpsest.models.actor import FrozenActor
+from palimpsest.pipelines.environment import open_runtime
+from palimpsest.pipelines.replay import prepare_sessions
+from palimpsest.pipelines.trajectories import file_sha256, read_trajectories
+from palimpsest.platform.policies import parse_policy_config
+from palimpsest.training.actions import (
+    Arm,
+    TeacherCache,
+    bootstrap_ci,
+    evaluate_actions,
+    score,
+    teacher_of,
+)
+from tests.models.tiny import tiny_actor
+from tests.models.tiny_tokenizer import tiny_tokenizer
+from tests.pipelines.test_remory_data import traj
+
+
+@pytest.fixture(scope="module")
+def actor_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("actor")
+    tiny_actor(seed=1, hidden=64, vocab=320, heads=2).model.save_pretrained(d)
+    tiny_tokenizer().save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    f = tmp_path_factory.mktemp("data") / "d.jsonl"
+    f.write_text("\n".join(json.dumps(traj(f"tr/{i}", n=7, obs=20)) for i in range(3)) + "\n")
+    return f
+
+
+def test_the_score_is_zero_against_itself_and_a_lower_bound_of_the_full_kl():
+    torch.manual_seed(0)
+    p, q = torch.randn(5, 300), torch.randn(5, 300)
+    target = torch.randint(0, 300, (5,))
+    same = score(p, target, teacher_of(p, k=8))
+    assert same["kl"] < 1e-6 and same["top1"] == 1.0
+    full = (F.softmax(q, -1) * (F.log_softmax(q, -1) - F.log_softmax(p, -1))).sum(-1).mean()
+    coarse = score(q, target, teacher_of(p, k=8))["kl"]
+    assert 0 < coarse <= float(full) + 1e-6  # the partition {top-k, rest} loses information, never adds it
+    assert score(q, target, teacher_of(p, k=300))["kl"] == pytest.approx(float(full), rel=1e-4)
+    assert score(q, target, teacher_of(p))["nll"] == pytest.approx(float(F.cross_entropy(q, target)), rel=1e-5)
+
+
+def test_bootstrap_intervals_resample_trajectories():
+    lo, hi = bootstrap_ci({"a": [1.0, 1.0], "b": [3.0], "c": [2.0, 2.0, 2.0]})
+    assert 1.0 <= lo < hi <= 3.0
+    assert bootstrap_ci({"a": [2.0], "b": [2.0]}) == (2.0, 2.0)
+
+
+def test_the_whole_history_is_the_teacher_and_a_shorter_window_moves_away_from_it(tmp_path, actor_dir, data):
+    rt = open_runtime(tmp_path / "l.db", "hashing", str(actor_dir))
+    sessions = prepare_sessions(rt, read_trajectories(data).trajectories, False, file_sha256(data), [])
+    actor = FrozenActor.from_pretrained(actor_dir)
+    arms = [Arm("full", parse_policy_config("full")), Arm("last1", parse_policy_config({"type": "window", "k": 1})),
+            Arm("pace", parse_policy_config("pace"))]
+    cache = TeacherCache(tmp_path / "teachers.parquet")
+    kw = dict(data_sha=file_sha256(data), actor_key=str(actor_dir), window=2048, max_boundaries=6,
+              max_target_tokens=12, reference="last1")
+    res = evaluate_actions(rt, sessions, arms, 2000, actor, cache=cache, **kw)
+    full, last1 = res.policies["full"], res.policies["last1"]
+    assert full["boundaries"] == last1["boundaries"] == 6
+    assert full["kl"] < 1e-5 and full["top1"] == 1.0  # the student given the whole history is the teacher
+    assert last1["kl"] > max(100 * full["kl"], 1e-6) and last1["positions"] < full["positions"]
+    assert res.gap_closed["last1"] == 0.0 and res.gap_closed["full"] == pytest.approx(1.0, abs=1e-4)
+    assert last1["kl_ci"][0] <= last1["kl"] <= last1["kl_ci"][1]
+    assert cache.misses == 6 and (tmp_path / "teachers.parquet").is_file()
+    again = TeacherCache(tmp_path / "teachers.parquet")  # the teacher passes are computed once
+    res2 = evaluate_actions(rt, sessions, arms, 2000, actor, cache=again, **kw)
+    assert again.hits == 6 and again.misses == 0
+    assert res2.policies["last1"]["kl"] == pytest.approx(last1["kl"], rel=1e-5)
+    only = evaluate_actions(rt, sessions, arms[:2], 2000, actor, allowed=lambda t: t == "tr/0", **kw)
+    assert {r["trajectory"] for r in only.boundaries} == {"tr/0"}
+
+
+def test_the_cli_prints_only_json_on_stdout(tmp_path, actor_dir, data):
+    """Library notices printed while the work runs (DeepSpeed's accelerator line on stdout) go to stderr."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    r = subprocess.run([sys.executable, "-m", "palimpsest.cli", "eval-actions", "--data", str(data),
+                        "--policy", "window,pace", "--budget", "2000", "--max-boundaries", "2", "--window", "2048",
+                        "--max-target-tokens", "8", "--tokenizer", str(actor_dir), "--embedder", "hashing",
+                        "--ledger", str(tmp_path / "l.db"), "--cache", str(tmp_path / "t.parquet"),
+                        "--no-mlflow", "--json"], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(r.stdout)  # the whole of stdout is one JSON object
+    assert set(doc["policies"]) == {"window", "pace"} and doc["reference"] == "pace"
+    assert doc["policies"]["window"]["boundaries"] == 2 and len(doc["policies"]["pace"]["kl_ci"]) == 2
