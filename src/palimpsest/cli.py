@@ -440,7 +440,10 @@ def _eval_actions_run(data, names, configs, budget, memory, include_train, max_t
         return split_of(trajectory, val_fraction) == "val"
 
     read = read_trajectories(data)
-    rt = open_runtime(ledger or Path(f".palimpsest/replay-{Path(tokenizer).name}.db"), embedder, tokenizer)
+    from palimpsest.pipelines.replay import TimedEmbedder  # memoised: policies share query embeddings
+
+    rt = open_runtime(ledger or Path(f".palimpsest/replay-{Path(tokenizer).name}.db"), embedder, tokenizer,
+                      wrap=TimedEmbedder)
     skipped: list = []
     sessions = prepare_sessions(rt, read.trajectories, False, file_sha256(data), skipped)
     teacher_cache = TeacherCache(cache or Path(".palimpsest/teachers.parquet"))

@@ -255,6 +255,43 @@ def test_a_langchain_agent_drives_its_own_tool_loop_through_the_proxy(server, cl
     assert len(turns) == 4 and all(t["tokens"] + t["reserve"] <= t["budget"] for t in turns), turns
 
 
+def test_an_openai_agents_sdk_agent_runs_its_tool_loop_through_the_proxy(server, client):
+    """The OpenAI Agents SDK (chat-completions model) with a function tool: its first turn must call the tool
+    (the SDK then resets tool_choice to auto); every step is recorded with its call and result paired."""
+    pytest.importorskip("agents")
+    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+    from agents.exceptions import MaxTurnsExceeded
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)
+    outputs = []
+
+    @function_tool
+    def run_shell() -> str:
+        """Run the test suite and return its output."""
+        outputs.append(f"output {len(outputs)}")
+        return outputs[-1]
+
+    oc = AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEYS["alice"], max_retries=0,
+                     default_headers={ARM_HEADER: "wide", "x-palimpsest-session": "ag-1"})
+    agent = Agent(name="fixer", instructions="You are a careful agent.", tools=[run_shell],
+                  model=OpenAIChatCompletionsModel(model="actor", openai_client=oc),
+                  model_settings=ModelSettings(tool_choice="required", max_tokens=80))
+    try:
+        Runner.run_sync(agent, "Fix the failing test in settings", max_turns=3)
+    except MaxTurnsExceeded:
+        pass  # a random tiny actor may keep calling the tool; the protocol is what is under test
+    assert outputs, "the agent never called its tool"
+    steps = client.get("/v1/sessions/ag-1/steps").json()["steps"]
+    assert [s["t"] for s in steps] == list(range(len(steps))) and steps
+    first = steps[0]
+    assert first["tool_calls"][0]["function"]["name"] == "run_shell" and first["authority"] == "tool"
+    assert [r["tool_call_id"] for r in first["results"]] == [c["id"] for c in first["tool_calls"]]
+    assert first["results"][0]["content"] == "output 0"
+    turns = client.get("/v1/sessions/ag-1/audit").json()["turns"]
+    assert len(turns) >= 2 and all(t["tokens"] + t["reserve"] <= t["budget"] for t in turns)
+
+
 def test_a_stream_is_server_sent_events_ending_in_done(server, client):
     body = {"messages": tool_history()[:2], "user": "sse-1", "max_tokens": 4, "stream": True}
     with client.stream("POST", "/v1/chat/completions", json=body, headers={ARM_HEADER: "wide"}) as r:
