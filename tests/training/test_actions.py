@@ -70,7 +70,7 @@ def test_the_whole_history_is_the_teacher_and_a_shorter_window_moves_away_from_i
     cache = TeacherCache(tmp_path / "teachers.parquet")
     kw = dict(data_sha=file_sha256(data), actor_key=str(actor_dir), window=2048, max_boundaries=6,
               max_target_tokens=12, reference="last1")
-    res = evaluate_actions(rt, sessions, arms, 2000, actor, cache=cache, **kw)
+    res = evaluate_actions(rt, sessions, arms, 1000, actor, cache=cache, **kw)
     full, last1 = res.policies["full"], res.policies["last1"]
     assert full["boundaries"] == last1["boundaries"] == 6
     assert full["kl"] < 1e-5 and full["top1"] == 1.0  # the student given the whole history is the teacher
@@ -79,10 +79,10 @@ def test_the_whole_history_is_the_teacher_and_a_shorter_window_moves_away_from_i
     assert last1["kl_ci"][0] <= last1["kl"] <= last1["kl_ci"][1]
     assert cache.misses == 6 and (tmp_path / "teachers.parquet").is_file()
     again = TeacherCache(tmp_path / "teachers.parquet")  # the teacher passes are computed once
-    res2 = evaluate_actions(rt, sessions, arms, 2000, actor, cache=again, **kw)
+    res2 = evaluate_actions(rt, sessions, arms, 1000, actor, cache=again, **kw)
     assert again.hits == 6 and again.misses == 0
     assert res2.policies["last1"]["kl"] == pytest.approx(last1["kl"], rel=1e-5)
-    only = evaluate_actions(rt, sessions, arms[:2], 2000, actor, allowed=lambda t: t == "tr/0", **kw)
+    only = evaluate_actions(rt, sessions, arms[:2], 1000, actor, allowed=lambda t: t == "tr/0", **kw)
     assert {r["trajectory"] for r in only.boundaries} == {"tr/0"}
 
 
@@ -94,7 +94,7 @@ def test_the_cli_prints_only_json_on_stdout(tmp_path, actor_dir, data):
 
     env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
     r = subprocess.run([sys.executable, "-m", "palimpsest.cli", "eval-actions", "--data", str(data),
-                        "--policy", "window,pace", "--budget", "2000", "--max-boundaries", "2", "--window", "2048",
+                        "--policy", "window,pace", "--budget", "1000", "--max-boundaries", "2", "--window", "2048",
                         "--max-target-tokens", "8", "--tokenizer", str(actor_dir), "--embedder", "hashing",
                         "--ledger", str(tmp_path / "l.db"), "--cache", str(tmp_path / "t.parquet"),
                         "--no-mlflow", "--json"], capture_output=True, text=True, env=env, timeout=600)

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from palimpsest.platform.types import BudgetError, PalimpsestError
 
 TOP_K = 64
+_MIN_HISTORY = 256  # tokens of history a boundary's budget must leave after the prefix and the reply
 
 
 @dataclass
@@ -173,20 +174,25 @@ def evaluate_actions(rt, sessions, arms: list[Arm], budget: int, actor, *, data_
     tok = rt.ledger.tokenizer
     cache = cache or TeacherCache(None)
     full_cfg = parse_policy_config("full")
-    # 1. Boundaries: the whole history and the target fit the actor's window.
+    # 1. Boundaries where the budget matters: the whole history (with the target) fits the actor's window but
+    #    not the budget, and the fixed prefix leaves room in the budget for the reply and some history.
     candidates: list[tuple[Any, int, list[int]]] = []
     for sess in sessions:
         if not allowed(sess.session_id):
             continue
         snap = rt.snapshot(sess.session_id)
+        if snap.prefix_tokens + max_target_tokens + _MIN_HISTORY > budget:
+            continue
         for rs, _snap, turn, _s in walk_turns(rt, sess, full_cfg, budget, 0):
             if rs.t < min_t or isinstance(turn, BudgetError) or rs.t >= len(snap.steps):
                 continue
             target = tok.encode(_target_text(snap.steps[rs.t]))[:max_target_tokens]
-            if target and len(turn.prompt.ids) + len(target) <= window:
+            n = len(turn.prompt.ids)
+            if target and n + len(target) <= window and n + max_target_tokens > budget:
                 candidates.append((sess, rs.t, target))
     if not candidates:
-        raise PalimpsestError("no boundary whose whole history fits the actor's window")
+        raise PalimpsestError(f"no boundary whose whole history fits the actor's window ({window}) but not the "
+                              f"budget ({budget}) with a prefix that leaves room")
     if max_boundaries is not None and len(candidates) > max_boundaries:
         candidates = random.Random(seed).sample(candidates, max_boundaries)
     wanted: dict[str, dict[int, list[int]]] = {}
