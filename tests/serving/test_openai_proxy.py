@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from palimpsest.platform.types import Authority, PalimpsestError
@@ -98,3 +100,29 @@ def test_with_the_user_reading_the_principal_speaking_after_tool_output_is_a_use
     got = [(s.action, s.observation, s.authority) for s in p.steps]
     assert got[1:] == [("cat a.py", "def f(): ...", Authority.TOOL), ("", "now also fix b.py", Authority.USER),
                        ("cat b.py", "x\n2 steps left\nhurry", Authority.TOOL)]
+
+
+def test_malformed_tool_declarations_are_refused_by_field_not_crashed_on():
+    import pydantic
+
+    from palimpsest.serving.schemas import ChatIn
+
+    msgs = [{"role": "user", "content": "task"}]
+    for tools, choice, field in (([{"type": "function", "function": "f"}], None, "tools[0]"),
+                                 ([{"type": "function", "function": {"name": "f", "parameters": "x"}}], None,
+                                  "tools[0].function.parameters"),
+                                 ([{"type": "function", "function": {"name": "f"}}],
+                                  {"type": "function", "function": "f"}, "tool_choice")):
+        with pytest.raises(pydantic.ValidationError, match=re.escape(field)):
+            ChatIn.model_validate({"messages": msgs, "tools": tools, "tool_choice": choice})
+
+
+def test_a_tool_message_before_any_action_keeps_its_call_id():
+    from palimpsest.platform import toolcalls
+    from palimpsest.serving.openai_proxy import parse_messages
+    from palimpsest.serving.schemas import ChatIn
+
+    body = ChatIn.model_validate({"messages": [{"role": "user", "content": "task"},
+                                               {"role": "tool", "tool_call_id": "c7", "name": "run", "content": "out"}]})
+    (step,) = parse_messages(body.messages).steps
+    assert toolcalls.tool_call_ids(step) == ["c7"] and step.observation == "out"

@@ -22,6 +22,7 @@ from palimpsest.platform.types import (
 )
 from palimpsest.serving.embeds import EmbedsError
 from palimpsest.serving.openai_proxy import HistoryConflict
+from palimpsest.serving.remote import UpstreamError, UpstreamUnavailable
 
 def _retriable() -> tuple[type[BaseException], ...]:
     """Failures of a child replica (died, restarting, overloaded): the request may simply be retried."""
@@ -55,7 +56,7 @@ class HTTPProblem(Exception):
         self.status, self.message = status, message
 
 
-_STATUS = ((LedgerUnavailableError, 503), (UnknownSessionError, 404), (UnknownStepError, 404), (GlimpseLimitError, 429), (HistoryConflict, 409),
+_STATUS = ((UpstreamUnavailable, 503), (UpstreamError, 502), (LedgerUnavailableError, 503), (UnknownSessionError, 404), (UnknownStepError, 404), (GlimpseLimitError, 429), (HistoryConflict, 409),
            (EmbedsError, 400), (BudgetError, 422), (ConfigError, 422), (LedgerError, 409), (PalimpsestError, 400))
 
 
@@ -70,6 +71,15 @@ async def _palimpsest_error(_: Request, e: PalimpsestError):
     status = next(code for cls, code in _STATUS if isinstance(e, cls))
     # 503: the ledger's database is out of reach; the operation did not commit, so a retry is safe.
     return JSONResponse({"error": str(e)}, status_code=status, headers={"Retry-After": "5"} if status == 503 else None)
+
+
+def status_of(e: BaseException) -> int:
+    """The HTTP status of an error raised while serving (500 for what is not the caller's or an upstream's)."""
+    if isinstance(e, HTTPProblem):
+        return e.status
+    if isinstance(e, PalimpsestError):
+        return next(code for cls, code in _STATUS if isinstance(e, cls))
+    return 503 if _retriable_error(e) else 500
 
 
 @app.exception_handler(RecursionError)

@@ -45,6 +45,7 @@ from palimpsest.serving.http import (
     _palimpsest_error,  # noqa: F401  (re-exported for tests that call the handler directly)
     _retriable_error,
     app,
+    status_of,
 )
 from palimpsest.serving.metrics import Metrics
 from palimpsest.serving.openai_proxy import new_steps, parse_messages, step_view
@@ -262,6 +263,21 @@ class Ingress:
                 raise HTTPProblem(503, f"a model replica is unavailable ({type(e).__name__}); retry shortly") from None
             raise
 
+    async def _check_turn(self, sid: str, body: TurnIn) -> None:
+        """The checks of a turn's size that need no compile: budget within the window, room for the reply."""
+        session = await asyncio.to_thread(self.runtime.ledger.session, sid)
+        armcfg = self.cfg.arm(self._arm_of(session))
+        budget = body.budget or armcfg.budget or self.cfg.budget
+        window = self.actor_info["max_model_len"]
+        if budget > window:
+            raise HTTPProblem(422, f"budget: {budget} tokens exceeds the actor's window of {window}")
+        mem = self._memory_of(armcfg)
+        soft = self.memory_info["models"][mem]["max_slots"] if mem is not None else 0
+        max_tokens = body.max_tokens or self.cfg.actor.max_tokens
+        if max_tokens + soft >= budget:
+            raise HTTPProblem(422, f"max_tokens: {max_tokens} (+ {soft} soft positions) leaves no room in the "
+                                   f"budget of {budget}")
+
     async def _turn_inner(self, sid, session, arm, armcfg, body: TurnIn, t_start: float, tool_choice=None,
                           parallel_tool_calls=None, emit=None) -> TurnOut:
         budget = body.budget or armcfg.budget or self.cfg.budget
@@ -373,7 +389,8 @@ class Ingress:
                          stop=stop, temperature=1.0 if body.temperature is None else body.temperature)
         choice = body.tool_choice if body.tools else None
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.actor_info["model"]}
-        if body.stream:
+        if body.stream:  # what can be refused is refused before the 200 status line is sent
+            await self._check_turn(sid, turn_in)
             usage = bool((body.stream_options or {}).get("include_usage"))
             return StreamingResponse(self._chat_stream(sid, ext, turn_in, choice, body.parallel_tool_calls, head, usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -407,11 +424,13 @@ class Ingress:
                 await queue.put(chunk({}, _finish(turn), palimpsest=_extension(ext, turn)))
                 if usage:
                     await queue.put(f"data: {json.dumps({**head, 'object': 'chat.completion.chunk', 'choices': [], 'usage': _usage(turn)})}\n\n")
-            except HTTPProblem as e:
-                await queue.put(f"data: {json.dumps({'error': {'message': e.message, 'code': e.status}})}\n\n")
-            except Exception as e:  # the status line is sent: the error travels as an event
-                log.exception("streamed turn failed")
-                await queue.put(f"data: {json.dumps({'error': {'message': f'{type(e).__name__}: {e}', 'code': 500}})}\n\n")
+            except Exception as e:  # the status line is sent: the error travels as an event, with its own code
+                code = status_of(e)
+                if code >= 500 and code != 503:
+                    log.exception("streamed turn failed")
+                message = e.message if isinstance(e, HTTPProblem) else (str(e) if code < 500 or code == 503 else
+                                                                        f"{type(e).__name__}: {e}")
+                await queue.put(f"data: {json.dumps({'error': {'message': message, 'code': code}})}\n\n")
             finally:
                 await queue.put(None)
 

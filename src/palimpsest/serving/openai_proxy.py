@@ -117,9 +117,10 @@ def parse_messages(messages, user_after_action: str = "tool") -> ParsedChat:
             authority = (Authority.TOOL if roles & {"tool", "function"} else
                          Authority.SYSTEM if roles <= {"system", "developer"} else Authority.USER)
             answers = _answers([], list(zip(range(i, j), group)), None)
-            steps.append(StepRecord(t=len(steps), kind="message", action="",
-                                    observation="\n".join(a.content for a in answers), authority=authority))
-            alternates.append(frozenset())
+            rec = StepRecord(t=len(steps), kind="message", action="", observation="\n".join(a.content for a in answers),
+                             authority=authority, calls=toolcalls.encode([], answers))
+            steps.append(rec)
+            alternates.append(_unstructured(rec))
             i = j
             continue
         action, calls = _action(m, i)
@@ -168,6 +169,7 @@ def parse_messages(messages, user_after_action: str = "tool") -> ParsedChat:
             steps.append(StepRecord(t=len(steps), kind="message", action="",
                                     observation="\n".join(_text(o.content, f"messages[{k}].content") for k, o in said),
                                     authority=Authority.USER))
+            alternates.append(frozenset())
         i = j
     alternates += [frozenset()] * (len(steps) - len(alternates))
     return ParsedChat(system="\n\n".join(s for s in system if s), task=task, steps=steps, alternates=alternates)

@@ -25,6 +25,7 @@ import time
 from typing import Any, AsyncIterator
 
 from palimpsest.platform.types import ConfigError, PalimpsestError
+from palimpsest.serving.tools import call_id
 
 
 class UpstreamUnavailable(PalimpsestError):
@@ -77,9 +78,9 @@ class RemoteEngine:
         for k in range(attempts):
             try:
                 r = await self.client.request(method, path, **kw)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as e:  # nothing was sent
                 last = e
-            except (httpx.TimeoutException, httpx.NetworkError) as e:
+            except httpx.HTTPError as e:
                 if not idempotent:
                     raise UpstreamUnavailable(f"the upstream actor at {self.url} failed mid-request: "
                                               f"{type(e).__name__}") from None
@@ -184,10 +185,14 @@ class RemoteEngine:
             msg = choice.get("message") or {}
             text.append(msg.get("content") or choice.get("text") or "")
             for k, c in enumerate(msg.get("tool_calls") or []):
-                calls[k] = c
+                calls[k] = {**c, "id": c.get("id") or call_id()}
             usage, finish = data.get("usage") or {}, choice.get("finish_reason")
         else:
             async for data in self._sse(path, body):
+                if data.get("error") or data.get("object") == "error":
+                    err = data.get("error") if isinstance(data.get("error"), dict) else data
+                    raise UpstreamError(int(err.get("code") or 502) if str(err.get("code") or "").isdigit() else 502,
+                                        str(err.get("message") or data)[:300])
                 if data.get("usage"):
                     usage = data["usage"]
                 for choice in data.get("choices") or []:
@@ -204,6 +209,10 @@ class RemoteEngine:
                     if piece:
                         text.append(piece)
                         yield {"delta": piece, "content": piece}
+        if live and finish is None:
+            raise UpstreamUnavailable(f"the upstream actor at {self.url} ended its stream without a finish reason")
+        for c in calls.values():
+            c["id"] = c.get("id") or call_id()
         ms = (time.perf_counter() - t0) * 1000
         prompt = int(usage.get("prompt_tokens") or 0)
         cached = int(((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0)
@@ -230,10 +239,14 @@ class RemoteEngine:
                     payload = line[5:].strip()
                     if payload == "[DONE]":
                         return
-                    yield json.loads(payload)
-        except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+                    try:
+                        doc = json.loads(payload)
+                    except ValueError:
+                        raise UpstreamError(502, f"an event that is not JSON: {payload[:120]!r}") from None
+                    yield doc
+        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as e:
             raise UpstreamUnavailable(f"the upstream actor at {self.url} is unavailable ({type(e).__name__})") from None
-        except (httpx.TimeoutException, httpx.NetworkError) as e:
+        except httpx.HTTPError as e:
             raise UpstreamUnavailable(f"the upstream actor at {self.url} failed mid-stream ({type(e).__name__})") from None
 
     async def generate(self, request: dict, memory: dict | None = None) -> dict:

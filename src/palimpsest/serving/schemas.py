@@ -176,10 +176,18 @@ class ChatIn(_Text):
         if self.response_format is not None and self.response_format.get("type") != "text":
             raise ValueError("response_format: only {\"type\": \"text\"} is served (structured outputs are not "
                              "enabled on this actor)")
-        names = [((t.get("function") or {}).get("name") if isinstance(t, dict) else None) for t in (self.tools or [])]
-        for k, (t, name) in enumerate(zip(self.tools or [], names)):
-            if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(name, str) or not name:
-                raise ValueError(f"tools[{k}]: a function tool needs type \"function\" and function.name")
+        names = []
+        for k, t in enumerate(self.tools or []):
+            fn = t.get("function") if isinstance(t, dict) else None
+            if not isinstance(fn, dict) or t.get("type", "function") != "function":
+                raise ValueError(f"tools[{k}]: a function tool is {{\"type\": \"function\", \"function\": {{...}}}}")
+            if not isinstance(fn.get("name"), str) or not fn["name"]:
+                raise ValueError(f"tools[{k}].function.name: a non-empty string is needed")
+            if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+                raise ValueError(f"tools[{k}].function.parameters: a JSON schema object is needed")
+            if fn.get("description") is not None and not isinstance(fn["description"], str):
+                raise ValueError(f"tools[{k}].function.description: a string is needed")
+            names.append(fn["name"])
         choice = self.tool_choice
         if isinstance(choice, str) and choice not in ("auto", "none", "required"):
             raise ValueError("tool_choice: auto, none, required, or a named function")
@@ -187,7 +195,8 @@ class ChatIn(_Text):
             if not self.tools:
                 raise ValueError("tool_choice: forcing a tool call needs tools")
         if isinstance(choice, dict):
-            wanted = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+            fn = choice.get("function")
+            wanted = fn.get("name") if choice.get("type") == "function" and isinstance(fn, dict) else None
             if wanted not in names:
                 raise ValueError(f"tool_choice: names {wanted!r}, which tools do not declare")
         if self.stream_options is not None and set(self.stream_options) - {"include_usage"}:
