@@ -264,9 +264,13 @@ class Ingress:
             raise
 
     async def _check_turn(self, sid: str, body: TurnIn) -> None:
-        """The checks of a turn's size that need no compile: budget within the window, room for the reply."""
+        """The checks of a turn's size that need no compile (a streamed turn runs them before its 200)."""
         session = await asyncio.to_thread(self.runtime.ledger.session, sid)
-        armcfg = self.cfg.arm(self._arm_of(session))
+        self._turn_size(self.cfg.arm(self._arm_of(session)), body)
+
+    def _turn_size(self, armcfg, body: TurnIn) -> tuple[int, str | None, int, int]:
+        """(budget, memory key, soft positions, max_tokens) of a turn on this arm; 422 when the budget exceeds the
+        actor's window or leaves no room for the reply and the soft span."""
         budget = body.budget or armcfg.budget or self.cfg.budget
         window = self.actor_info["max_model_len"]
         if budget > window:
@@ -277,24 +281,17 @@ class Ingress:
         if max_tokens + soft >= budget:
             raise HTTPProblem(422, f"max_tokens: {max_tokens} (+ {soft} soft positions) leaves no room in the "
                                    f"budget of {budget}")
+        return budget, mem, soft, max_tokens
 
     async def _turn_inner(self, sid, session, arm, armcfg, body: TurnIn, t_start: float, tool_choice=None,
                           parallel_tool_calls=None, emit=None) -> TurnOut:
-        budget = body.budget or armcfg.budget or self.cfg.budget
-        window = self.actor_info["max_model_len"]
-        if budget > window:
-            raise HTTPProblem(422, f"budget: {budget} tokens exceeds the actor's window of {window}")
-        mem = self._memory_of(armcfg)
-        soft = self.memory_info["models"][mem]["max_slots"] if mem is not None else 0
+        budget, mem, soft, max_tokens = self._turn_size(armcfg, body)
         req = TurnRequest(session_id=sid, policy=self.policies[arm], budget=budget,
-                          max_tokens=body.max_tokens or self.cfg.actor.max_tokens, temperature=body.temperature,
+                          max_tokens=max_tokens, temperature=body.temperature,
                           seed=body.seed, soft_positions=soft,
                           sampling={k: v for k, v in (("top_p", body.top_p), ("stop", body.stop)) if v is not None},
                           tools=declared_tools(session.tools) if self.actor_info.get("tool_parser") else None,
                           tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls)
-        if req.max_tokens + soft >= budget:
-            raise HTTPProblem(422, f"max_tokens: {req.max_tokens} (+ {soft} soft positions) leaves no room in the "
-                                   f"budget of {budget}")
 
         async def memory_for(ct):
             return await self._memory_request(mem, sid, session, ct.t, ct.prompt.context_ids)
