@@ -176,7 +176,7 @@ def evaluate_actions(rt, sessions, arms: list[Arm], budget: int, actor, *, data_
     full_cfg = parse_policy_config("full")
     # 1. Boundaries where the budget matters: the whole history (with the target) fits the actor's window but
     #    not the budget, and the fixed prefix leaves room in the budget for the reply and some history.
-    candidates: list[tuple[Any, int, list[int]]] = []
+    candidates: list[tuple[Any, int, list[int], list[int]]] = []  # (session, t, target, the teacher's prompt)
     for sess in sessions:
         if not allowed(sess.session_id):
             continue
@@ -189,15 +189,17 @@ def evaluate_actions(rt, sessions, arms: list[Arm], budget: int, actor, *, data_
             target = tok.encode(_target_text(snap.steps[rs.t]))[:max_target_tokens]
             n = len(turn.prompt.ids)
             if target and n + len(target) <= window and n + max_target_tokens > budget:
-                candidates.append((sess, rs.t, target))
+                candidates.append((sess, rs.t, target, list(turn.prompt.ids)))
     if not candidates:
         raise PalimpsestError(f"no boundary whose whole history fits the actor's window ({window}) but not the "
                               f"budget ({budget}) with a prefix that leaves room")
     if max_boundaries is not None and len(candidates) > max_boundaries:
         candidates = random.Random(seed).sample(candidates, max_boundaries)
     wanted: dict[str, dict[int, list[int]]] = {}
-    for sess, t, target in candidates:
+    teacher_ids: dict[tuple[str, int], list[int]] = {}
+    for sess, t, target, ids in candidates:
         wanted.setdefault(sess.session_id, {})[t] = target
+        teacher_ids[(sess.session_id, t)] = ids
     by_id = {s.session_id: s for s in sessions}
     rows: list[dict] = []
     reserve = max_target_tokens
@@ -206,18 +208,16 @@ def evaluate_actions(rt, sessions, arms: list[Arm], budget: int, actor, *, data_
         snap_all = rt.snapshot(sid)
         # 2. The teacher at each boundary (cached).
         teachers: dict[int, Teacher] = {}
-        for rs, _snap, turn, _s in walk_turns(rt, sess, full_cfg, budget, 0):
-            if rs.t not in ts:
-                continue
-            key = cache.key(actor_key, data_sha, sid, rs.t, len(ts[rs.t]), TOP_K)
+        for t, target in ts.items():
+            key = cache.key(actor_key, data_sha, sid, t, len(target), TOP_K)
             teacher = cache.get(key)
             if teacher is None:
-                ids = torch.tensor(list(turn.prompt.ids) + ts[rs.t], dtype=torch.long)
+                ids = torch.tensor(teacher_ids[(sid, t)] + target, dtype=torch.long)
                 with torch.inference_mode():
-                    logits = actor(input_ids=ids[None], last=len(ts[rs.t]) + 1)[0, : len(ts[rs.t])]
+                    logits = actor(input_ids=ids[None], last=len(target) + 1)[0, : len(target)]
                 teacher = teacher_of(logits)
-                cache.put(key, sid, rs.t, teacher)
-            teachers[rs.t] = teacher
+                cache.put(key, sid, t, teacher)
+            teachers[t] = teacher
         # 3. Every student at the same boundaries.
         for arm in arms:
             soft = arm.memory.slots if arm.memory else 0
