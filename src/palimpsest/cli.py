@@ -351,7 +351,8 @@ def train(config: Path = typer.Option(..., "--config", help="configs/train/<name
 def eval_actions(
     data: Path = typer.Option(..., "--data", help="trajectories (JSONL, the shared schema)"),
     policy: str = typer.Option(..., "--policy", help="comma-separated policies or labels; NAME+memory adds the "
-                                                     "soft memory of --memory to NAME (e.g. pace+memory)"),
+                                                     "soft memory of --memory to NAME (e.g. pace+memory), "
+                                                     "NAME+empty keeps its room but sends no soft span"),
     budget: int = typer.Option(..., "--budget", help="token budget of every student prompt"),
     max_boundaries: Optional[int] = typer.Option(None, "--max-boundaries", min=1, help="a deterministic sample of N"),
     reference: Optional[str] = typer.Option(None, "--reference", help="gap_closed = 1 - KL(policy) / KL(reference) "
@@ -378,7 +379,7 @@ def eval_actions(
     if not data.is_file():
         raise PalimpsestError(f"trajectory file not found: {data}")
     names = [n.strip() for n in policy.split(",") if n.strip()]
-    base = {n.removesuffix("+memory") for n in names}
+    base = {_memory_base(n) for n in names}
     configs = _policy_set(",".join(sorted(base)), policy_config)
     with _json_stdout(as_json):
         out_json, result = _eval_actions_run(
@@ -387,6 +388,10 @@ def eval_actions(
     if as_json:
         sys.stdout.write(_json.dumps(out_json) + "\n")
         return
+    _actions_table(result)
+
+
+def _actions_table(result) -> None:
     table = Table("policy", "KL (95% CI)", "NLL", "top-1", "positions", "boundaries", "gap closed")
     for label, p in result.policies.items():
         g = result.gap_closed.get(label)
@@ -394,6 +399,15 @@ def eval_actions(
                       f"{p['top1']:.3f}", f"{p['positions']:.0f}", str(p["boundaries"]), "-" if g is None else f"{g:.3f}")
     out.print(table)
     out.print(f"gap closed relative to {result.reference}")
+
+
+def _memory_base(label: str) -> str:
+    """The text policy of a label: NAME+memory (soft memory at its slot) and NAME+empty (NAME+memory's text,
+    no soft span) are NAME underneath."""
+    for suffix in ("+memory", "+empty"):
+        if label.endswith(suffix):
+            return label[: -len(suffix)]
+    return label
 
 
 def _eval_actions_run(data, names, configs, budget, memory, include_train, max_target_tokens, window, seed, cache,
@@ -407,30 +421,32 @@ def _eval_actions_run(data, names, configs, budget, memory, include_train, max_t
     from palimpsest.serving.config import ActorConfig, MemoryConfigServe
     from palimpsest.training.actions import Arm, MemoryArm, TeacherCache, evaluate_actions
 
+    serve_mem = MemoryConfigServe()
     ref, trained_on, val_fraction = None, None, 0.2
-    if any(n.endswith("+memory") for n in names):
-        from palimpsest.models.encoder import BUNDLE_META
-        from palimpsest.models.registry import resolve_memory_ref
+    mem_tokens, mem_chars = serve_mem.max_history_tokens, serve_mem.max_field_chars
+    if any(n != _memory_base(n) for n in names):
+        from palimpsest.models.registry import memory_meta, resolve_memory_ref
 
         ref = resolve_memory_ref(memory or "auto")
         if ref is None:
             raise PalimpsestError("NAME+memory needs a memory model: --memory, or a registered palimpsest-memory")
-        meta_file = Path(str(ref), BUNDLE_META)
-        if meta_file.is_file():
-            meta = json.loads(meta_file.read_text()).get("data") or {}
+        meta = memory_meta(ref).get("data") or {}
+        if meta:
             trained_on = set(meta.get("train_trajectories") or []) or None
             val_fraction = float(meta.get("val_fraction", val_fraction))
+            # Read as the memory was trained to read (serving's memory.* should say the same).
+            mem_tokens = int(meta.get("memory_tokens", mem_tokens))
+            mem_chars = int(meta.get("max_observation_chars", mem_chars))
     tok_spec = tokenizer_spec(tokenizer)
     actor_path = str(resolve_actor_path("smollm2" if tokenizer == "smollm2" else tokenizer))
     act = FrozenActor.from_pretrained(actor_path)
-    serve_mem = MemoryConfigServe()
     mem_arm = None
     if ref is not None:
         from palimpsest.models.encoder import MemoryEncoder
 
-        mem_arm = MemoryArm(MemoryEncoder.load(ref, act), serve_mem.stride, serve_mem.min_steps,
-                            serve_mem.max_history_tokens, serve_mem.max_field_chars)
-    arms = [Arm(n, configs[n.removesuffix("+memory")], mem_arm if n.endswith("+memory") else None) for n in names]
+        mem_arm = MemoryArm(MemoryEncoder.load(ref, act), mem_tokens, mem_chars)
+    arms = [Arm(n, configs[_memory_base(n)], mem_arm if n != _memory_base(n) else None, inject=not n.endswith("+empty"))
+            for n in names]
 
     def allowed(trajectory: str) -> bool:
         if mem_arm is None or include_train:
@@ -470,48 +486,52 @@ def _eval_actions_run(data, names, configs, budget, memory, include_train, max_t
 @app.command("eval-memory")
 def eval_memory(
     model: str = typer.Option(..., "--model", help="models:/palimpsest-memory/latest, a runs:/ URI, or a checkpoint dir"),
-    data: Path = typer.Option(..., "--data", help="trajectories (JSONL); its Stage II boundaries are evaluated"),
-    max_boundaries: Optional[int] = typer.Option(None, "--max-boundaries", help="a deterministic sample of N"),
-    actor: Optional[str] = typer.Option(None, "--actor", help="actor folder or 'smollm2' (default: the model's own)"),
-    split: str = typer.Option("all", "--split", help="all, or val: only trajectories a training run held out"),
-    val_fraction: float = typer.Option(0.2, "--val-fraction", help="the training config's data.val_fraction"),
-    max_history_tokens: int = typer.Option(2048, "--max-history-tokens"),
-    max_observation_chars: int = typer.Option(800, "--max-observation-chars"),
-    max_target_tokens: int = typer.Option(48, "--max-target-tokens"),
+    data: Path = typer.Option(..., "--data", help="trajectories (JSONL, the shared schema)"),
+    budget: int = typer.Option(1024, "--budget", help="token budget of the student prompts (the memory's training "
+                                                      "budget is a fair choice)"),
+    policy: Optional[str] = typer.Option(None, "--policy", help="the text policy under the memory (default: the "
+                                                                "one the memory was trained with, else pace)"),
+    max_boundaries: Optional[int] = typer.Option(None, "--max-boundaries", min=1, help="a deterministic sample of N"),
+    include_train: bool = typer.Option(False, "--include-train", help="also score trajectories the memory trained on"),
+    max_target_tokens: int = typer.Option(48, "--max-target-tokens", min=1),
+    window: Optional[int] = typer.Option(None, "--window", help="the actor's window (default: the serve config's)"),
+    seed: int = typer.Option(0, "--seed"),
+    cache: Optional[Path] = typer.Option(None, "--cache", help="teacher cache (Parquet; default .palimpsest/teachers.parquet)"),
+    ledger: Optional[Path] = typer.Option(None, "--ledger", help="cache ledger (default .palimpsest/replay-<tokenizer>.db)"),
+    embedder: str = EmbedderOpt,
+    tokenizer: str = TokenizerOpt,
+    mlflow: bool = typer.Option(True, "--mlflow/--no-mlflow", help="log the evaluation as an MLflow run"),
     as_json: bool = typer.Option(False, "--json", help="print the result JSON to stdout and nothing else"),
 ) -> None:
-    """KL to the teacher and top-1 agreement for summary, summary + equal-budget text, summary + memory."""
+    """eval-actions for one memory: POLICY (the memory's positions as text), POLICY+empty (its text alone) and
+    POLICY+memory, on held-out trajectories; gap_closed is relative to POLICY."""
+    import json as _json
+
+    validate_budget(budget)
+    if not data.is_file():
+        raise PalimpsestError(f"trajectory file not found: {data}")
     with _json_stdout(as_json):
-        import json as _json
+        from palimpsest.models.registry import memory_meta, resolve_memory_ref
 
-        from palimpsest.models.actor import FrozenActor
-        from palimpsest.models.encoder import BUNDLE_META, load_memory
-        from palimpsest.training.evaluate import boundaries_from_file, evaluate
+        ref = resolve_memory_ref(model)
+        if ref is None:
+            raise PalimpsestError(f"--model {model!r} names no memory model")
+        trained = memory_meta(ref).get("policy")
+        if policy is None and isinstance(trained, dict) and isinstance(trained.get("config"), dict):
+            from palimpsest.platform.policies import parse_policy_config
 
-        if split not in ("all", "val"):
-            raise PalimpsestError(f"--split must be all or val, got {split!r}")
-        if max_boundaries is not None and max_boundaries < 1:
-            raise PalimpsestError("--max-boundaries must be >= 1")
-        if not data.is_file():
-            raise PalimpsestError(f"trajectory file not found: {data}")
-        net = load_memory(model)
-        if actor is None and Path(model, BUNDLE_META).is_file():
-            actor = _json.loads(Path(model, BUNDLE_META).read_text())["actor"]["path"]
-        from palimpsest.models.registry import resolve_actor_path
-
-        actor = str(resolve_actor_path(actor or "smollm2"))
-        act = FrozenActor.from_pretrained(actor)
-        if act.tokenizer is None:
-            raise PalimpsestError(f"the actor at {actor} has no tokenizer.json")
-        rows = boundaries_from_file(data, act.tokenizer, max_history_tokens, max_observation_chars, max_target_tokens, split,
-                                    val_fraction)
-        if not rows:
-            raise PalimpsestError(f"{data}: no Stage II boundary within {max_history_tokens} tokens ({split} split)")
-        result = evaluate(net, act, rows, max_boundaries)
+            base, configs = "policy", {"policy": parse_policy_config(trained["config"])}
+        else:
+            base = policy or "pace"
+            configs = _policy_set(base, None)
+        names = [base, f"{base}+empty", f"{base}+memory"]
+        out_json, result = _eval_actions_run(
+            data, names, configs, budget, model, include_train, max_target_tokens, window, seed, cache, ledger,
+            embedder, tokenizer, mlflow, max_boundaries, base)
     if as_json:
-        sys.stdout.write(_json.dumps(result) + "\n")
-    else:
-        out.print(_json.dumps(result, indent=2), markup=False, highlight=False)
+        sys.stdout.write(_json.dumps(out_json) + "\n")
+        return
+    _actions_table(result)
 
 
 models_app = typer.Typer(help="Offline model assets.", no_args_is_help=True)

@@ -1,9 +1,11 @@
+import asyncio
 import json
 
 import pyarrow.parquet as pq
 import pytest
 
 from palimpsest.pipelines.remory_data import DataConfig, build_datasets, split_of
+from palimpsest.platform.policies import parse_policy_config
 from palimpsest.platform.types import PalimpsestError
 from tests.models.tiny_tokenizer import tiny_tokenizer
 
@@ -16,67 +18,101 @@ def traj(tid, n=8, obs=60):
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return tiny_tokenizer()
+def tok_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tok")
+    tiny_tokenizer().save_pretrained(d)
+    return str(d)
 
 
-def test_stage2_boundaries_fit_the_window_and_target_the_next_action(tmp_path, tok):
+WINDOW = dict(max_history_tokens=2400, budget=1000, memory_tokens=300, soft_slots=16, max_target_tokens=40)
+
+
+def test_stage2_rows_are_compiled_prompts_with_the_memory_reading_what_they_left_out(tmp_path, tok_dir):
+    from palimpsest.platform.tokens import get_tokenizer
+
+    tok = get_tokenizer(tok_dir)
     data = tmp_path / "d.jsonl"
-    data.write_text("\n".join(json.dumps(traj(f"tr/{i}")) for i in range(6)) + "\n")
-    cfg = DataConfig(max_history_tokens=2000, val_fraction=0.34)
-    report = build_datasets(data, tok, tmp_path / "ds", cfg)
+    data.write_text("\n".join(json.dumps(traj(f"tr/{i}", n=10, obs=30)) for i in range(6)) + "\n")
+    cfg = DataConfig(val_fraction=0.34, **WINDOW)
+    report = build_datasets(data, tok_dir, tmp_path / "ds", cfg, parse_policy_config("window"), "hashing")
     rows = pq.read_table(tmp_path / "ds" / "stage2.parquet").to_pylist()
-    assert rows and all(r["history_len"] == len(r["history"]) <= 2000 for r in rows)
+    assert rows and all(r["history_len"] == len(r["teacher"]) and len(r["teacher"]) + len(r["target"]) <= 2400
+                        for r in rows)
     assert [r["history_len"] for r in rows] == sorted(r["history_len"] for r in rows)  # curriculum order
-    r = next(r for r in rows if r["t"] == 3)
-    assert tok.decode(r["target"]) == "look at 3\ngrep -n parse_config_3 f.py"
-    assert tok.decode(r["history"]).endswith("<|im_start|>assistant\n")  # the teacher predicts what comes next
-    assert "parse_config_2(env)" in tok.decode(r["history"]) and "parse_config_2(env)" not in tok.decode(r["summary"])
-    assert "brief summary; glimpse(#2)" in tok.decode(r["summary"]) and len(r["summary"]) < len(r["history"])
-    # split by trajectory: no trajectory on both sides
+    # the budget binds: the student's ids, its soft positions and the reply fit the budget, the teacher's do not
+    assert all(len(r["context"]) + len(r["bridge"]) + 16 + 40 <= 1000 < len(r["teacher"]) + 16 + 40 for r in rows)
+    r = max(rows, key=lambda r: r["t"])
+    t = r["t"]
+    assert tok.decode(r["target"]) == f"look at {t}\ngrep -n parse_config_{t} f.py"
+    assert tok.decode(r["teacher"]).endswith("<|im_start|>assistant\n")  # the teacher predicts what comes next
+    # the window policy shows the recent steps raw and hides the rest: the memory reads the hidden ones, raw,
+    # oldest first, and not the recent ones the text already shows
+    memory, student = tok.decode(r["memory"]), tok.decode(r["context"] + r["bridge"])
+    assert f"parse_config_{t - 1}(env)" in student and f"parse_config_{t - 1}(env)" not in memory
+    hidden = [j for j in range(t) if f"parse_config_{j}(env)" not in student]
+    assert hidden == list(range(len(hidden))) and len(hidden) >= 2  # the oldest steps are hidden
+    read = [j for j in hidden if f"parse_config_{j}(env)" in memory]
+    assert read and read[-1] == hidden[-1]  # within memory_tokens, the newest of them (the front is cut)
+    assert [memory.index(f"parse_config_{j}(env)") for j in read] == sorted(memory.index(f"parse_config_{j}(env)")
+                                                                           for j in read)  # oldest first
+    # the soft slot: after the summary part (the hidden-run line), before the recent raw turns
+    assert "hidden" in tok.decode(r["context"]) and tok.decode(r["bridge"]).startswith("<|im_start|>assistant")
+    assert r["summary"] == r["context"][-300:] and len(r["memory"]) <= 300
+    # split by trajectory: no trajectory on both sides; the report names the policy the rows were compiled with
     train, val = set(report["trajectories"]["train"]), set(report["trajectories"]["val"])
     assert train and not train & val and all(split_of(t, 0.34) == "val" for t in val)
+    assert report["policy"]["hash"] == parse_policy_config("window").config_hash()
+    assert json.loads((tmp_path / "ds" / "report.json").read_text())["policy"] == report["policy"]
     spans = pq.read_table(tmp_path / "ds" / "stage1.parquet").to_pylist()
     assert spans and all(8 <= len(s["span"]) <= cfg.span_tokens for s in spans)
 
 
-def test_long_histories_stop_at_the_window(tmp_path, tok):
-    data = tmp_path / "d.jsonl"
-    data.write_text(json.dumps(traj("long/1", n=30, obs=100)) + "\n")
-    build_datasets(data, tok, tmp_path / "ds", DataConfig(max_history_tokens=1500))
-    rows = pq.read_table(tmp_path / "ds" / "stage2.parquet").to_pylist()
-    assert 0 < len(rows) < 28 and max(r["history_len"] for r in rows) <= 1500
-
-
-def test_no_boundary_that_fits_is_a_clear_error(tmp_path, tok):
+def test_no_boundary_that_fits_is_a_clear_error(tmp_path, tok_dir):
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps(traj("x/1", n=4, obs=2000)) + "\n")
-    with pytest.raises(PalimpsestError, match="no Stage II boundary fits max_history_tokens=50"):
-        build_datasets(data, tok, tmp_path / "ds", DataConfig(max_history_tokens=50))
+    with pytest.raises(PalimpsestError, match="no Stage II boundary"):
+        build_datasets(data, tok_dir, tmp_path / "ds", DataConfig(max_history_tokens=50), parse_policy_config("pace"),
+                       "hashing")
 
 
-def test_training_histories_are_the_served_chat(tmp_path, tok):
-    """Train like you serve: a Stage II history is exactly the chat the serving path builds from the ledger
-    for the memory (same module, same roles, same ids). Its summary is the same chat at brief rendering (its
-    placeholders name steps by t: ledger ids are global to a ledger and differ between deployments)."""
-    from palimpsest.pipelines.remory_data import stage2_samples
-    from palimpsest.pipelines.trajectories import import_trajectory, read_trajectories
-    from palimpsest.platform import Ledger, Runtime
-    from palimpsest.platform.chat import chat_ids, raw_history_messages
-    from palimpsest.platform.tokens import as_chat_tokenizer
+def test_the_data_builder_and_the_served_turn_hand_the_memory_identical_ids(tmp_path, tok_dir):
+    """Train like you serve: for one boundary, the row the data builder writes and the turn serving compiles
+    (``serving.turn.run_turn`` over a ledger filled by appends, with serving's memory read) give the memory
+    network the same ids, and the actor the same ids around the soft span."""
+    from palimpsest.pipelines.trajectories import read_trajectories, to_record
+    from palimpsest.platform import HashingEmbedder, Ledger, Runtime
+    from palimpsest.serving.config import MemoryConfigServe
+    from palimpsest.serving.turn import TurnRequest, run_turn, turn_memory
 
     data = tmp_path / "d.jsonl"
-    data.write_text(json.dumps(traj("tr/serve", n=5, obs=5)) + "\n")
+    data.write_text(json.dumps(traj("tr/serve", n=10, obs=30)) + "\n")
+    cfg = DataConfig(**WINDOW)
+    policy = parse_policy_config("pace")
+    build_datasets(data, tok_dir, tmp_path / "ds", cfg, policy, "hashing")
+    rows = pq.read_table(tmp_path / "ds" / "stage2.parquet").to_pylist()
+    assert rows
+    row = max(rows, key=lambda r: r["t"])
+
     (tr,) = read_trajectories(data).trajectories
-    rows = list(stage2_samples(tr, tok, DataConfig(max_history_tokens=5000)))
-    rt = Runtime(Ledger(tmp_path / "l.db"))
-    import_trajectory(rt.ledger, tr)
+    rt = Runtime(Ledger(tmp_path / "served.db", tokenizer=tok_dir), embedder=HashingEmbedder())
+    rt.ledger.create_session(tr.id, tr.task, tr.system, tr.tools)
+    for s in tr.steps[: row["t"]]:  # the agent's steps so far, appended one by one as the ingress appends them
+        rt.append(tr.id, to_record(s))
     rt.enrich(tr.id)
-    chat = as_chat_tokenizer(tok)
-    for row in rows:
-        snap = rt.snapshot(tr.id, at=row["t"])
-        served = chat_ids(chat, raw_history_messages(snap.session, snap.steps)).all  # what serving encodes
-        assert row["history"] == served
-        # the summary side is the same chat at brief rendering: every step's assistant line, then its brief
-        text = tok.decode(row["summary"])
-        assert text.count("brief summary; glimpse(#") == snap.t and text.endswith("<|im_end|>\n")
+    mem_cfg = MemoryConfigServe(max_history_tokens=cfg.memory_tokens, max_field_chars=cfg.max_observation_chars)
+    seen: dict = {}
+
+    async def memory_for(ct):
+        seen["memory"] = turn_memory(rt, ct, mem_cfg)
+        return None
+
+    async def generate(request, memory):
+        seen["context"], seen["bridge"] = request["context"], request["bridge"]
+        return {"text": "ok", "token_ids": [1], "prompt_tokens": 1, "actor_ms": 0.0, "soft_tokens": 0,
+                "cached_tokens": 0}
+
+    req = TurnRequest(session_id=tr.id, policy=rt.policy(policy), budget=cfg.budget,
+                      max_tokens=cfg.max_target_tokens, soft_positions=cfg.soft_slots)
+    asyncio.run(run_turn(rt, req, generate, 0, memory_for))
+    assert seen["memory"] == (row["memory"], row["summary"])
+    assert (seen["context"], seen["bridge"]) == (row["context"], row["bridge"])

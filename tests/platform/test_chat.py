@@ -56,8 +56,14 @@ def test_history_keeps_its_roles_and_order(smol):
     assert roles[2:] == ["assistant", "tool"] * len(STEPS)  # each step: its action, then its result
     assert p.messages[2]["content"] == STEPS[0][0]
     assert "glimpse(#ID)" in p.messages[0]["content"]  # the glimpse tool is declared in the system message
-    assert p.text.endswith("<|im_start|>assistant\n") and p.bridge_ids == tuple(smol.ledger.tokenizer.encode(
-        "<|im_start|>assistant\n"))
+    assert p.text.endswith("<|im_start|>assistant\n")
+    # every step is raw: the soft slot follows the task, and splitting there changes no id
+    tok = smol.ledger.tokenizer
+    assert p.soft_at == 2 and tok.decode(list(p.context_ids)) == tok.template(list(p.messages[:2]), False)
+    assert p.ids == tok.encode(tok.template(list(p.messages), True))
+
+
+STEP_ACTION = "grep -rn handler settings/ # {}"
 
 
 def test_a_degraded_step_keeps_its_place_and_roles(smol_dir, tmp_path):
@@ -66,7 +72,7 @@ def test_a_degraded_step_keeps_its_place_and_roles(smol_dir, tmp_path):
     led.create_session("d", TASK)
     long = "\n".join(f"settings/module_{i}.py: def handler_{i}(env): return env['key_{i}']" for i in range(40))
     for t in range(6):
-        rt.append("d", step(t, f"grep -rn handler settings/ # {t}", long))
+        rt.append("d", step(t, STEP_ACTION.format(t), long))
     snap = rt.snapshot("d")
     m = snap.t
     res = np.full(m, Resolution.FULL, dtype=np.int8)
@@ -82,6 +88,21 @@ def test_a_degraded_step_keeps_its_place_and_roles(smol_dir, tmp_path):
     assert p.messages[2 + 2 * 3 + 1]["content"] == f"[#{sid} result hidden: glimpse(#{sid})]"
     assert "detailed summary; glimpse" in p.messages[2 + 2 * 1 + 1]["content"]
     assert "brief summary; glimpse" in p.messages[2 + 2 * 2 + 1]["content"]
+    # REMORY's slot: after the summary part (up to the last step shown below full), before the recent raw turns
+    assert p.soft_at == 2 + 2 * 4
+    tok = led.tokenizer
+    assert tok.decode(list(p.context_ids)) == tok.template(list(p.messages[:p.soft_at]), False)
+    assert tok.decode(list(p.bridge_ids)).startswith("<|im_start|>assistant\n" + STEP_ACTION.format(4))
+    assert p.ids == tok.encode(tok.template(list(p.messages), True))  # the split is exact: no id changes
+    # what the memory reads: the raw text of the steps shown below full (1-3), oldest first, not the recent tail
+    from palimpsest.platform.chat import memory_input
+
+    history, summary = memory_input(tok, snap.session, snap.steps, plan.resolution, p.context_ids, 4000, 100_000)
+    text = tok.decode(history)
+    assert [f"# {t}" in text for t in range(6)] == [False, True, True, True, False, False]
+    assert text.index("# 1") < text.index("# 2") < text.index("# 3") and "handler_39" in text
+    assert summary == list(p.context_ids)
+    assert memory_input(tok, snap.session, snap.steps, np.zeros(m, dtype=np.int8), p.context_ids, 4000, 99) is None
     led.close()
 
 

@@ -59,7 +59,7 @@ def tiny_config(tiny_dir, memory_dir, ledger) -> dict:
         "actor": {"model": str(tiny_dir), "max_model_len": 2048, "max_tokens": 6, "max_embeds_len": 2048,
                   "chat_template": str(HERMES), "tool_parser": "hermes"},
         "summarizer": {"mode": "llm", "timeout_s": 10, "max_tokens": 16},
-        "memory": {"model": str(memory_dir), "stride": 4, "min_steps": 4, "max_history_tokens": 256},
+        "memory": {"model": str(memory_dir), "max_history_tokens": 256},
         "arms": [{"name": "pace", "policy": {"type": "pace"}, "weight": 1.0},
                  {"name": "pace+memory", "policy": {"type": "pace"}, "memory": True, "weight": 1.0},
                  {"name": "memory-b", "policy": {"type": "pace"}, "memory": True, "memory_model": str(memory_dir),

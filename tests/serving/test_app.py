@@ -14,7 +14,7 @@ from palimpsest.platform import Ledger
 from palimpsest.serving.ab import Router
 from palimpsest.serving.embeds import encode_embeds
 from palimpsest.serving.http import ARM_HEADER
-from tests.serving.conftest import KEYS
+from tests.serving.conftest import KEYS, tiny_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.vllm]
 
@@ -67,6 +67,24 @@ def test_a_turn_with_soft_memory_goes_through_prompt_embeds(client):
     new_session(client, "mem-b", arm="memory-b", steps=9)
     own = client.post("/v1/sessions/mem-b/turn", json={"max_tokens": 4}).json()
     assert own["arm"] == "memory-b" and own["tokens"]["soft"] == with_memory["tokens"]["soft"]
+
+
+def test_an_arm_serving_a_memory_otherwise_than_it_was_trained_is_warned_about(client, tiny_dir, tiny_memory, tmp_path):
+    from palimpsest.platform.policies import parse_policy_config
+    from palimpsest.serving.config import parse_serve_config
+    from palimpsest.serving.ingress import memory_warnings
+
+    ready = client.get("/readyz").json()  # the test bundle records no policy config
+    assert any("records no policy config" in w for w in ready["warnings"])
+    cfg = parse_serve_config(tiny_config(tiny_dir, tiny_memory, tmp_path / "l.db"))
+    pace = parse_policy_config("pace").config_hash()
+    entry = {"enabled": True, "model": "m", "policy_hash": pace, "trained_reads": {"memory_tokens": 256}}
+    assert memory_warnings(cfg, {"models": {"default": entry}}) == []  # trained as served: nothing to say
+    other = {**entry, "policy_hash": parse_policy_config("ace").config_hash(),
+             "trained_reads": {"memory_tokens": 1024}}
+    warned = memory_warnings(cfg, {"models": {"default": other}})
+    assert any("'pace+memory': its policy config" in w for w in warned)
+    assert any("memory_tokens=256, trained with 1024" in w for w in warned)
 
 
 def test_glimpse_returns_the_raw_step_and_is_limited_per_turn(client):

@@ -21,11 +21,16 @@ def actor_dir(tmp_path_factory):
     return d
 
 
+POLICY = Path(__file__).resolve().parents[2] / "configs" / "policies" / "pace.yaml"
+
+
 def config(tmp_path, actor_dir, **over):
     data = tmp_path / "d.jsonl"
     data.write_text("\n".join(json.dumps(traj(f"tr/{i}", n=6, obs=20)) for i in range(5)) + "\n")
     base = {"name": "tiny", "actor": {"path": str(actor_dir)},
-            "data": {"file": str(data), "max_history_tokens": 3000, "val_fraction": 0.0, "span_tokens": 32},
+            "data": {"file": str(data), "max_history_tokens": 3000, "val_fraction": 0.0, "span_tokens": 32,
+                     "budget": 800, "memory_tokens": 200, "embedder": "hashing"},
+            "tracking": {"policy_config": str(POLICY)},
             "memory": {"d_model": 32, "n_heads": 4, "n_layers": 1, "block_size": 64, "queries": 4, "max_slots": 16},
             "optim": {"stage1_steps": 2, "stage2_steps": 4, "checkpoint_every": 2},
             "distributed": {"num_workers": 2, "zero_stage": 2, "max_failures": 2},
@@ -108,7 +113,17 @@ def _check_run(summary, marker, tracking, store):
     assert sorted({m.step for m in losses}) == [1, 2, 3, 4, 5, 6]
     name, version = summary["registered"].split("/")[-2:]
     mv = client.get_model_version(name, version)
-    assert mv.tags["policy_config"] == "configs/policies/pace_plus.yaml"
+    # the policy the samples were compiled with: its file, and its content and hash beside the checkpoint
+    from palimpsest.platform.policies import load_policy_file
+
+    assert mv.tags["policy_config"] == str(POLICY)
+    assert mv.tags["policy_hash"] == load_policy_file(POLICY).config_hash()
+    logged = mlflow.artifacts.load_dict(f"{run.info.artifact_uri}/policy.json")
+    assert logged["hash"] == mv.tags["policy_hash"] and logged["config"]["type"] == "pace"
+    from palimpsest.models.registry import memory_meta
+
+    meta = memory_meta(summary["registered"])  # the registered version's bundle, read back through the server
+    assert meta["policy"]["hash"] == mv.tags["policy_hash"] and meta["data"]["train_trajectories"]
     loaded = mlflow.pytorch.load_model(summary["registered"])
     assert torch.allclose(loaded(torch.ones(10, 64)), net(torch.ones(10, 64)), atol=1e-6)
     assert run.info.artifact_uri.startswith(store.as_uri()) and any(store.rglob("checkpoint"))  # config's location

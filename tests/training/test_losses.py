@@ -23,8 +23,10 @@ def memnet(actor, seed=0):
 
 def sample2(seed=1):
     g = torch.Generator().manual_seed(seed)
-    return {"history": torch.randint(0, 256, (40,), generator=g), "summary": torch.randint(0, 256, (6,), generator=g),
-            "target": torch.randint(0, 256, (8,), generator=g)}
+    teacher = torch.randint(0, 256, (40,), generator=g)
+    context = torch.cat([teacher[:4], torch.randint(0, 256, (3,), generator=g)])  # the prefix, a summary line
+    return {"teacher": teacher, "memory": teacher[4:30], "summary": context, "context": context,
+            "bridge": teacher[30:], "target": torch.randint(0, 256, (8,), generator=g)}
 
 
 def test_gradient_reaches_the_memory_network_and_not_the_actor():
@@ -46,7 +48,7 @@ def test_kl_is_zero_when_the_student_sees_the_teachers_input():
     actor = tiny_actor()
     s = sample2()
     p = teacher_logits(actor, s)
-    q = student_logits(actor, actor.embed(s["history"]), s["target"])
+    q = student_logits(actor, actor.embed(s["teacher"]), s["target"])
     w = position_weights(s["target"].shape[0])
     assert float(reverse_kl(q, p, w)) < 1e-6
     other = student_logits(actor, actor.embed(s["summary"]), s["target"])

@@ -53,3 +53,33 @@ def resolve_memory_ref(model: str | None) -> str | None:
         return None
     latest = max(versions, key=lambda v: int(v.version))
     return f"models:/{REGISTERED_MODEL}/{latest.version}"
+
+
+def memory_meta(ref: str | None) -> dict:
+    """What a memory model's bundle records (``memory.json``: its config, actor, the policy its samples were
+    compiled with and its data split), for a bundle directory or a registered ``models:/NAME/VERSION``
+    (read from the checkpoint its run logged); {} when there is none to read."""
+    import json
+
+    from palimpsest.models.encoder import BUNDLE_META
+
+    if not ref:
+        return {}
+    local = Path(str(ref), BUNDLE_META)
+    if local.is_file():
+        return json.loads(local.read_text())
+    if not str(ref).startswith("models:/"):
+        return {}
+    try:
+        import mlflow
+
+        name, version = str(ref)[len("models:/"):].split("/", 1)
+        mlflow.set_tracking_uri(tracking_uri())
+        client = mlflow.MlflowClient()
+        if version == "latest":
+            version = str(max(int(v.version) for v in client.search_model_versions(f"name='{name}'")))
+        run_id = client.get_model_version(name, version).run_id
+        path = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=f"checkpoint/{BUNDLE_META}")
+        return json.loads(Path(path).read_text())
+    except Exception:  # an older registration without a logged checkpoint, or no store: nothing recorded
+        return {}

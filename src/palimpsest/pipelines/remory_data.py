@@ -3,50 +3,61 @@
 Stage I samples: spans of observations and actions (at most ``span_tokens`` tokens) that the memory
 must let the actor reproduce after a "repeat" instruction.
 
-Stage II samples, one per compaction boundary t of a trajectory:
-  history  = steps before t as the served chat at full resolution, ending with the assistant prompt (the
-             teacher's input; it must fit the actor's window, so long trajectories give many boundaries,
-             each within ``max_history_tokens``),
-  summary  = the same chat with every step before t at its brief rendering (the student's text; the
-             memory goes right after it), laid out by ``palimpsest.platform.chat`` as serving lays it out,
-  bridge   = the assistant prompt that follows the memory,
+Stage II samples are built by the code that serves (train like you serve): the trajectories are imported
+into a ledger, and at each boundary t the prompt of the memory's policy is compiled at the student's
+``budget`` by ``pipelines.replay.walk_turns`` (the runtime, policies and compiler serving uses), with the
+soft positions reserved as serving reserves them. A boundary is one ``eval-actions`` would score
+(``pipelines.replay.teacher_boundaries``): the whole history and the next action fit the teacher's window
+(``max_history_tokens``), the budget cannot show it all, and the compiled prompt left some step out.
+
+  teacher  = the whole history, the ``full`` policy's served prompt (ids up to the assistant prompt),
+  memory   = what the memory network reads: the raw chat of the steps the compiled prompt rendered below
+             full resolution or hid, and ``summary``, the context before the soft slot
+             (``platform.chat.memory_read``, the call serving makes),
+  context  = the student's ids before the soft slot, ``bridge`` the recent raw turns and the assistant
+             prompt after it (the soft span goes between them),
   target   = the real next assistant response (step t's thought and action).
-Rows carry ``history_len`` for a curriculum by history length and ``split``: the train/validation split
-is by trajectory (a hash of its id), so no result is ever reported on a trajectory trained on.
+
+Rows carry ``history_len`` (the teacher's length) for a curriculum and ``split``: the train/validation
+split is by trajectory (a hash of its id), so no result is ever reported on a trajectory trained on.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from palimpsest.pipelines.trajectories import Trajectory, TrajStep, read_trajectories, to_record
-from palimpsest.platform.abstraction import RuleSummarizer
-from palimpsest.platform.chat import chat_ids, messages_at, raw_history_messages
-from palimpsest.platform.tokens import as_chat_tokenizer
-from palimpsest.platform.types import PalimpsestError, Resolution, Session
+from palimpsest.pipelines.trajectories import Trajectory, file_sha256, read_trajectories
+from palimpsest.platform.types import PalimpsestError
 
 REPEAT_INSTRUCTION = "Repeat the text above exactly."
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    max_history_tokens: int = 1024  # the teacher sees the whole history: at most the actor's window
+    max_history_tokens: int = 1024  # the teacher's window: the whole history and the target fit in it
     max_target_tokens: int = 96
     min_history_steps: int = 2
     stride: int = 1  # every stride-th boundary
     span_tokens: int = 128
     val_fraction: float = 0.2
-    max_observation_chars: int = 4000  # an observation is cut to this in the chat history (both sides)
+    max_observation_chars: int = 4000  # each field of a step the memory reads is cut to this (serving's memory.max_field_chars)
+    budget: int = 768  # the student's token budget (the served arm's)
+    memory_tokens: int = 1024  # the memory reads at most this many tokens (serving's memory.max_history_tokens)
+    soft_slots: int = 64  # soft positions the budget reserves for the memory (the network's slots_for(memory_tokens))
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.val_fraction < 1.0:
             raise ValueError("val_fraction must be within [0, 1)")
-        for name in ("max_history_tokens", "max_target_tokens", "min_history_steps", "stride", "span_tokens"):
+        for name in ("max_history_tokens", "max_target_tokens", "min_history_steps", "stride", "span_tokens",
+                     "budget", "memory_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.soft_slots < 0:
+            raise ValueError("soft_slots must be >= 0")
 
 
 def split_of(trajectory_id: str, val_fraction: float) -> str:
@@ -54,41 +65,48 @@ def split_of(trajectory_id: str, val_fraction: float) -> str:
     return "val" if h < val_fraction else "train"
 
 
-def _assistant(step: TrajStep) -> str:
-    return "\n".join(x for x in (step.thought, step.action) if x).strip() or "(no action)"
+def policy_record(policy) -> dict[str, Any]:
+    """The resolved policy config the samples are compiled with: its content and its hash (the bundle and
+    MLflow keep both; serving compares an arm's hash with its memory's)."""
+    return {"config": policy.model_dump(mode="json"), "hash": policy.config_hash()}
 
 
-def stage2_samples(traj: Trajectory, tokenizer, cfg: DataConfig) -> Iterator[dict[str, Any]]:
-    """Stage II boundaries laid out by the serving prompt's own module (``palimpsest.platform.chat``): the
-    teacher's history is the served chat at full resolution, the student's summary the same chat with every
-    step at its brief rendering (the soft span follows it), the bridge the assistant prompt."""
-    chat = as_chat_tokenizer(tokenizer)
-    writer = RuleSummarizer()
-    records = [to_record(s) for s in traj.steps]
-    briefs = [writer.summarize(r).brief for r in records]
-    session = Session(id=traj.id, task=traj.task, system=traj.system or "")
-    split = split_of(traj.id, cfg.val_fraction)
-    cap = cfg.max_observation_chars
-    for t in range(cfg.min_history_steps, len(traj.steps), cfg.stride):
-        target_text = _assistant(traj.steps[t])
-        history = chat_ids(chat, raw_history_messages(session, records[:t], cap)).all
-        if len(history) > cfg.max_history_tokens:
-            break  # histories only grow with t: no later boundary of this trajectory fits either
-        summary = chat_ids(chat, messages_at(session, records[:t], [Resolution.BRIEF] * t, briefs[:t], cap))
-        target = chat.encode(target_text)[: cfg.max_target_tokens]
-        yield {"trajectory": traj.id, "t": t, "split": split, "history": history,
-               "summary": list(summary.context), "bridge": list(summary.bridge),
-               "target": target, "history_len": len(history)}
+def stage2_samples(rt, sess, policy, cfg: DataConfig) -> Iterator[dict[str, Any]]:
+    """Stage II rows of one imported session (``pipelines.replay.prepare_sessions``), compiled as served."""
+    from palimpsest.pipelines.replay import teacher_boundaries, walk_turns
+    from palimpsest.platform.chat import memory_read
+    from palimpsest.platform.types import BudgetError
+
+    reserve = cfg.max_target_tokens + cfg.soft_slots
+    teachers = {t: (ids, target) for t, ids, target in
+                teacher_boundaries(rt, sess, cfg.budget, cfg.max_history_tokens, cfg.max_target_tokens,
+                                   cfg.min_history_steps, cfg.soft_slots)
+                if (t - cfg.min_history_steps) % cfg.stride == 0}
+    if not teachers:
+        return
+    split = split_of(sess.session_id, cfg.val_fraction)
+    tok = rt.ledger.tokenizer
+    for rs, _snap, turn, _s in walk_turns(rt, sess, policy, cfg.budget, reserve):
+        if rs.t not in teachers or isinstance(turn, BudgetError):
+            continue
+        read = memory_read(tok, turn, cfg.max_observation_chars, cfg.memory_tokens)
+        if read is None:  # the prompt shows every step raw: nothing for the memory to add
+            continue
+        teacher, target = teachers[rs.t]
+        yield {"trajectory": sess.session_id, "t": rs.t, "split": split, "teacher": teacher,
+               "memory": read[0], "summary": read[1], "context": list(turn.prompt.context_ids),
+               "bridge": list(turn.prompt.bridge_ids), "target": target, "history_len": len(teacher)}
 
 
 def stage1_samples(traj: Trajectory, tokenizer, cfg: DataConfig) -> Iterator[dict[str, Any]]:
+    """``tokenizer``: the actor's ChatTokenizer (``encode`` adds no special token)."""
     split = split_of(traj.id, cfg.val_fraction)
-    instruction = tokenizer.encode("\n" + REPEAT_INSTRUCTION + "\n", add_special_tokens=False)
+    instruction = tokenizer.encode("\n" + REPEAT_INSTRUCTION + "\n")
     for s in traj.steps:
         for text in (s.action, s.observation):
             if not text:
                 continue
-            ids = tokenizer.encode(text, add_special_tokens=False)
+            ids = tokenizer.encode(text)
             for start in range(0, len(ids), cfg.span_tokens):
                 span = ids[start: start + cfg.span_tokens]
                 if len(span) >= 8:
@@ -96,26 +114,48 @@ def stage1_samples(traj: Trajectory, tokenizer, cfg: DataConfig) -> Iterator[dic
                            "instruction": instruction, "history_len": len(span)}
 
 
-def build_datasets(data: Path, tokenizer, out: Path, cfg: DataConfig = DataConfig()) -> dict[str, Any]:
+def build_datasets(data: Path, tokenizer: str, out: Path, cfg: DataConfig, policy,
+                   embedder: str = "minilm") -> dict[str, Any]:
     """Write stage1.parquet and stage2.parquet into ``out`` (rows sorted by history length: the
-    curriculum); returns counts per split. An input with no usable sample is an error."""
+    curriculum); returns counts per split, the trajectories of each split and the policy record.
+    ``tokenizer`` is the actor's (a folder or tokenizer.json), ``policy`` the memory's policy config,
+    ``embedder`` the key embedder serving uses. An input with no usable sample is an error."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    from palimpsest.pipelines.environment import open_runtime
+    from palimpsest.pipelines.replay import Skipped, prepare_sessions
+
     read = read_trajectories(data)
-    rows1: list[dict] = []
-    rows2: list[dict] = []
-    for traj in read.trajectories:
-        rows1 += stage1_samples(traj, tokenizer, cfg)
-        rows2 += stage2_samples(traj, tokenizer, cfg)
-    if not rows2:
-        raise PalimpsestError(f"{data}: no Stage II boundary fits max_history_tokens={cfg.max_history_tokens}"
-                              + (f" ({'; '.join(read.errors[:2])})" if read.errors else ""))
     out.mkdir(parents=True, exist_ok=True)
+    ledger = out / "ledger.db"
+    for f in out.glob("ledger.db*"):  # built afresh: the ledger is this build's scratch space
+        f.unlink()
+    rt = open_runtime(ledger, embedder, tokenizer)
+    try:
+        skipped: list[Skipped] = []
+        sessions = prepare_sessions(rt, read.trajectories, False, file_sha256(data), skipped)
+        tok = rt.ledger.tokenizer
+        rows1: list[dict] = []
+        rows2: list[dict] = []
+        for traj in read.trajectories:
+            rows1 += stage1_samples(traj, tok, cfg)
+        for sess in sessions:
+            rows2 += stage2_samples(rt, sess, policy, cfg)
+    finally:
+        rt.ledger.close()
+    errors = list(read.errors) + [f"{s.trajectory}: {s.reason}" for s in skipped]
+    if not rows2:
+        raise PalimpsestError(f"{data}: no Stage II boundary: none fits max_history_tokens={cfg.max_history_tokens} "
+                              f"with a compiled prompt at budget {cfg.budget} that leaves a step out"
+                              + (f" ({'; '.join(errors[:2])})" if errors else ""))
     for name, rows in (("stage1", rows1), ("stage2", rows2)):
         rows.sort(key=lambda r: (r["history_len"], r["trajectory"], r["t"]))
         pq.write_table(pa.Table.from_pylist(rows), out / f"{name}.parquet")
     counts = {name: {sp: sum(1 for r in rows if r["split"] == sp) for sp in ("train", "val")}
               for name, rows in (("stage1", rows1), ("stage2", rows2))}
-    return {"config": asdict(cfg), "counts": counts, "skipped": read.errors,
-            "trajectories": {sp: sorted({r["trajectory"] for r in rows2 if r["split"] == sp}) for sp in ("train", "val")}}
+    report = {"config": asdict(cfg), "counts": counts, "skipped": errors, "embedder": embedder,
+              "policy": policy_record(policy), "data_sha256": file_sha256(data),
+              "trajectories": {sp: sorted({r["trajectory"] for r in rows2 if r["split"] == sp}) for sp in ("train", "val")}}
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    return report

@@ -184,6 +184,31 @@ def walk_turns(rt: Runtime, sess: ReplaySession, cfg: PolicyConfigBase, budget: 
         yield rs, snap, turn, elapsed
 
 
+def action_text(step) -> str:
+    """The recorded next action a boundary is scored on: the step's thought and action."""
+    return "\n".join(x for x in (step.thought, step.action) if x).strip() or "(no action)"
+
+
+def teacher_boundaries(rt: Runtime, sess: ReplaySession, budget: int, window: int, max_target_tokens: int,
+                       min_t: int = 2, room: int = 0):
+    """The boundaries of a session where the budget matters and the whole history is the teacher: yields
+    (t, the ``full`` policy's served prompt ids, the recorded action's first ``max_target_tokens`` ids) for
+    each step t >= ``min_t`` whose whole history plus its action fits ``window`` but whose whole history plus
+    ``max_target_tokens`` + ``room`` (soft positions) does not fit ``budget``. ``eval-actions`` scores the
+    actor there and the REMORY data builder trains there."""
+    from palimpsest.platform.policies import parse_policy_config
+
+    snap = rt.snapshot(sess.session_id)
+    tok = rt.ledger.tokenizer
+    for rs, _snap, turn, _s in walk_turns(rt, sess, parse_policy_config("full"), budget, 0):
+        if rs.t < min_t or isinstance(turn, BudgetError) or rs.t >= len(snap.steps):
+            continue
+        target = tok.encode(action_text(snap.steps[rs.t]))[:max_target_tokens]
+        n = len(turn.prompt.ids)
+        if target and n + len(target) <= window and n + max_target_tokens + room > budget:
+            yield rs.t, list(turn.prompt.ids), target
+
+
 def replay_session(rt: Runtime, sess: ReplaySession, label: str, cfg: PolicyConfigBase, budget: int,
                    timer: TimedEmbedder | None, on_step: Callable[[], None] | None = None,
                    reserve: int = 0, targets: list[tuple[str, ...]] | None = None) -> list[dict]:
@@ -224,7 +249,7 @@ def _full_sizes(rt: Runtime, snap: SessionSnapshot) -> np.ndarray:
     """(M + 1,) the exact size of the whole history's prompt before each step t (what `full` would send),
     from each step's messages measured under the chat template once (messages are delimited by the
     template's special tokens, so their sizes add up)."""
-    from palimpsest.platform.chat import chat_ids, message, prefix_messages
+    from palimpsest.platform.chat import chat_ids, prefix_messages
     from palimpsest.platform.render import step_messages
 
     tok = rt.ledger.tokenizer

@@ -12,12 +12,18 @@ Layout (the history in the model's own roles):
                the principal spoke; a degraded step keeps both roles and its place, its content becomes
                the detailed, brief or placeholder rendering (``palimpsest.platform.render.step_messages``)
     user       one line in place of each hidden run of steps (their ids, to glimpse)
-    [soft]     the soft-memory slot: after the compiled history, before the assistant prompt
-    assistant  the generation prompt (``bridge``) that the next action follows
+    assistant  the generation prompt that the next action follows
 
-Glimpses answered within a turn are appended as an assistant ``glimpse(#ID)`` call and a tool message
-with the step's text. The ids are ``context + [soft] + bridge``: the budget counts exactly these
-(see ``palimpsest.platform.compiler``).
+The soft-memory slot is where REMORY puts it: after the summary part of the context (the prefix, the
+rolling summary and every step before the recent raw turns), before the trailing run of steps shown at
+full resolution (``soft_slot``). The ids are ``context + [soft] + bridge``, split there: ``bridge`` is the
+recent raw turns and the assistant prompt, and the budget counts exactly these ids (see
+``palimpsest.platform.compiler``). Glimpses answered within a turn are appended as an assistant
+``glimpse(#ID)`` call and a tool message with the step's text (after the slot).
+
+What the memory reads (``memory_input``) is defined by the same compiled prompt: the raw text of the
+steps the plan rendered below full resolution or hid, oldest first, and the context before the slot.
+Serving, ``eval-actions`` and the REMORY data builder all call it.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from palimpsest.platform.types import Fold, Resolution, Session, Step, StepRecor
 
 if TYPE_CHECKING:
     from palimpsest.platform.ledger import SessionSnapshot
+    from palimpsest.platform.types import CompiledTurn
 
 GLIMPSE_TOOL = ("## Memory tool\nOlder steps may be shown summarised or as one-line placeholders `[#ID ...]`. "
                 "To read the full text of step #ID before acting, reply with exactly `glimpse(#ID)` and nothing else.")
@@ -98,16 +105,17 @@ def glimpse_messages(step_id: int, text: str) -> list[dict]:
 
 
 def with_glimpse(tokenizer: "ChatTokenizer", messages: Sequence[dict], step_id: int, text: str,
-                 room: int) -> tuple[list[dict], "ChatIds"] | None:
+                 room: int, split: int | None = None) -> tuple[list[dict], "ChatIds"] | None:
     """``messages`` with a glimpse of step ``step_id`` appended, its text cut (head and tail, marked) so that
-    the ids stay within ``room``; None when not even a notice fits (the turn then ends with what it has)."""
+    the ids stay within ``room``; None when not even a notice fits (the turn then ends with what it has).
+    ``split`` keeps the soft-memory slot where the compiled prompt has it."""
     cap = len(text)
     for _ in range(12):
         shown = text if cap >= len(text) else head_tail(
             text, cap * 2 // 3, cap - cap * 2 // 3,
             f"\n[... {len(text) - cap} characters of step #{step_id} elided for the budget ...]\n")
         msgs = list(messages) + glimpse_messages(step_id, shown)
-        ids = chat_ids(tokenizer, msgs)
+        ids = chat_ids(tokenizer, msgs, split)
         if len(ids) <= room:
             return msgs, ids
         if cap == 0:
@@ -117,14 +125,15 @@ def with_glimpse(tokenizer: "ChatTokenizer", messages: Sequence[dict], step_id: 
         fits = own - (len(ids) - room)
         cap = 0 if fits <= 8 else min(int(cap * fits / own * 0.95), cap - 1)
     msgs = list(messages) + glimpse_messages(step_id, "(too long for the budget)")
-    ids = chat_ids(tokenizer, msgs)
+    ids = chat_ids(tokenizer, msgs, split)
     return (msgs, ids) if len(ids) <= room else None
 
 
 @dataclass(frozen=True)
 class ChatIds:
-    """The actor's input: ``context`` (the chat up to the soft-memory slot) and ``bridge`` (the assistant
-    prompt the next action follows). Without soft memory the actor receives ``context + bridge``."""
+    """The actor's input: ``context`` (the chat up to the soft-memory slot) and ``bridge`` (the messages after
+    the slot and the assistant prompt the next action follows). Without soft memory the actor receives
+    ``context + bridge``."""
 
     context: tuple[int, ...]
     bridge: tuple[int, ...]
@@ -138,13 +147,31 @@ class ChatIds:
         return len(self.context) + len(self.bridge)
 
 
-def chat_ids(tokenizer: ChatTokenizer, messages: Sequence[dict]) -> ChatIds:
-    """The exact ids of ``messages`` under the model's chat template, split at the soft-memory slot."""
-    context = tokenizer.template(messages, False)
+def chat_ids(tokenizer: ChatTokenizer, messages: Sequence[dict], split: int | None = None) -> ChatIds:
+    """The exact ids of ``messages`` under the model's chat template, split at the soft-memory slot: before
+    message ``split`` (default: after the last message, before the assistant prompt). A template whose text
+    for the first ``split`` messages is not a prefix of the whole chat's splits after the last message; one
+    that rewrites even that does not split at all."""
     full = tokenizer.template(messages, True)
-    if not full.startswith(context):  # a template that rewrites earlier turns: no split point
-        return ChatIds(tuple(tokenizer.encode(full)), (), full)
-    return ChatIds(tuple(tokenizer.encode(context)), tuple(tokenizer.encode(full[len(context):])), full)
+    for k in ([split] if split is not None and 0 < split < len(messages) else []) + [len(messages)]:
+        context = tokenizer.template(messages[:k], False)
+        if full.startswith(context):
+            return ChatIds(tuple(tokenizer.encode(context)), tuple(tokenizer.encode(full[len(context):])), full)
+    return ChatIds(tuple(tokenizer.encode(full)), (), full)
+
+
+def soft_slot(level: Sequence[int], spans: Sequence[tuple[int, int, int]], base: int, n_messages: int) -> int:
+    """The message index of the soft-memory slot of a compiled history: the first message of the trailing
+    run of steps shown at full resolution (the recent raw turns), ``n_messages`` (the end) when the last
+    step shown is not raw. ``spans`` are ``history_messages``' (index, first message, n), ``base`` the
+    number of prefix messages before them."""
+    full = int(Resolution.FULL)
+    at = n_messages
+    for i, first, _n in reversed(spans):
+        if int(level[i]) != full:
+            break
+        at = base + first
+    return at
 
 
 def prefix_tokens(tokenizer: ChatTokenizer, session: Session) -> int:
@@ -249,24 +276,57 @@ def raw_history_messages(session: Session, steps: Sequence[Step | StepRecord],
     return messages_at(session, steps, [Resolution.FULL] * len(steps), None, max_field_chars)
 
 
-def memory_boundary(t: int, stride: int, min_steps: int) -> int | None:
-    """The latest compaction boundary at or before step ``t`` (every ``stride`` steps), or None before
-    ``min_steps``: the soft span of a turn is the one of this boundary (cached per boundary)."""
-    boundary = (t // stride) * stride
-    return boundary if boundary >= min_steps else None
+#: Characters of raw step text per memory token when choosing which left-out steps to read (a generous
+#: bound: the chosen text is then cut to ``max_history_tokens`` exactly, from the front).
+_CHARS_PER_TOKEN = 8
+
+
+def left_out(resolution: Sequence[int]) -> list[int]:
+    """Indices of the steps a plan rendered below full resolution or hid: what the text left out."""
+    full = int(Resolution.FULL)
+    return [i for i, lv in enumerate(np.asarray(resolution).tolist()) if lv != full]
 
 
 def memory_input(tokenizer: ChatTokenizer, session: Session, steps: Sequence[Step | StepRecord],
-                 context_ids: Sequence[int], max_field_chars: int, max_history_tokens: int) -> tuple[list[int], list[int]]:
-    """What the memory network reads for a turn: (history, summary) ids. ``history`` is the raw chat of the
-    steps before the boundary (each field cut to ``max_field_chars``), its last ``max_history_tokens``;
-    ``summary`` the tail of the turn's compiled context. Serving and ``eval-actions`` both call this."""
-    history = chat_ids(tokenizer, raw_history_messages(session, steps, max_field_chars)).all
+                 resolution: Sequence[int], context_ids: Sequence[int], max_field_chars: int,
+                 max_history_tokens: int) -> tuple[list[int], list[int]] | None:
+    """What the memory network reads for one compiled prompt: (history, summary) ids, or None when the plan
+    left nothing out (the text already shows every step raw).
+
+    ``history`` is the raw chat (the session's prefix, then each step at full resolution, every field cut
+    to ``max_field_chars``) of the steps the plan rendered below full resolution or hid, oldest first; when
+    they exceed ``max_history_tokens`` the newest of them are kept (the front is cut). ``summary`` is the
+    context before the soft slot (the summary part of the prompt the actor sees), its last
+    ``max_history_tokens``. Serving, ``eval-actions`` and the REMORY data builder all call this."""
+    idx = left_out(resolution[: len(steps)])
+    if not idx:
+        return None
+    chosen: list[int] = []
+    chars = 0
+    for i in reversed(idx):  # newest first, until the text surely covers max_history_tokens
+        s = steps[i]
+        chars += sum(min(len(x or ""), max_field_chars) for x in (s.thought, s.action, s.observation)) + 16
+        chosen.append(i)
+        if chars >= max_history_tokens * _CHARS_PER_TOKEN:
+            break
+    chosen.reverse()
+    history = chat_ids(tokenizer, raw_history_messages(session, [steps[i] for i in chosen], max_field_chars)).all
     return history[-max_history_tokens:], list(context_ids)[-max_history_tokens:]
+
+
+def memory_read(tokenizer: ChatTokenizer, turn: "CompiledTurn", max_field_chars: int,
+                max_history_tokens: int) -> tuple[list[int], list[int]] | None:
+    """``memory_input`` of a compiled turn (over the snapshot it was compiled from): the one call serving,
+    ``eval-actions`` and the REMORY data builder make."""
+    snap = turn.snapshot
+    if snap is None:
+        raise ValueError("the turn carries no snapshot: compile it with Runtime.compile or Runtime.turn")
+    return memory_input(tokenizer, snap.session, snap.steps, turn.plan.resolution, turn.prompt.context_ids,
+                        max_field_chars, max_history_tokens)
 
 
 __all__ = [
     "ChatIds", "DEFAULT_SYSTEM", "GLIMPSE_TOOL", "chat_ids", "fold_message", "glimpse_call", "glimpse_messages",
-    "head_tail", "history_messages", "memory_boundary", "memory_input", "message", "message_overhead", "messages_at", "observation_role",
-    "prefix_messages", "prefix_tokens", "range_message", "raw_history_messages", "with_glimpse",
+    "head_tail", "history_messages", "left_out", "memory_input", "memory_read", "message", "message_overhead", "messages_at", "observation_role",
+    "prefix_messages", "prefix_tokens", "range_message", "raw_history_messages", "soft_slot", "with_glimpse",
 ]

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from palimpsest.platform.chat import chat_ids, history_messages, message_overhead, prefix_messages, prefix_size
+from palimpsest.platform.chat import chat_ids, history_messages, message_overhead, prefix_messages, prefix_size, soft_slot
 from palimpsest.platform.tokens import ChatTokenizer
 from palimpsest.platform.types import (
     BudgetError,
@@ -200,7 +200,8 @@ def compile_plan(snap: "SessionSnapshot", plan: RenderPlan, budget: int, tokeniz
     # The exact count: assemble, count the ids, degrade further from the measured excess.
     for _ in range(_MAX_ROUNDS):
         msgs, spans = history_messages(snap, level, fold, plan.fold_ranges, caps)
-        ids = chat_ids(tokenizer, prefix + msgs)
+        slot = soft_slot(level, spans, len(prefix), len(prefix) + len(msgs))
+        ids = chat_ids(tokenizer, prefix + msgs, slot)
         over = len(ids) - room
         if over <= 0:
             break
@@ -258,6 +259,7 @@ def compile_plan(snap: "SessionSnapshot", plan: RenderPlan, budget: int, tokeniz
         bridge_ids=ids.bridge,
         text=text,
         reserve=int(reserve),
+        soft_at=slot,
     )
 
 

@@ -134,7 +134,8 @@ class Runtime:
         plan_budget = budget - reserve if 0 <= reserve < budget else budget
         plan = policy.plan(_as_planned(snap, plan_budget), plan_budget)
         prompt = compile_plan(snap, plan, budget, self.ledger.tokenizer, reserve)
-        return CompiledTurn(session_id=snap.session.id, t=snap.t, budget=budget, plan=plan, prompt=prompt)
+        return CompiledTurn(session_id=snap.session.id, t=snap.t, budget=budget, plan=plan, prompt=prompt,
+                            snapshot=snap)
 
     def turn(self, session_id: str, policy: ContextPolicy | PolicyConfigBase | dict | str, budget: int,
              at: int | None = None, record: bool = True, keys: bool = True, reserve: int = 0) -> CompiledTurn:

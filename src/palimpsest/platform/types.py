@@ -268,7 +268,8 @@ class Segment:
 @dataclass(frozen=True)
 class Prompt:
     """What the actor receives: chat ``messages`` and their exact ids under the model's chat template,
-    ``context_ids`` (up to the soft-memory slot) then ``bridge_ids`` (the assistant prompt).
+    ``context_ids`` (up to the soft-memory slot, before message ``soft_at``: the recent raw turns follow it)
+    then ``bridge_ids`` (those turns and the assistant prompt).
 
     ``tokens`` is ``len(context_ids) + len(bridge_ids)``; ``text`` is those ids decoded (what recall is
     checked on); ``reserve`` is what the budget keeps for the reply and soft positions, so
@@ -284,6 +285,7 @@ class Prompt:
     bridge_ids: tuple[int, ...] = ()
     text: str = ""
     reserve: int = 0
+    soft_at: int = 0  # the message index of the soft-memory slot (``palimpsest.platform.chat.soft_slot``)
 
     @property
     def ids(self) -> list[int]:
@@ -297,3 +299,5 @@ class CompiledTurn:
     budget: int
     plan: RenderPlan
     prompt: Prompt
+    # The snapshot the turn was compiled over (what the memory reads is chosen from its steps); not compared.
+    snapshot: Any = field(default=None, compare=False, repr=False)

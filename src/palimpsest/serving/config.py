@@ -81,9 +81,8 @@ class SummarizerConfig(_Strict):
 class MemoryConfigServe(_Strict):
     model: str | None = Field("auto", description="`auto` (the latest registered palimpsest-memory, else off), "
                                                   "an MLflow model URI, a bundle directory, or null (off)")
-    stride: int = Field(8, ge=1, description="a compaction boundary every `stride` steps; the soft span is cached per boundary")
-    max_history_tokens: int = Field(1024, ge=16, description="the memory reads at most this many history tokens")
-    min_steps: int = Field(4, ge=1, description="no soft memory before this many steps")
+    max_history_tokens: int = Field(1024, ge=16, description="the memory reads at most this many tokens of the "
+                                    "steps the compiled prompt left out (data.memory_tokens of its training)")
     max_field_chars: int = Field(4000, ge=100, description="each field of a step the memory reads is cut to this "
                                  "(head and tail), as the training data builder cuts it (data.max_observation_chars)")
 

@@ -8,6 +8,8 @@ actor call (the ingress passes the response along without awaiting it), so it ne
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import os
 import time
 from collections import OrderedDict
@@ -273,7 +275,8 @@ def summaries_from_wire(d: dict) -> Summaries:
 
 @serve.deployment(name="MemoryEncoder", max_ongoing_requests=16)
 class MemoryEncoder:
-    """REMORY soft spans at compaction boundaries, cached per (model, session, boundary).
+    """REMORY soft spans for compiled prompts, cached per (model, what the memory reads): a turn whose plan
+    leaves out the same steps as an earlier one reuses its span.
 
     It holds every memory model the arms use (``default`` and per-arm ones) over one frozen actor copy, so an
     A/B test can compare two memory models as well as memory against none."""
@@ -304,12 +307,19 @@ class MemoryEncoder:
                     encoders[ref] = None
                     entry["note"] = f"memory off: {e}"
             if ref is not None and encoders.get(ref) is not None:
-                entry.update(enabled=True, max_slots=encoders[ref].slots_for(max_history_tokens))
+                from palimpsest.models.registry import memory_meta
+
+                meta = memory_meta(ref)
+                data = meta.get("data") or {}
+                entry.update(enabled=True, max_slots=encoders[ref].slots_for(max_history_tokens),
+                             # what it was trained with: the ingress warns when an arm serves it otherwise
+                             policy_hash=(meta.get("policy") or {}).get("hash"),
+                             trained_reads={k: data[k] for k in ("memory_tokens", "max_observation_chars") if k in data})
             else:
                 entry["model"] = None
             self.models[key] = entry
         self.encoders = {k: encoders[e["model"]] for k, e in self.models.items() if e["enabled"]}
-        self.cache: OrderedDict[tuple[str, str, int], Any] = OrderedDict()
+        self.cache: OrderedDict[tuple[str, str, str], Any] = OrderedDict()
         self.cache_size = cache_size
         self._lock = asyncio.Lock()
         self.hits = self.misses = 0
@@ -317,13 +327,14 @@ class MemoryEncoder:
     def info(self) -> dict:
         return {"models": self.models, "hits": self.hits, "misses": self.misses, "cached": len(self.cache)}
 
-    async def encode(self, key: str, session_id: str, boundary: int, history: list[int], summary: list[int]) -> dict:
+    async def encode(self, key: str, session_id: str, history: list[int], summary: list[int]) -> dict:
         import torch
 
         if key not in self.encoders:
             raise RuntimeError(f"no memory model is loaded for {key!r}")
         t0 = time.perf_counter()
-        ck = (self.models[key]["model"], session_id, int(boundary))
+        digest = hashlib.sha256(json.dumps([history, summary]).encode()).hexdigest()
+        ck = (self.models[key]["model"], session_id, digest)
         if ck in self.cache:
             self.hits += 1
             self.cache.move_to_end(ck)

@@ -24,7 +24,7 @@ from ray import serve
 
 from palimpsest.platform import Ledger, Runtime
 from palimpsest.platform.abstraction import RuleSummarizer
-from palimpsest.platform.chat import declared_tools, memory_boundary, memory_input
+from palimpsest.platform.chat import declared_tools
 from palimpsest.platform.tokens import get_tokenizer
 from palimpsest.platform.types import (
     BudgetError,
@@ -62,7 +62,7 @@ from palimpsest.serving.schemas import (
     TurnIn,
     TurnOut,
 )
-from palimpsest.serving.turn import TurnRequest, run_turn
+from palimpsest.serving.turn import TurnRequest, run_turn, turn_memory
 
 log = logging.getLogger("palimpsest.ingress")
 
@@ -84,6 +84,34 @@ def _extension(ext: str, turn: TurnOut) -> dict:
 
 
 # The deployment is serialised when it is declared: what its methods call is defined above it.
+def memory_warnings(cfg, memory_info: dict) -> list[str]:
+    """Where an arm serves a memory model otherwise than it was trained: another policy config (its hash
+    differs from the one recorded with the model's samples), or reading another amount of history."""
+    out = []
+    models = memory_info.get("models") or {}
+    for arm in cfg.arms:
+        if not arm.memory:
+            continue
+        entry = models.get(arm.name if arm.name in models else "default") or {}
+        if not entry.get("enabled"):
+            continue
+        mine = arm.policy_config().config_hash()
+        theirs = entry.get("policy_hash")
+        if theirs is None:
+            out.append(f"arm {arm.name!r}: memory model {entry.get('model')} records no policy config; it may have "
+                       "been trained on prompts unlike this arm's")
+        elif theirs != mine:
+            out.append(f"arm {arm.name!r}: its policy config (hash {mine}) differs from the one memory model "
+                       f"{entry.get('model')} was trained with (hash {theirs})")
+        reads = entry.get("trained_reads") or {}
+        served = {"memory_tokens": cfg.memory.max_history_tokens, "max_observation_chars": cfg.memory.max_field_chars}
+        for key, value in served.items():
+            if key in reads and reads[key] != value:
+                out.append(f"arm {arm.name!r}: the memory reads {key}={value}, trained with {reads[key]} "
+                           "(memory.max_history_tokens / memory.max_field_chars)")
+    return out
+
+
 @serve.deployment(name="Ingress", max_ongoing_requests=64, health_check_period_s=10)
 @serve.ingress(app)
 class Ingress:
@@ -95,6 +123,7 @@ class Ingress:
         app.state.max_request_bytes = self.cfg.limits.max_request_bytes
         self.tenants = {t.key_sha256: (name, t.allow_prompt_embeds) for name, t in self.cfg.auth.resolved().items()}
         self._ready: asyncio.Future | None = None
+        self.warnings: list[str] = []
         self.enrichment: Enrichment | None = None
         self.runtime: Runtime | None = None
 
@@ -108,6 +137,9 @@ class Ingress:
                               f"actor at {info.get('remote')} does not take prompt embeds (vLLM --enable-prompt-embeds)")
         emb = await self.embedder_h.info.remote()
         self.memory_info = await self.memory.info.remote()
+        self.warnings = memory_warnings(self.cfg, self.memory_info)
+        for w in self.warnings:
+            log.warning(w)
         self.summarizer_info = await self.summarizer.info.remote()
         # the actor's own template (or the one its config names): what the budget counts is what it receives
         tokenizer = get_tokenizer(info["tokenizer"], info.get("chat_template"))
@@ -294,7 +326,9 @@ class Ingress:
                           tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls)
 
         async def memory_for(ct):
-            return await self._memory_request(mem, sid, session, ct.t, ct.prompt.context_ids)
+            # A handle response, not awaited here: the soft span goes from the encoder to the actor directly.
+            read = await asyncio.to_thread(turn_memory, self.runtime, ct, self.cfg.memory)
+            return None if read is None else self.memory.encode.remote(mem, sid, *read)
 
         stream = (lambda r, m: self.actor.options(stream=True).generate_stream.remote(r, m)) if emit else None
         res = await run_turn(self.runtime, req, self.actor.generate.remote, self.cfg.limits.glimpses_per_turn,
@@ -326,18 +360,6 @@ class Ingress:
         models = self.memory_info["models"]
         key = armcfg.name if armcfg.name in models else "default"
         return key if models[key]["enabled"] else None
-
-    async def _memory_request(self, key: str, sid, session, t: int, ids):
-        """The soft span of the latest compaction boundary (a handle response: it is not awaited here, so the
-        tensor goes from the encoder to the actor directly), or None before the first boundary."""
-        m = self.cfg.memory
-        boundary = memory_boundary(t, m.stride, m.min_steps)
-        if boundary is None:
-            return None
-        steps = await asyncio.to_thread(lambda: self.runtime.ledger.snapshot(sid, upto=boundary).steps)
-        history, summary = memory_input(self.runtime.ledger.tokenizer, session, steps, ids, m.max_field_chars,
-                                        m.max_history_tokens)
-        return self.memory.encode.remote(key, sid, boundary, history, summary)
 
     # -- OpenAI-compatible --------------------------------------------------------------------
 
@@ -494,7 +516,7 @@ class Ingress:
         return {"ready": True, "arms": dict(zip(self.router.names, self.router.weights)),
                 "actor": self.actor_info["model"], "remote": self.actor_info.get("remote"),
                 "prompt_embeds": self.actor_info.get("prompt_embeds", True), "memory": self.memory_info, "summarizer": self.summarizer_info,
-                "embedder": self.runtime.embedder.name}
+                "embedder": self.runtime.embedder.name, "warnings": self.warnings}
 
     @app.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse)
     async def prometheus(self):

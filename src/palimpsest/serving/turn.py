@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
-from palimpsest.platform.chat import glimpse_call, with_glimpse
+from palimpsest.platform.chat import glimpse_call, memory_read, with_glimpse
 from palimpsest.platform.embedding import EmbedderUnavailable
 from palimpsest.platform.runtime import Runtime
 from palimpsest.platform.types import CompiledTurn, GlimpseLimitError, UnknownStepError
@@ -86,6 +86,13 @@ async def compile_turn(rt: Runtime, req: TurnRequest, clock: WaitClock | None) -
     except EmbedderUnavailable:
         ct, waited = await asyncio.to_thread(plan, False)
         return ct, waited, "embedder"
+
+
+def turn_memory(rt: Runtime, ct: CompiledTurn, memory_cfg) -> tuple[list[int], list[int]] | None:
+    """What the memory network reads on a served turn (``memory_cfg``: the serve config's ``memory``): the
+    steps the compiled prompt left out and the context before its soft slot, or None when it left none out.
+    The REMORY data builder makes the same call (``platform.chat.memory_read``) on the same compiled turn."""
+    return memory_read(rt.ledger.tokenizer, ct, memory_cfg.max_field_chars, memory_cfg.max_history_tokens)
 
 
 _GLIMPSE_PREFIX = re.compile(r"^\s*#?\d{0,18}\s*(\)\s*)?$")
@@ -171,7 +178,7 @@ async def run_turn(rt: Runtime, req: TurnRequest, generate: Generate, glimpse_li
             text = await asyncio.to_thread(rt.glimpse, req.session_id, step_id)
         except (UnknownStepError, GlimpseLimitError) as e:
             text = f"(unavailable: {e})"
-        grown = await asyncio.to_thread(with_glimpse, tok, messages, step_id, text, room)
+        grown = await asyncio.to_thread(with_glimpse, tok, messages, step_id, text, room, ct.prompt.soft_at)
         if grown is None:  # not even a notice fits what the budget leaves: the reply stands as it is
             break
         messages, ids = grown

@@ -5,8 +5,11 @@ history, with the recorded next action, fits the actor's window):
 
 - the **teacher** is the actor given the whole history (the ``full`` policy's served prompt);
 - each **student** is the actor given a policy's served prompt at the budget (the prompt serving sends:
-  ``pipelines.replay.walk_turns`` compiles it with the served code), and ``NAME+memory`` adds the soft
-  span of a memory model where serving puts it (``platform.chat.memory_input`` builds what it reads);
+  ``pipelines.replay.walk_turns`` compiles it with the served code). ``NAME+memory`` keeps room for the
+  soft span of a memory model and puts it where serving puts it (before the recent raw turns), reading
+  what the prompt left out (``platform.chat.memory_read``, the call serving makes); ``NAME+empty`` is
+  the same prompt with the soft span left out (what the memory adds over its own text); plain ``NAME``
+  spends those positions on text (the memory against the same positions of extra text);
 - each is scored on the recorded next action (step t's thought and action, its first
   ``max_target_tokens`` tokens): KL(student || teacher) per target token, the recorded action's NLL
   under the student, and top-1 agreement with the teacher.
@@ -111,8 +114,6 @@ class MemoryArm:
     """Soft memory on top of a text policy, as serving adds it (``memory.*`` of the serve config)."""
 
     encoder: Any  # palimpsest.models.encoder.MemoryEncoder
-    stride: int = 8
-    min_steps: int = 4
     max_history_tokens: int = 1024
     max_field_chars: int = 4000
 
@@ -126,6 +127,7 @@ class Arm:
     label: str
     config: Any  # a policy config
     memory: MemoryArm | None = None
+    inject: bool = True  # False: keep the memory's room in the budget but send no soft span (NAME+empty)
 
 
 @dataclass
@@ -155,10 +157,6 @@ def bootstrap_ci(values_by_group: dict[str, list[float]], reps: int = 1000, seed
     return (float(lo), float(hi))
 
 
-def _target_text(step) -> str:
-    return "\n".join(x for x in (step.thought, step.action) if x).strip() or "(no action)"
-
-
 def evaluate_actions(rt, sessions, arms: list[Arm], budget: int, actor, *, data_sha: str, actor_key: str,
                      window: int, max_boundaries: int | None = None, max_target_tokens: int = 48,
                      min_t: int = 2, seed: int = 0, reference: str | None = None, cache: TeacherCache | None = None,
@@ -166,30 +164,22 @@ def evaluate_actions(rt, sessions, arms: list[Arm], budget: int, actor, *, data_
                      on_progress: Callable[[str], None] | None = None) -> ActionsResult:
     """Score every arm at the sampled boundaries of ``sessions`` (replay sessions already imported into
     ``rt``'s ledger). ``allowed(trajectory)`` filters trajectories (held-out ones only, for a memory)."""
-    from palimpsest.pipelines.replay import walk_turns
-    from palimpsest.platform.chat import memory_boundary, memory_input
-    from palimpsest.platform.policies import parse_policy_config
+    from palimpsest.pipelines.replay import teacher_boundaries, walk_turns
+    from palimpsest.platform.chat import memory_read
     from palimpsest.training.losses import student_logits
 
     tok = rt.ledger.tokenizer
     cache = cache or TeacherCache(None)
-    full_cfg = parse_policy_config("full")
     # 1. Boundaries where the budget matters: the whole history (with the target) fits the actor's window but
     #    not the budget, and the fixed prefix leaves room in the budget for the reply and some history.
     candidates: list[tuple[Any, int, list[int], list[int]]] = []  # (session, t, target, the teacher's prompt)
     for sess in sessions:
         if not allowed(sess.session_id):
             continue
-        snap = rt.snapshot(sess.session_id)
-        if snap.prefix_tokens + max_target_tokens + _MIN_HISTORY > budget:
+        if rt.snapshot(sess.session_id).prefix_tokens + max_target_tokens + _MIN_HISTORY > budget:
             continue
-        for rs, _snap, turn, _s in walk_turns(rt, sess, full_cfg, budget, 0):
-            if rs.t < min_t or isinstance(turn, BudgetError) or rs.t >= len(snap.steps):
-                continue
-            target = tok.encode(_target_text(snap.steps[rs.t]))[:max_target_tokens]
-            n = len(turn.prompt.ids)
-            if target and n + len(target) <= window and n + max_target_tokens > budget:
-                candidates.append((sess, rs.t, target, list(turn.prompt.ids)))
+        for t, ids, target in teacher_boundaries(rt, sess, budget, window, max_target_tokens, min_t):
+            candidates.append((sess, t, target, ids))
     if not candidates:
         raise PalimpsestError(f"no boundary whose whole history fits the actor's window ({window}) but not the "
                               f"budget ({budget}) with a prefix that leaves room")
@@ -205,7 +195,6 @@ def evaluate_actions(rt, sessions, arms: list[Arm], budget: int, actor, *, data_
     reserve = max_target_tokens
     for sid, ts in wanted.items():
         sess = by_id[sid]
-        snap_all = rt.snapshot(sid)
         # 2. The teacher at each boundary (cached).
         teachers: dict[int, Teacher] = {}
         for t, target in ts.items():
@@ -232,11 +221,10 @@ def evaluate_actions(rt, sessions, arms: list[Arm], budget: int, actor, *, data_
                 context, bridge = list(turn.prompt.context_ids), list(turn.prompt.bridge_ids)
                 parts = [actor.embed(torch.tensor(context, dtype=torch.long))]
                 n_soft = 0
-                if arm.memory is not None:
-                    b = memory_boundary(rs.t, arm.memory.stride, arm.memory.min_steps)
-                    if b is not None:
-                        history, summary = memory_input(tok, snap_all.session, snap_all.steps[:b], context,
-                                                        arm.memory.max_field_chars, arm.memory.max_history_tokens)
+                if arm.memory is not None and arm.inject:
+                    read = memory_read(tok, turn, arm.memory.max_field_chars, arm.memory.max_history_tokens)
+                    if read is not None:
+                        history, summary = read
                         with torch.inference_mode():
                             mem = arm.memory.encoder.encode(torch.tensor(history, dtype=torch.long),
                                                             torch.tensor(summary, dtype=torch.long))

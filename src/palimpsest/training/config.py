@@ -22,11 +22,19 @@ class ActorSection(_Strict):
 
 class DataSection(_Strict):
     file: str = Field(..., description="trajectories (JSONL); Stage I/II Parquet is built from it")
-    max_history_tokens: int = Field(2048, ge=16, le=131072)
+    max_history_tokens: int = Field(2048, ge=16, le=131072, description="the teacher's window: a boundary's whole "
+                                    "history and its target fit in it")
     max_target_tokens: int = Field(64, ge=1)
-    max_observation_chars: int = Field(800, ge=64)
+    max_observation_chars: int = Field(800, ge=64, description="each field of a step the memory reads is cut to "
+                                       "this (serving's memory.max_field_chars)")
     span_tokens: int = Field(128, ge=8)
     val_fraction: float = Field(0.2, ge=0.0, lt=1.0)
+    budget: int = Field(1024, ge=64, description="the student's token budget: the policy's prompt is compiled at "
+                        "it, with the soft positions reserved, as the served arm compiles it")
+    memory_tokens: int = Field(1024, ge=16, description="the memory reads at most this many tokens of what the "
+                               "prompt left out (serving's memory.max_history_tokens)")
+    embedder: Literal["minilm", "hashing"] = Field("minilm", description="the key embedder the policy plans with "
+                                                   "(serving's)")
 
 
 class MemorySection(_Strict):

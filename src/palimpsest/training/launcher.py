@@ -16,6 +16,7 @@ registered model tagged with the policy config it pairs with.
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import tempfile
@@ -48,9 +49,10 @@ def resolve_actor(cfg: TrainConfig) -> Path:
 
 def prepare(cfg: TrainConfig) -> PreparedRun:
     """Everything that can fail on bad input, on the driver: actor path, data, sizes."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     from palimpsest.pipelines.remory_data import DataConfig, build_datasets
+    from palimpsest.platform.policies import load_policy_file
 
     actor = resolve_actor(cfg)
     hidden = AutoConfig.from_pretrained(str(actor)).hidden_size
@@ -60,11 +62,13 @@ def prepare(cfg: TrainConfig) -> PreparedRun:
     if not data.is_file():
         raise ConfigError(f"training data not found: {data}")
     storage = Path(cfg.storage).expanduser().resolve() / cfg.name
-    tok = AutoTokenizer.from_pretrained(str(actor))
-    d = cfg.data
-    report = build_datasets(data, tok, storage / "data", DataConfig(
+    policy = load_policy_file(cfg.tracking.policy_config)
+    d, m = cfg.data, cfg.memory
+    slots = min(math.ceil(d.memory_tokens / m.block_size) * m.queries, m.max_slots)  # MemoryNetwork.slots_for
+    report = build_datasets(data, str(actor), storage / "data", DataConfig(
         max_history_tokens=d.max_history_tokens, max_target_tokens=d.max_target_tokens,
-        max_observation_chars=d.max_observation_chars, span_tokens=d.span_tokens, val_fraction=d.val_fraction))
+        max_observation_chars=d.max_observation_chars, span_tokens=d.span_tokens, val_fraction=d.val_fraction,
+        budget=d.budget, memory_tokens=d.memory_tokens, soft_slots=slots), policy, d.embedder)
     if cfg.optim.stage2_steps and not report["counts"]["stage2"]["train"]:
         raise ConfigError(f"{data}: no Stage II training sample (all boundaries fell in the validation split)")
     if cfg.optim.stage1_steps and not report["counts"]["stage1"]["train"]:
@@ -106,7 +110,7 @@ def _load_rows(data_dir: str, stage: int, split: str = "train") -> list[dict]:
 def _tensors(row: dict, stage: int) -> dict:
     import torch
 
-    keys = ("span", "instruction") if stage == 1 else ("history", "summary", "bridge", "target")
+    keys = ("span", "instruction") if stage == 1 else ("teacher", "memory", "summary", "context", "bridge", "target")
     return {k: torch.tensor(row[k], dtype=torch.long) for k in keys}
 
 
@@ -167,7 +171,7 @@ def train_loop(loop_config: dict) -> None:
         sample = _tensors(row, stage)
         t0 = time.perf_counter()
         # Every rank runs as many merge passes as the rank that needs most (ZeRO-3 gathers per call).
-        src = sample["span"] if stage == 1 else sample["history"]
+        src = sample["span"] if stage == 1 else sample["memory"]
         passes = torch.tensor(memnet.merge_passes(int(src.numel())))
         if dist.is_initialized():
             dist.all_reduce(passes, op=dist.ReduceOp.MAX)
@@ -223,10 +227,19 @@ def _export_bundle(cfg: TrainConfig, module, actor, out: Path, engine, data_dir:
     else:
         state = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
     torch.save(state, out / BUNDLE_WEIGHTS)
+    report = _data_report(data_dir)
     meta = {"memory": {"d_actor": actor.hidden_size, **cfg.memory.model_dump()}, "embed_norm": actor.embed_norm(),
             "actor": cfg.actor.model_dump(), "policy_config": cfg.tracking.policy_config, "name": cfg.name,
-            "data": {"file": str(cfg.data.file), "val_fraction": cfg.data.val_fraction, **_splits(data_dir)}}
+            # the resolved policy config the samples were compiled with (content and hash)
+            "policy": {"file": cfg.tracking.policy_config, **(report.get("policy") or {})},
+            "data": {**cfg.data.model_dump(), "sha256": report.get("data_sha256"), **_splits(data_dir)}}
     (out / BUNDLE_META).write_text(json.dumps(meta, indent=2))
+
+
+def _data_report(data_dir: str | None) -> dict:
+    """What the data builder recorded (``report.json``: counts, the policy record, the data's sha)."""
+    f = Path(data_dir) / "report.json" if data_dir else None
+    return json.loads(f.read_text()) if f is not None and f.is_file() else {}
 
 
 def _splits(data_dir: str | None) -> dict:
@@ -339,6 +352,9 @@ def register(cfg: TrainConfig, checkpoint, run_id: str) -> str | None:
     mlflow.set_tracking_uri(tracking_uri())
     with checkpoint.as_directory() as d, mlflow.start_run(run_id=run_id):
         mlflow.log_artifacts(d, artifact_path="checkpoint")
+        # The resolved policy config the samples were compiled with, content and hash, beside the checkpoint.
+        policy = json.loads((Path(d) / BUNDLE_META).read_text()).get("policy") or {}
+        mlflow.log_dict(policy, "policy.json")
         if not cfg.tracking.register_as:
             return None
         model = load_bundle(Path(d))
@@ -347,5 +363,7 @@ def register(cfg: TrainConfig, checkpoint, run_id: str) -> str | None:
     version = info.registered_model_version
     client = mlflow.MlflowClient()
     client.set_model_version_tag(cfg.tracking.register_as, str(version), "policy_config", cfg.tracking.policy_config)
+    if policy.get("hash"):
+        client.set_model_version_tag(cfg.tracking.register_as, str(version), "policy_hash", policy["hash"])
     client.set_model_version_tag(cfg.tracking.register_as, str(version), "actor", cfg.actor.path)
     return f"models:/{cfg.tracking.register_as}/{version}"

@@ -3,10 +3,12 @@
 Stage I (reconstruction): the memory of a text span, followed by a "repeat" instruction, must let the
 actor reproduce the span: cross-entropy on the span's tokens.
 
-Stage II (summary-conditioned continuation): the teacher sees the whole history, the student sees the
-summary and the memory; both predict the trajectory's real next assistant response. Loss: reverse KL
-sum_j w_j KL(q_j || p_j) over the full vocabulary, q = student, p = teacher, w_j gently favouring the
-first response tokens (w_j proportional to 1 / (1 + decay * j), summing to 1).
+Stage II (summary-conditioned continuation): the teacher sees the whole history; the student sees the
+served prompt of a policy at a budget, with the memory's soft span at its slot (after the summary part,
+before the recent raw turns), the memory having read the steps that prompt left out. Both predict the
+trajectory's real next assistant response. Loss: reverse KL sum_j w_j KL(q_j || p_j) over the full
+vocabulary, q = student, p = teacher, w_j gently favouring the first response tokens (w_j proportional to
+1 / (1 + decay * j), summing to 1). The rows are built by ``pipelines.remory_data`` with serving's code.
 """
 
 from __future__ import annotations
@@ -26,9 +28,11 @@ class StageISample(TypedDict):
 
 
 class StageIISample(TypedDict, total=False):
-    history: torch.Tensor  # (H,) ids of the history in the actor's chat format, ending with the assistant prompt
-    summary: torch.Tensor  # (S,) ids of the same conversation with the history replaced by its summary
-    bridge: torch.Tensor  # (G,) ids after the memory (the assistant prompt); optional
+    teacher: torch.Tensor  # (H,) the whole history as served (the full policy's prompt, up to the assistant prompt)
+    memory: torch.Tensor  # (L,) what the memory reads: the raw chat of the steps the student's prompt left out
+    summary: torch.Tensor  # (S,) what the memory's gated attention reads: the context before the soft slot
+    context: torch.Tensor  # (C,) the student's ids before the soft slot
+    bridge: torch.Tensor  # (G,) the student's ids after it (the recent raw turns, the assistant prompt)
     target: torch.Tensor  # (R,) ids of the real next assistant response
 
 
@@ -64,19 +68,11 @@ def stage1_loss(memnet: MemoryNetwork, actor: FrozenActor, sample: StageISample,
 
 
 @torch.no_grad()
-def teacher_pass(actor: FrozenActor, sample: StageIISample, layer: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
-    """One forward over [history; target]: the history's hidden states (H, d) at ``layer`` (what the
-    memory reads; causal, so the target does not change them) and the teacher's logits (R, V)."""
-    hist, target = sample["history"], sample["target"]
-    r = target.shape[0]
-    out = actor.model(input_ids=torch.cat([hist, target])[None], output_hidden_states=True, use_cache=False,
-                      logits_to_keep=r + 1)  # only the positions that predict the target (+ the last one)
-    return out.hidden_states[layer][0, : hist.shape[0]], out.logits[0, :r]
-
-
 def teacher_logits(actor: FrozenActor, sample: StageIISample) -> torch.Tensor:
     """(R, V) the teacher's logits on the target tokens, seeing the whole history."""
-    return teacher_pass(actor, sample)[1]
+    target = sample["target"]
+    r = target.shape[0]
+    return actor(input_ids=torch.cat([sample["teacher"], target])[None], last=r + 1)[0, :r]
 
 
 def student_logits(actor: FrozenActor, prefix_embeds: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -88,13 +84,10 @@ def student_logits(actor: FrozenActor, prefix_embeds: torch.Tensor, target: torc
 
 def stage2_loss(memnet: MemoryNetwork, actor: FrozenActor, sample: StageIISample, decay: float = 0.05,
                 min_passes: int = 0) -> torch.Tensor:
-    """Reverse KL of the student [summary; memory; bridge] against the teacher [history]. One actor pass
-    gives both the teacher's logits and the history features the memory reads."""
-    cfg = memnet.module.cfg if hasattr(memnet, "module") else memnet.cfg
-    feats, p = teacher_pass(actor, sample, cfg.feature_layer)
-    summary = sample["summary"]
-    mem = memnet(feats, actor.embed(summary) if summary.numel() else None, min_passes)
-    parts = [actor.embed(sample["summary"]), mem]  # the memory sits right after the summary
+    """Reverse KL of the student [context; memory; bridge] against the teacher [whole history]."""
+    p = teacher_logits(actor, sample)
+    mem = memory_of(memnet, actor, sample["memory"], sample["summary"], min_passes)
+    parts = [actor.embed(sample["context"]), mem]  # the soft slot: after the summary part, before the recent turns
     if sample.get("bridge") is not None and sample["bridge"].numel():
         parts.append(actor.embed(sample["bridge"]))
     prefix = torch.cat(parts)  # (S + M + G, d)
