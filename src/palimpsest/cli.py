@@ -414,12 +414,13 @@ def _eval_actions_run(data, names, configs, budget, memory, include_train, max_t
                       ledger, embedder, tokenizer, mlflow, max_boundaries, reference):
     from palimpsest.models.actor import FrozenActor
     from palimpsest.models.registry import resolve_actor_path
-    from palimpsest.pipelines.environment import open_runtime, tokenizer_spec
+    from palimpsest.pipelines.environment import open_runtime
     from palimpsest.pipelines.remory_data import split_of
     from palimpsest.pipelines.replay import prepare_sessions
     from palimpsest.pipelines.trajectories import file_sha256, read_trajectories
     from palimpsest.serving.config import ActorConfig, MemoryConfigServe
     from palimpsest.training.actions import Arm, MemoryArm, TeacherCache, evaluate_actions
+    from palimpsest.training.teachers import actor_key
 
     serve_mem = MemoryConfigServe()
     ref, trained_on, val_fraction = None, None, 0.2
@@ -437,7 +438,6 @@ def _eval_actions_run(data, names, configs, budget, memory, include_train, max_t
             # Read as the memory was trained to read (serving's memory.* should say the same).
             mem_tokens = int(meta.get("memory_tokens", mem_tokens))
             mem_chars = int(meta.get("max_observation_chars", mem_chars))
-    tok_spec = tokenizer_spec(tokenizer)
     actor_path = str(resolve_actor_path("smollm2" if tokenizer == "smollm2" else tokenizer))
     act = FrozenActor.from_pretrained(actor_path)
     mem_arm = None
@@ -466,7 +466,7 @@ def _eval_actions_run(data, names, configs, budget, memory, include_train, max_t
     ref_label = reference or ("pace" if "pace" in names else names[0])
     if ref_label not in names:
         raise PalimpsestError(f"--reference {ref_label!r} is not among --policy {names}")
-    result = evaluate_actions(rt, sessions, arms, budget, act, data_sha=file_sha256(data), actor_key=tok_spec,
+    result = evaluate_actions(rt, sessions, arms, budget, act, data_sha=file_sha256(data), actor_key=actor_key(actor_path),
                               window=window or ActorConfig().max_model_len, max_boundaries=max_boundaries,
                               max_target_tokens=max_target_tokens, seed=seed, reference=ref_label,
                               cache=teacher_cache, allowed=allowed,

@@ -101,6 +101,9 @@ def _check_run(summary, marker, tracking, store):
     # newest one yet when the worker died, so it is step 4 or step 2, never a restart from scratch)
     resumed = summary["metrics"]["resumed_from"]
     assert resumed in (2, 4)
+    # Stage II read the teachers computed once on the driver
+    assert summary["teachers"]["rows"] == summary["data"]["stage2"]["train"] > 0
+    assert summary["metrics"]["teacher_cached"] == 1.0
     net = load_bundle(Path(summary["checkpoint"]))
     soft = net(torch.randn(50, 64))
     assert soft.shape == (4, 64)

@@ -55,6 +55,24 @@ def test_kl_is_zero_when_the_student_sees_the_teachers_input():
     assert float(reverse_kl(other, p, w)) > 1e-3
 
 
+def test_stage2_on_a_cached_teacher_is_the_full_loss_when_the_cache_keeps_every_token():
+    """The cached teacher (top-k + tail) gives the full-vocabulary loss when k is the vocabulary, a lower
+    bound below it, and its gradient reaches the memory network."""
+    from palimpsest.training.teachers import compute_teacher
+
+    actor = tiny_actor()
+    net = memnet(actor)
+    s = sample2()
+    full = stage2_loss(net, actor, s)
+    vocab = int(actor.model.config.vocab_size)
+    every = stage2_loss(net, actor, s, teacher=compute_teacher(actor, s["teacher"].tolist(), s["target"].tolist(), vocab))
+    assert float(every) == pytest.approx(float(full), rel=1e-4)
+    coarse = stage2_loss(net, actor, s, teacher=compute_teacher(actor, s["teacher"].tolist(), s["target"].tolist(), 4))
+    assert 0 < float(coarse) <= float(full) + 1e-6
+    coarse.backward()
+    assert net.out_proj.weight.grad is not None and float(net.out_proj.weight.grad.abs().sum()) > 0
+
+
 def test_the_loss_is_the_reverse_kl_of_the_student_from_the_teacher():
     """KL(q || p) with q the student: for p = (0.9, 0.1) and q = (0.5, 0.5) it is 0.5108 nats, where the
     forward direction KL(p || q) would be 0.3681 (figures computed by hand, not by the code under test)."""

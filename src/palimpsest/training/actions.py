@@ -22,91 +22,18 @@ Means come with bootstrap 95% intervals over trajectories; ``gap_closed`` is 1 -
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import random
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from palimpsest.platform.types import BudgetError, PalimpsestError
+from palimpsest.training.teachers import TOP_K, Teacher, TeacherCache, compute_teacher, score, teacher_of
 
-TOP_K = 64
 _MIN_HISTORY = 256  # tokens of history a boundary's budget must leave after the prefix and the reply
-
-
-@dataclass
-class Teacher:
-    ids: torch.Tensor  # (R, k) the teacher's most likely tokens, most likely first
-    logp: torch.Tensor  # (R, k) their log-probabilities
-    tail: torch.Tensor  # (R,) log of the probability mass outside the top k
-
-
-def teacher_of(logits: torch.Tensor, k: int = TOP_K) -> Teacher:
-    logp = F.log_softmax(logits.float(), -1)
-    top, ids = logp.topk(min(k, logp.shape[-1]), -1)
-    rest = (1.0 - top.exp().sum(-1)).clamp(min=1e-12)
-    return Teacher(ids, top, rest.log())
-
-
-def score(q_logits: torch.Tensor, target: torch.Tensor, teacher: Teacher) -> dict[str, float]:
-    """KL(q || p) over {teacher top-k, rest}, NLL of the target under q, top-1 agreement; means per token."""
-    log_q = F.log_softmax(q_logits.float(), -1)
-    q_k = log_q.gather(-1, teacher.ids)
-    q_rest = (1.0 - q_k.exp().sum(-1)).clamp(min=1e-12).log()
-    kl = (q_k.exp() * (q_k - teacher.logp)).sum(-1) + q_rest.exp() * (q_rest - teacher.tail)
-    nll = -log_q.gather(-1, target[:, None])[:, 0]
-    top1 = (log_q.argmax(-1) == teacher.ids[:, 0]).float()
-    return {"kl": float(kl.clamp(min=0).mean()), "nll": float(nll.mean()), "top1": float(top1.mean())}
-
-
-class TeacherCache:
-    """Teacher distributions in Parquet, keyed by (actor, data sha, trajectory, t, target length)."""
-
-    def __init__(self, path: Path | None):
-        self.path = path
-        self.rows: dict[str, dict] = {}
-        self.dirty = False
-        self.hits = self.misses = 0
-        if path is not None and path.is_file():
-            import pyarrow.parquet as pq
-
-            for r in pq.read_table(path).to_pylist():
-                self.rows[r["key"]] = r
-
-    @staticmethod
-    def key(actor: str, data_sha: str, trajectory: str, t: int, n_target: int, k: int) -> str:
-        return hashlib.sha256(json.dumps([actor, data_sha, trajectory, t, n_target, k]).encode()).hexdigest()
-
-    def get(self, key: str) -> Teacher | None:
-        r = self.rows.get(key)
-        if r is None:
-            self.misses += 1
-            return None
-        self.hits += 1
-        return Teacher(torch.tensor(r["ids"], dtype=torch.long), torch.tensor(r["logp"]), torch.tensor(r["tail"]))
-
-    def put(self, key: str, trajectory: str, t: int, teacher: Teacher) -> None:
-        self.rows[key] = {"key": key, "trajectory": trajectory, "t": t, "ids": teacher.ids.tolist(),
-                          "logp": teacher.logp.tolist(), "tail": teacher.tail.tolist()}
-        self.dirty = True
-
-    def save(self) -> None:
-        if self.path is None or not self.dirty:
-            return
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        pq.write_table(pa.Table.from_pylist(list(self.rows.values())), tmp)
-        tmp.replace(self.path)
-        self.dirty = False
 
 
 @dataclass
@@ -201,10 +128,7 @@ def evaluate_actions(rt, sessions, arms: list[Arm], budget: int, actor, *, data_
             key = cache.key(actor_key, data_sha, sid, t, len(target), TOP_K)
             teacher = cache.get(key)
             if teacher is None:
-                ids = torch.tensor(teacher_ids[(sid, t)] + target, dtype=torch.long)
-                with torch.inference_mode():
-                    logits = actor(input_ids=ids[None], last=len(target) + 1)[0, : len(target)]
-                teacher = teacher_of(logits)
+                teacher = compute_teacher(actor, teacher_ids[(sid, t)], target)
                 cache.put(key, sid, t, teacher)
             teachers[t] = teacher
         # 3. Every student at the same boundaries.

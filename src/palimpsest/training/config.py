@@ -68,6 +68,9 @@ class OptimSection(_Strict):
     grad_clip: float = Field(1.0, gt=0)
     kl_decay: float = Field(0.05, ge=0, description="w_j proportional to 1 / (1 + kl_decay * j)")
     checkpoint_every: int = Field(20, ge=1)
+    teacher_cache: bool = Field(True, description="Stage II reads each row's teacher (top-64 + tail mass) computed "
+                                "once on the driver, a KL over that partition; false: a full-vocabulary teacher "
+                                "pass at every step")
     seed: int = 0
 
 

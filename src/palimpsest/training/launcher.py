@@ -73,7 +73,39 @@ def prepare(cfg: TrainConfig) -> PreparedRun:
         raise ConfigError(f"{data}: no Stage II training sample (all boundaries fell in the validation split)")
     if cfg.optim.stage1_steps and not report["counts"]["stage1"]["train"]:
         raise ConfigError(f"{data}: no Stage I training sample")
+    if cfg.optim.stage2_steps and cfg.optim.teacher_cache:
+        report["teachers"] = cache_teachers(cfg, str(actor), storage / "data", report["data_sha256"])
     return PreparedRun(cfg, str(actor), str(storage / "data"), str(storage), report)
+
+
+TEACHERS = "teachers.parquet"
+
+
+def _teacher_key(cfg: TrainConfig, actor_path: str, data_sha: str, row: dict) -> str:
+    from palimpsest.training.teachers import TeacherCache, actor_key
+
+    return TeacherCache.key(actor_key(actor_path, cfg.actor.dtype), data_sha, row["trajectory"], int(row["t"]),
+                            len(row["target"]))
+
+
+def cache_teachers(cfg: TrainConfig, actor_path: str, data_dir: Path, data_sha: str) -> dict:
+    """The teacher of every Stage II training row, computed once on the driver (top-k + tail mass, the
+    cache ``eval-actions`` keeps): workers read it instead of a full teacher pass at every step. Rows
+    already cached (a resumed or repeated run) are not computed again."""
+    from palimpsest.models.actor import FrozenActor
+    from palimpsest.training.teachers import TeacherCache, compute_teacher
+
+    cache = TeacherCache(data_dir / TEACHERS)
+    rows = _load_rows(str(data_dir), 2)
+    todo = [r for r in rows if _teacher_key(cfg, actor_path, data_sha, r) not in cache.rows]
+    t0 = time.perf_counter()
+    if todo:
+        actor = FrozenActor.from_pretrained(actor_path, dtype=cfg.actor.dtype)
+        for r in todo:
+            teacher = compute_teacher(actor, r["teacher"], r["target"])
+            cache.put(_teacher_key(cfg, actor_path, data_sha, r), r["trajectory"], int(r["t"]), teacher)
+        cache.save()
+    return {"rows": len(rows), "computed": len(todo), "seconds": round(time.perf_counter() - t0, 1)}
 
 
 def ds_config(cfg: TrainConfig) -> dict[str, Any]:
@@ -162,6 +194,11 @@ def train_loop(loop_config: dict) -> None:
     tracker = _RankZeroTracker(loop_config.get("mlflow"), rank)
     tracker.start(cfg, resumed_at=step)
     rows = {1: _load_rows(loop_config["data_dir"], 1), 2: _load_rows(loop_config["data_dir"], 2)}
+    teachers, data_sha = None, loop_config.get("data_sha")
+    if cfg.optim.teacher_cache and (Path(loop_config["data_dir"]) / TEACHERS).is_file():
+        from palimpsest.training.teachers import TeacherCache
+
+        teachers = TeacherCache(Path(loop_config["data_dir"]) / TEACHERS)
     total = cfg.optim.stage1_steps + cfg.optim.stage2_steps
     fault = loop_config.get("fault") or {}
     while step < total:
@@ -176,8 +213,10 @@ def train_loop(loop_config: dict) -> None:
         if dist.is_initialized():
             dist.all_reduce(passes, op=dist.ReduceOp.MAX)
         # Calls go through the wrapper (engine or DDP) so its gradient hooks and partitioning apply.
+        teacher = (teachers.get(_teacher_key(cfg, loop_config["actor_path"], data_sha, row))
+                   if stage == 2 and teachers is not None else None)  # None: a full teacher pass
         loss = (stage1_loss(module, actor, sample, int(passes)) if stage == 1
-                else stage2_loss(module, actor, sample, cfg.optim.kl_decay, int(passes)))
+                else stage2_loss(module, actor, sample, cfg.optim.kl_decay, int(passes), teacher))
         if engine is not None:
             engine.backward(loss)
             engine.step()
@@ -190,7 +229,8 @@ def train_loop(loop_config: dict) -> None:
         tokens = sum(int(v.numel()) for v in sample.values())
         metrics = {"step": step, "stage": stage, "loss": float(loss.detach()), "resumed_from": resumed_from,
                    "seconds": time.perf_counter() - t0, "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                   "tokens_per_s": tokens / max(time.perf_counter() - t0, 1e-9)}
+                   "tokens_per_s": tokens / max(time.perf_counter() - t0, 1e-9),
+                   "teacher_cached": float(teacher is not None)}
         if fault.get("rank") == rank and fault.get("step") == step and not Path(fault["marker"]).exists():
             Path(fault["marker"]).write_text("killed once")  # fault injection for the resume test
             os._exit(1)
@@ -322,7 +362,8 @@ def launch(cfg: TrainConfig, fault: dict | None = None, track: bool = True) -> d
     trainer = TorchTrainer(
         train_loop,
         train_loop_config={"train": cfg.model_dump(mode="json"), "actor_path": prep.actor_path,
-                           "data_dir": prep.data_dir, "mlflow": mlflow_spec, "fault": fault},
+                           "data_dir": prep.data_dir, "data_sha": prep.data_report.get("data_sha256"),
+                           "mlflow": mlflow_spec, "fault": fault},
         scaling_config=ScalingConfig(num_workers=d.num_workers, use_gpu=d.use_gpu,
                                      resources_per_worker={"CPU": d.cpus_per_worker}),
         torch_config=TorchConfig(backend="nccl" if d.use_gpu else "gloo"),
@@ -337,6 +378,7 @@ def launch(cfg: TrainConfig, fault: dict | None = None, track: bool = True) -> d
         raise PalimpsestError(f"training failed: {result.error}")
     summary = {"name": cfg.name, "wall_s": round(wall, 1), "metrics": dict(result.metrics or {}),
                "checkpoint": result.checkpoint.path if result.checkpoint else None, "data": prep.data_report["counts"],
+               "teachers": prep.data_report.get("teachers"),
                "mlflow_run_id": run_id}
     if track and result.checkpoint is not None:
         summary["registered"] = register(cfg, result.checkpoint, run_id)

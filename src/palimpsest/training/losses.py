@@ -83,13 +83,19 @@ def student_logits(actor: FrozenActor, prefix_embeds: torch.Tensor, target: torc
 
 
 def stage2_loss(memnet: MemoryNetwork, actor: FrozenActor, sample: StageIISample, decay: float = 0.05,
-                min_passes: int = 0) -> torch.Tensor:
-    """Reverse KL of the student [context; memory; bridge] against the teacher [whole history]."""
-    p = teacher_logits(actor, sample)
+                min_passes: int = 0, teacher=None) -> torch.Tensor:
+    """Reverse KL of the student [context; memory; bridge] against the teacher [whole history]: over the full
+    vocabulary from a teacher pass, or, given ``teacher`` (its cached top-k and tail mass, a
+    ``training.teachers.Teacher``), over the partition {the teacher's top-k, the rest}."""
     mem = memory_of(memnet, actor, sample["memory"], sample["summary"], min_passes)
     parts = [actor.embed(sample["context"]), mem]  # the soft slot: after the summary part, before the recent turns
     if sample.get("bridge") is not None and sample["bridge"].numel():
         parts.append(actor.embed(sample["bridge"]))
     prefix = torch.cat(parts)  # (S + M + G, d)
     q = student_logits(actor, prefix, sample["target"])
-    return reverse_kl(q, p, position_weights(sample["target"].shape[0], decay, q.device))
+    w = position_weights(sample["target"].shape[0], decay, q.device)
+    if teacher is not None:
+        from palimpsest.training.teachers import coarse_kl
+
+        return (w * coarse_kl(q, teacher)).sum()
+    return reverse_kl(q, teacher_logits(actor, sample), w)
