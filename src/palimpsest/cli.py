@@ -268,6 +268,16 @@ def _policy_set(names: str, config_file: Optional[Path]) -> dict:
     return {label: variants[label] if label in variants else parse_policy_config(label) for label in labels}
 
 
+# Options the evaluation commands share.
+IncludeTrainOpt = typer.Option(False, "--include-train", help="also score trajectories the memory trained on")
+MaxTargetOpt = typer.Option(48, "--max-target-tokens", min=1)
+WindowOpt = typer.Option(None, "--window", help="the actor's window (default: the serve config's)")
+SeedOpt = typer.Option(0, "--seed")
+TeacherCacheOpt = typer.Option(None, "--cache", help="teacher cache (Parquet; default .palimpsest/teachers.parquet)")
+ReplayLedgerOpt = typer.Option(None, "--ledger", help="cache ledger (default .palimpsest/replay-<tokenizer>.db)")
+EvalMlflowOpt = typer.Option(True, "--mlflow/--no-mlflow", help="log the evaluation as an MLflow run")
+
+
 @app.command()
 def replay(
     data: Path = typer.Option(..., "--data", help="trajectories (JSONL, the shared schema)"),
@@ -280,7 +290,7 @@ def replay(
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", min=0,
                                              help="tokens each prompt keeps free for the reply (default: the serve "
                                                   "config's actor.max_tokens, as serving reserves it)"),
-    ledger: Optional[Path] = typer.Option(None, "--ledger", help="cache ledger (default .palimpsest/replay-<tokenizer>.db)"),
+    ledger: Optional[Path] = ReplayLedgerOpt,
     embedder: str = EmbedderOpt,
     tokenizer: str = TokenizerOpt,
     mlflow: bool = typer.Option(True, "--mlflow/--no-mlflow", help="log the replay as an MLflow run"),
@@ -361,15 +371,15 @@ def eval_actions(
                                                                 "(default: the latest registered)"),
     policy_config: Optional[Path] = typer.Option(None, "--policy-config", help="YAML: labels -> configs "
                                                                               "(configs/replay/reference.yaml has last2)"),
-    include_train: bool = typer.Option(False, "--include-train", help="also score trajectories the memory trained on"),
-    max_target_tokens: int = typer.Option(48, "--max-target-tokens", min=1),
-    window: Optional[int] = typer.Option(None, "--window", help="the actor's window (default: the serve config's)"),
-    seed: int = typer.Option(0, "--seed"),
-    cache: Optional[Path] = typer.Option(None, "--cache", help="teacher cache (Parquet; default .palimpsest/teachers.parquet)"),
-    ledger: Optional[Path] = typer.Option(None, "--ledger", help="cache ledger (default .palimpsest/replay-<tokenizer>.db)"),
+    include_train: bool = IncludeTrainOpt,
+    max_target_tokens: int = MaxTargetOpt,
+    window: Optional[int] = WindowOpt,
+    seed: int = SeedOpt,
+    cache: Optional[Path] = TeacherCacheOpt,
+    ledger: Optional[Path] = ReplayLedgerOpt,
     embedder: str = EmbedderOpt,
     tokenizer: str = TokenizerOpt,
-    mlflow: bool = typer.Option(True, "--mlflow/--no-mlflow", help="log the evaluation as an MLflow run"),
+    mlflow: bool = EvalMlflowOpt,
     as_json: bool = typer.Option(False, "--json", help="print the result JSON to stdout and nothing else"),
 ) -> None:
     """Action fidelity: KL to the actor given the whole history, NLL of the recorded action, top-1 agreement."""
@@ -487,27 +497,28 @@ def _eval_actions_run(data, names, configs, budget, memory, include_train, max_t
 def eval_memory(
     model: str = typer.Option(..., "--model", help="models:/palimpsest-memory/latest, a runs:/ URI, or a checkpoint dir"),
     data: Path = typer.Option(..., "--data", help="trajectories (JSONL, the shared schema)"),
-    budget: int = typer.Option(1024, "--budget", help="token budget of the student prompts (the memory's training "
-                                                      "budget is a fair choice)"),
+    budget: Optional[int] = typer.Option(None, "--budget", help="token budget of the student prompts (default: the "
+                                                                "budget the memory was trained at)"),
     policy: Optional[str] = typer.Option(None, "--policy", help="the text policy under the memory (default: the "
                                                                 "one the memory was trained with, else pace)"),
     max_boundaries: Optional[int] = typer.Option(None, "--max-boundaries", min=1, help="a deterministic sample of N"),
-    include_train: bool = typer.Option(False, "--include-train", help="also score trajectories the memory trained on"),
-    max_target_tokens: int = typer.Option(48, "--max-target-tokens", min=1),
-    window: Optional[int] = typer.Option(None, "--window", help="the actor's window (default: the serve config's)"),
-    seed: int = typer.Option(0, "--seed"),
-    cache: Optional[Path] = typer.Option(None, "--cache", help="teacher cache (Parquet; default .palimpsest/teachers.parquet)"),
-    ledger: Optional[Path] = typer.Option(None, "--ledger", help="cache ledger (default .palimpsest/replay-<tokenizer>.db)"),
+    include_train: bool = IncludeTrainOpt,
+    max_target_tokens: int = MaxTargetOpt,
+    window: Optional[int] = WindowOpt,
+    seed: int = SeedOpt,
+    cache: Optional[Path] = TeacherCacheOpt,
+    ledger: Optional[Path] = ReplayLedgerOpt,
     embedder: str = EmbedderOpt,
     tokenizer: str = TokenizerOpt,
-    mlflow: bool = typer.Option(True, "--mlflow/--no-mlflow", help="log the evaluation as an MLflow run"),
+    mlflow: bool = EvalMlflowOpt,
     as_json: bool = typer.Option(False, "--json", help="print the result JSON to stdout and nothing else"),
 ) -> None:
     """eval-actions for one memory: POLICY (the memory's positions as text), POLICY+empty (its text alone) and
     POLICY+memory, on held-out trajectories; gap_closed is relative to POLICY."""
     import json as _json
 
-    validate_budget(budget)
+    if budget is not None:
+        validate_budget(budget)
     if not data.is_file():
         raise PalimpsestError(f"trajectory file not found: {data}")
     with _json_stdout(as_json):
@@ -516,7 +527,12 @@ def eval_memory(
         ref = resolve_memory_ref(model)
         if ref is None:
             raise PalimpsestError(f"--model {model!r} names no memory model")
-        trained = memory_meta(ref).get("policy")
+        meta = memory_meta(ref)
+        trained = meta.get("policy")
+        if budget is None:
+            budget = (meta.get("data") or {}).get("budget")
+            if not isinstance(budget, int):
+                raise PalimpsestError(f"{model}: the bundle records no training budget; pass --budget")
         if policy is None and isinstance(trained, dict) and isinstance(trained.get("config"), dict):
             from palimpsest.platform.policies import parse_policy_config
 

@@ -86,7 +86,10 @@ def stage2_samples(rt, sess, policy, cfg: DataConfig) -> Iterator[dict[str, Any]
         return
     split = split_of(sess.session_id, cfg.val_fraction)
     tok = rt.ledger.tokenizer
+    last = max(teachers)
     for rs, _snap, turn, _s in walk_turns(rt, sess, policy, cfg.budget, reserve):
+        if rs.t > last:
+            break
         if rs.t not in teachers or isinstance(turn, BudgetError):
             continue
         read = memory_read(tok, turn, cfg.max_observation_chars, cfg.memory_tokens)

@@ -189,22 +189,32 @@ def action_text(step) -> str:
     return "\n".join(x for x in (step.thought, step.action) if x).strip() or "(no action)"
 
 
+#: Tokens of history a budget must leave after a session's fixed prefix, the reply and the soft positions
+#: for its boundaries to count: below it every policy shows little more than the prefix.
+MIN_HISTORY_ROOM = 256
+
+
 def teacher_boundaries(rt: Runtime, sess: ReplaySession, budget: int, window: int, max_target_tokens: int,
                        min_t: int = 2, room: int = 0):
     """The boundaries of a session where the budget matters and the whole history is the teacher: yields
     (t, the ``full`` policy's served prompt ids, the recorded action's first ``max_target_tokens`` ids) for
     each step t >= ``min_t`` whose whole history plus its action fits ``window`` but whose whole history plus
-    ``max_target_tokens`` + ``room`` (soft positions) does not fit ``budget``. ``eval-actions`` scores the
-    actor there and the REMORY data builder trains there."""
+    ``max_target_tokens`` + ``room`` (soft positions) does not fit ``budget``. A session whose fixed prefix
+    leaves the budget less than ``MIN_HISTORY_ROOM`` tokens of history has none. ``eval-actions`` scores
+    the actor there and the REMORY data builder trains there."""
     from palimpsest.platform.policies import parse_policy_config
 
     snap = rt.snapshot(sess.session_id)
+    if snap.prefix_tokens + max_target_tokens + room + MIN_HISTORY_ROOM > budget:
+        return
     tok = rt.ledger.tokenizer
     for rs, _snap, turn, _s in walk_turns(rt, sess, parse_policy_config("full"), budget, 0):
         if rs.t < min_t or isinstance(turn, BudgetError) or rs.t >= len(snap.steps):
             continue
-        target = tok.encode(action_text(snap.steps[rs.t]))[:max_target_tokens]
         n = len(turn.prompt.ids)
+        if n >= window:  # the whole history only grows: no later step fits the window either
+            return
+        target = tok.encode(action_text(snap.steps[rs.t]))[:max_target_tokens]
         if target and n + len(target) <= window and n + max_target_tokens + room > budget:
             yield rs.t, list(turn.prompt.ids), target
 

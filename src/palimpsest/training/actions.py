@@ -33,9 +33,6 @@ import torch
 from palimpsest.platform.types import BudgetError, PalimpsestError
 from palimpsest.training.teachers import TOP_K, Teacher, TeacherCache, compute_teacher, score, teacher_of
 
-_MIN_HISTORY = 256  # tokens of history a boundary's budget must leave after the prefix and the reply
-
-
 @dataclass
 class MemoryArm:
     """Soft memory on top of a text policy, as serving adds it (``memory.*`` of the serve config)."""
@@ -103,8 +100,6 @@ def evaluate_actions(rt, sessions, arms: list[Arm], budget: int, actor, *, data_
     for sess in sessions:
         if not allowed(sess.session_id):
             continue
-        if rt.snapshot(sess.session_id).prefix_tokens + max_target_tokens + _MIN_HISTORY > budget:
-            continue
         for t, ids, target in teacher_boundaries(rt, sess, budget, window, max_target_tokens, min_t):
             candidates.append((sess, t, target, ids))
     if not candidates:
@@ -134,7 +129,10 @@ def evaluate_actions(rt, sessions, arms: list[Arm], budget: int, actor, *, data_
         # 3. Every student at the same boundaries.
         for arm in arms:
             soft = arm.memory.slots if arm.memory else 0
+            last = max(ts)
             for rs, _snap, turn, _s in walk_turns(rt, sess, arm.config, budget, reserve + soft):
+                if rs.t > last:
+                    break
                 if rs.t not in ts:
                     continue
                 target = torch.tensor(ts[rs.t], dtype=torch.long)
