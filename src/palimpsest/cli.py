@@ -425,7 +425,6 @@ def _eval_actions_run(data, names, configs, budget, memory, include_train, max_t
     from palimpsest.models.actor import FrozenActor
     from palimpsest.models.registry import resolve_actor_path
     from palimpsest.pipelines.environment import open_runtime
-    from palimpsest.pipelines.remory_data import split_of
     from palimpsest.pipelines.replay import prepare_sessions
     from palimpsest.pipelines.trajectories import file_sha256, read_trajectories
     from palimpsest.serving.config import ActorConfig, MemoryConfigServe
@@ -433,7 +432,7 @@ def _eval_actions_run(data, names, configs, budget, memory, include_train, max_t
     from palimpsest.training.teachers import actor_key
 
     serve_mem = MemoryConfigServe()
-    ref, trained_on, val_fraction = None, None, 0.2
+    ref, trained_on = None, None
     mem_tokens, mem_chars = serve_mem.max_history_tokens, serve_mem.max_field_chars
     if any(n != _memory_base(n) for n in names):
         from palimpsest.models.registry import memory_meta, resolve_memory_ref
@@ -442,9 +441,12 @@ def _eval_actions_run(data, names, configs, budget, memory, include_train, max_t
         if ref is None:
             raise PalimpsestError("NAME+memory needs a memory model: --memory, or a registered palimpsest-memory")
         meta = memory_meta(ref).get("data") or {}
+        if "train_trajectories" in meta:
+            trained_on = set(meta["train_trajectories"])
+        elif not include_train:
+            raise PalimpsestError(f"memory model {ref} records no training split, so its held-out trajectories are "
+                                  "unknown: pass --include-train to score every trajectory")
         if meta:
-            trained_on = set(meta.get("train_trajectories") or []) or None
-            val_fraction = float(meta.get("val_fraction", val_fraction))
             # Read as the memory was trained to read (serving's memory.* should say the same).
             mem_tokens = int(meta.get("memory_tokens", mem_tokens))
             mem_chars = int(meta.get("max_observation_chars", mem_chars))
@@ -459,11 +461,7 @@ def _eval_actions_run(data, names, configs, budget, memory, include_train, max_t
             for n in names]
 
     def allowed(trajectory: str) -> bool:
-        if mem_arm is None or include_train:
-            return True
-        if trained_on is not None:
-            return trajectory not in trained_on
-        return split_of(trajectory, val_fraction) == "val"
+        return mem_arm is None or include_train or trajectory not in (trained_on or set())
 
     read = read_trajectories(data)
     from palimpsest.pipelines.replay import TimedEmbedder  # memoised: policies share query embeddings
@@ -503,7 +501,8 @@ def eval_memory(
                                                                 "one the memory was trained with, else pace)"),
     max_boundaries: Optional[int] = typer.Option(None, "--max-boundaries", min=1, help="a deterministic sample of N"),
     include_train: bool = IncludeTrainOpt,
-    max_target_tokens: int = MaxTargetOpt,
+    max_target_tokens: Optional[int] = typer.Option(None, "--max-target-tokens", min=1,
+                                                    help="default: the memory's data.max_target_tokens"),
     window: Optional[int] = WindowOpt,
     seed: int = SeedOpt,
     cache: Optional[Path] = TeacherCacheOpt,
@@ -522,21 +521,25 @@ def eval_memory(
     if not data.is_file():
         raise PalimpsestError(f"trajectory file not found: {data}")
     with _json_stdout(as_json):
+        from palimpsest.models.encoder import load_memory
         from palimpsest.models.registry import memory_meta, resolve_memory_ref
 
         ref = resolve_memory_ref(model)
         if ref is None:
             raise PalimpsestError(f"--model {model!r} names no memory model")
+        load_memory(ref)  # not a memory model: a clear error before anything else
         meta = memory_meta(ref)
-        trained = meta.get("policy")
-        if budget is None:
-            budget = (meta.get("data") or {}).get("budget")
-            if not isinstance(budget, int):
-                raise PalimpsestError(f"{model}: the bundle records no training budget; pass --budget")
+        trained, data_meta = meta.get("policy"), meta.get("data") or {}
+        # By default, the student prompts are the ones the memory trained on: its budget and reply length.
+        budget = budget if budget is not None else data_meta.get("budget")
+        if not isinstance(budget, int):
+            raise PalimpsestError(f"{model}: the bundle records no training budget; pass --budget")
+        max_target_tokens = max_target_tokens or int(data_meta.get("max_target_tokens", 48))
         if policy is None and isinstance(trained, dict) and isinstance(trained.get("config"), dict):
             from palimpsest.platform.policies import parse_policy_config
 
-            base, configs = "policy", {"policy": parse_policy_config(trained["config"])}
+            cfg = parse_policy_config(trained["config"])
+            base, configs = cfg.type, {cfg.type: cfg}
         else:
             base = policy or "pace"
             configs = _policy_set(base, None)

@@ -263,3 +263,16 @@ def test_a_glimpse_inside_a_turn_shows_what_the_budget_leaves(big_session):
     assert msgs[-2] == {"role": "assistant", "content": f"glimpse(#{step.id})"} and msgs[-1]["role"] == "tool"
     assert "FIRST" in shown and "LAST" in shown and len(shown) > 0.25 * (room - ct.prompt.tokens) * 3
     assert with_glimpse(rt.ledger.tokenizer, list(ct.prompt.messages), step.id, log, ct.prompt.tokens + 2) is None
+
+
+def test_the_soft_slot_is_before_the_recent_raw_tail_and_a_hidden_gap_ends_it():
+    from palimpsest.platform.chat import soft_slot
+
+    B, F, D = int(Resolution.BRIEF), int(Resolution.FULL), int(Resolution.DROP)
+    # steps 0-4, each two messages after a two-message prefix; step 2 is hidden without a range line
+    spans = [(0, 0, 2), (1, 2, 2), (3, 4, 2), (4, 6, 2)]
+    assert soft_slot([B, F, D, F, F], spans, 2, 10) == 2 + 4  # before step 3: step 1 is not in the raw tail
+    assert soft_slot([B, F, F, F, F], [(0, 0, 2), (1, 2, 2), (2, 4, 2), (3, 6, 2), (4, 8, 2)], 2, 12) == 2 + 2
+    assert soft_slot([F, F, F, F, B], [(0, 0, 2), (1, 2, 2), (2, 4, 2), (3, 6, 2), (4, 8, 2)], 2, 12) == 12  # no raw tail
+    # a range line in place of hidden steps ends the tail too
+    assert soft_slot([B, D, D, F, F], [(0, 0, 2), (1, 2, 1), (3, 3, 2), (4, 5, 2)], 2, 9) == 2 + 3

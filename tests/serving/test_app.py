@@ -78,13 +78,15 @@ def test_an_arm_serving_a_memory_otherwise_than_it_was_trained_is_warned_about(c
     assert any("records no policy config" in w for w in ready["warnings"])
     cfg = parse_serve_config(tiny_config(tiny_dir, tiny_memory, tmp_path / "l.db"))
     pace = parse_policy_config("pace").config_hash()
-    entry = {"enabled": True, "model": "m", "policy_hash": pace, "trained_reads": {"memory_tokens": 256}}
+    entry = {"enabled": True, "model": "m", "policy_hash": pace, "trained_reads": {"memory_tokens": 256},
+             "trained_budget": 900}
     assert memory_warnings(cfg, {"models": {"default": entry}}) == []  # trained as served: nothing to say
     other = {**entry, "policy_hash": parse_policy_config("ace").config_hash(),
-             "trained_reads": {"memory_tokens": 1024}}
+             "trained_reads": {"memory_tokens": 1024}, "trained_budget": 3072}
     warned = memory_warnings(cfg, {"models": {"default": other}})
     assert any("'pace+memory': its policy config" in w for w in warned)
     assert any("memory_tokens=256, trained with 1024" in w for w in warned)
+    assert any("'pace+memory': serves at budget 900, its memory was trained on prompts at 3072" in w for w in warned)
 
 
 def test_glimpse_returns_the_raw_step_and_is_limited_per_turn(client):

@@ -102,7 +102,9 @@ def _check_run(summary, marker, tracking, store):
     resumed = summary["metrics"]["resumed_from"]
     assert resumed in (2, 4)
     # Stage II read the teachers computed once on the driver
-    assert summary["teachers"]["rows"] == summary["data"]["stage2"]["train"] > 0
+    teachers = summary["teachers"]  # the rows Stage II visits (4 steps x 2 workers), each computed once
+    assert teachers["rows"] == summary["data"]["stage2"]["train"] > 0
+    assert teachers["computed"] == teachers["visited"] == min(teachers["rows"], 4 * 2)
     assert summary["metrics"]["teacher_cached"] == 1.0
     net = load_bundle(Path(summary["checkpoint"]))
     soft = net(torch.randn(50, 64))

@@ -138,6 +138,7 @@ class ChatIds:
     context: tuple[int, ...]
     bridge: tuple[int, ...]
     text: str | None = None  # the template's text the ids were encoded from
+    split: int | None = None  # the message index the soft slot fell before (None: no split point at all)
 
     @property
     def all(self) -> list[int]:
@@ -156,8 +157,8 @@ def chat_ids(tokenizer: ChatTokenizer, messages: Sequence[dict], split: int | No
     for k in ([split] if split is not None and 0 < split < len(messages) else []) + [len(messages)]:
         context = tokenizer.template(messages[:k], False)
         if full.startswith(context):
-            return ChatIds(tuple(tokenizer.encode(context)), tuple(tokenizer.encode(full[len(context):])), full)
-    return ChatIds(tuple(tokenizer.encode(full)), (), full)
+            return ChatIds(tuple(tokenizer.encode(context)), tuple(tokenizer.encode(full[len(context):])), full, k)
+    return ChatIds(tuple(tokenizer.encode(full)), (), full, None)
 
 
 def soft_slot(level: Sequence[int], spans: Sequence[tuple[int, int, int]], base: int, n_messages: int) -> int:
@@ -167,10 +168,12 @@ def soft_slot(level: Sequence[int], spans: Sequence[tuple[int, int, int]], base:
     number of prefix messages before them."""
     full = int(Resolution.FULL)
     at = n_messages
+    newer = None
     for i, first, _n in reversed(spans):
-        if int(level[i]) != full:
+        # a degraded step or a range line ends the raw tail, and so does a gap: steps hidden without a line
+        if int(level[i]) != full or (newer is not None and i != newer - 1):
             break
-        at = base + first
+        at, newer = base + first, i
     return at
 
 

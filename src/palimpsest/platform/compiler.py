@@ -259,7 +259,7 @@ def compile_plan(snap: "SessionSnapshot", plan: RenderPlan, budget: int, tokeniz
         bridge_ids=ids.bridge,
         text=text,
         reserve=int(reserve),
-        soft_at=slot,
+        soft_at=ids.split if ids.split is not None else len(messages),
     )
 
 

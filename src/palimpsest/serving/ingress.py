@@ -1,7 +1,7 @@
 """The HTTP ingress (FastAPI inside a Serve deployment): the routes, tenants and A/B arms.
 
 A turn: the session's arm -> the served turn (``serving/turn.py``: the platform's compiled prompt, the soft
-span of the latest compaction boundary, the actor, the glimpse loop) -> recorded under its arm. Appends
+span of what it left out, the actor, the glimpse loop) -> recorded under its arm. Appends
 return once the step is durable; summaries and key embeddings are written in the background
 (``serving/enrichment.py``) and a turn never waits for them. Every error the caller can fix is a 4xx with a
 one-line message (``serving/http.py``); nothing stored is lost and the server stays up.
@@ -109,6 +109,9 @@ def memory_warnings(cfg, memory_info: dict) -> list[str]:
             if key in reads and reads[key] != value:
                 out.append(f"arm {arm.name!r}: the memory reads {key}={value}, trained with {reads[key]} "
                            "(memory.max_history_tokens / memory.max_field_chars)")
+        budget, trained = arm.budget or cfg.budget, entry.get("trained_budget")
+        if trained and trained != budget:  # the prompts leave out other steps than the ones it learned from
+            out.append(f"arm {arm.name!r}: serves at budget {budget}, its memory was trained on prompts at {trained}")
     return out
 
 

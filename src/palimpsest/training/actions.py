@@ -94,13 +94,15 @@ def evaluate_actions(rt, sessions, arms: list[Arm], budget: int, actor, *, data_
 
     tok = rt.ledger.tokenizer
     cache = cache or TeacherCache(None)
+    # the soft positions a memory arm reserves: boundaries are chosen as the REMORY data builder chooses them
+    room = max((a.memory.slots for a in arms if a.memory is not None), default=0)
     # 1. Boundaries where the budget matters: the whole history (with the target) fits the actor's window but
     #    not the budget, and the fixed prefix leaves room in the budget for the reply and some history.
     candidates: list[tuple[Any, int, list[int], list[int]]] = []  # (session, t, target, the teacher's prompt)
     for sess in sessions:
         if not allowed(sess.session_id):
             continue
-        for t, ids, target in teacher_boundaries(rt, sess, budget, window, max_target_tokens, min_t):
+        for t, ids, target in teacher_boundaries(rt, sess, budget, window, max_target_tokens, min_t, room):
             candidates.append((sess, t, target, ids))
     if not candidates:
         raise PalimpsestError(f"no boundary whose whole history fits the actor's window ({window}) but not the "
@@ -120,7 +122,7 @@ def evaluate_actions(rt, sessions, arms: list[Arm], budget: int, actor, *, data_
         # 2. The teacher at each boundary (cached).
         teachers: dict[int, Teacher] = {}
         for t, target in ts.items():
-            key = cache.key(actor_key, data_sha, sid, t, len(target), TOP_K)
+            key = cache.key(actor_key, data_sha, sid, t, teacher_ids[(sid, t)], target, TOP_K)
             teacher = cache.get(key)
             if teacher is None:
                 teacher = compute_teacher(actor, teacher_ids[(sid, t)], target)

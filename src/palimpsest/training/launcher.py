@@ -85,27 +85,35 @@ def _teacher_key(cfg: TrainConfig, actor_path: str, data_sha: str, row: dict) ->
     from palimpsest.training.teachers import TeacherCache, actor_key
 
     return TeacherCache.key(actor_key(actor_path, cfg.actor.dtype), data_sha, row["trajectory"], int(row["t"]),
-                            len(row["target"]))
+                            row["teacher"], row["target"])
 
 
 def cache_teachers(cfg: TrainConfig, actor_path: str, data_dir: Path, data_sha: str) -> dict:
-    """The teacher of every Stage II training row, computed once on the driver (top-k + tail mass, the
-    cache ``eval-actions`` keeps): workers read it instead of a full teacher pass at every step. Rows
-    already cached (a resumed or repeated run) are not computed again."""
+    """The teacher of every Stage II training row the run will visit, computed once on the driver (top-k +
+    tail mass, the cache ``eval-actions`` keeps; on a GPU when the run uses GPUs and the driver has one):
+    workers read it instead of a full teacher pass at every step. Rows already cached (a resumed or
+    repeated run) are not computed again."""
+    import torch
+
     from palimpsest.models.actor import FrozenActor
     from palimpsest.training.teachers import TeacherCache, compute_teacher
 
     cache = TeacherCache(data_dir / TEACHERS)
     rows = _load_rows(str(data_dir), 2)
-    todo = [r for r in rows if _teacher_key(cfg, actor_path, data_sha, r) not in cache.rows]
+    o, world = cfg.optim, cfg.distributed.num_workers
+    visited = sorted({curriculum_row(o.stage1_steps + s, o.stage1_steps, world, r, len(rows))[1]
+                      for s in range(o.stage2_steps) for r in range(world)})
+    todo = [rows[i] for i in visited if _teacher_key(cfg, actor_path, data_sha, rows[i]) not in cache.rows]
     t0 = time.perf_counter()
     if todo:
-        actor = FrozenActor.from_pretrained(actor_path, dtype=cfg.actor.dtype)
+        device = "cuda" if cfg.distributed.use_gpu and torch.cuda.is_available() else "cpu"
+        actor = FrozenActor.from_pretrained(actor_path, dtype=cfg.actor.dtype, device=device)
         for r in todo:
             teacher = compute_teacher(actor, r["teacher"], r["target"])
             cache.put(_teacher_key(cfg, actor_path, data_sha, r), r["trajectory"], int(r["t"]), teacher)
         cache.save()
-    return {"rows": len(rows), "computed": len(todo), "seconds": round(time.perf_counter() - t0, 1)}
+    return {"rows": len(rows), "visited": len(visited), "computed": len(todo),
+            "seconds": round(time.perf_counter() - t0, 1)}
 
 
 def ds_config(cfg: TrainConfig) -> dict[str, Any]:
@@ -283,12 +291,17 @@ def _data_report(data_dir: str | None) -> dict:
 
 
 def _splits(data_dir: str | None) -> dict:
-    """The trajectories each split of the training data held: evaluation refuses the training ones."""
+    """The trajectories each split of the training data held, over both stages (Stage I trains on spans of
+    trajectories that may have no Stage II row): evaluation refuses the training ones."""
     if data_dir is None or not (Path(data_dir) / "stage2.parquet").is_file():
         return {}
     import pyarrow.parquet as pq
 
-    rows = pq.read_table(Path(data_dir) / "stage2.parquet", columns=["trajectory", "split"]).to_pylist()
+    rows = []
+    for stage in ("stage1", "stage2"):
+        f = Path(data_dir) / f"{stage}.parquet"
+        if f.is_file():
+            rows += pq.read_table(f, columns=["trajectory", "split"]).to_pylist()
     return {f"{sp}_trajectories": sorted({r["trajectory"] for r in rows if r["split"] == sp}) for sp in ("train", "val")}
 
 

@@ -59,9 +59,11 @@ def actor_key(path: str, dtype: str = "float32") -> str:
 @torch.no_grad()  # not inference mode: a teacher is a constant of a training loss, which autograd saves
 def compute_teacher(actor, teacher_ids: list[int], target: list[int], k: int = TOP_K) -> Teacher:
     """The teacher at one boundary: the actor over [whole history; target], on the target positions."""
-    ids = torch.tensor(list(teacher_ids) + list(target), dtype=torch.long)
+    device = next(actor.model.parameters()).device
+    ids = torch.tensor(list(teacher_ids) + list(target), dtype=torch.long, device=device)
     logits = actor(input_ids=ids[None], last=len(target) + 1)[0, : len(target)]
-    return teacher_of(logits, k)
+    t = teacher_of(logits, k)
+    return Teacher(t.ids.cpu(), t.logp.cpu(), t.tail.cpu())
 
 
 class TeacherCache:
@@ -79,9 +81,12 @@ class TeacherCache:
                 self.rows[r["key"]] = r
 
     @staticmethod
-    def key(actor: str, data_sha: str, trajectory: str, t: int, n_target: int, k: int = TOP_K) -> str:
-        """``actor``: the actor's folder and dtype (``actor_key``); ``data_sha``: the trajectory file's."""
-        return hashlib.sha256(json.dumps([actor, data_sha, trajectory, t, n_target, k]).encode()).hexdigest()
+    def key(actor: str, data_sha: str, trajectory: str, t: int, prompt: list[int], target: list[int],
+            k: int = TOP_K) -> str:
+        """``actor``: the actor's folder and dtype (``actor_key``); ``data_sha``: the trajectory file's;
+        ``prompt`` and ``target``: the teacher's ids (a changed layout or template is a different teacher)."""
+        ids = hashlib.sha256(json.dumps([list(prompt), list(target)]).encode()).hexdigest()
+        return hashlib.sha256(json.dumps([actor, data_sha, trajectory, t, ids, k]).encode()).hexdigest()
 
     def get(self, key: str) -> Teacher | None:
         r = self.rows.get(key)
