@@ -156,8 +156,13 @@ def chat_ids(tokenizer: ChatTokenizer, messages: Sequence[dict], split: int | No
     full = tokenizer.template(messages, True)
     for k in ([split] if split is not None and 0 < split < len(messages) else []) + [len(messages)]:
         context = tokenizer.template(messages[:k], False)
-        if full.startswith(context):
-            return ChatIds(tuple(tokenizer.encode(context)), tuple(tokenizer.encode(full[len(context):])), full, k)
+        if not full.startswith(context):
+            continue
+        ids = ChatIds(tuple(tokenizer.encode(context)), tuple(tokenizer.encode(full[len(context):])), full, k)
+        # A slot inside the history must not change a single id of what a text-only arm receives: where the
+        # two halves encode otherwise than the whole, the slot moves to the end.
+        if k == len(messages) or ids.all == tokenizer.encode(full):
+            return ids
     return ChatIds(tuple(tokenizer.encode(full)), (), full, None)
 
 
