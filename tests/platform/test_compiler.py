@@ -123,3 +123,55 @@ def test_hidden_runs_fold_into_range_lines_within_the_budget(runtime, session):
     plan.fold_ranges = True
     tight = compile_plan(snap, plan, tight_budget, runtime.ledger.tokenizer)
     assert tight.tokens <= tight_budget and [s.kind for s in tight.segments].count("range") == 1
+
+
+def _long_session(runtime, n: int) -> str:
+    """A session of ``n`` steps, each naming its own file (so every step's text is distinct)."""
+    runtime.ledger.create_session("long", "Keep the build green.")
+    runtime.ledger.append_many("long", [step(t, f"cat src/mod_{t}.py", f"def f_{t}(): return {t * 7}  # TOKEN{t}")
+                                        for t in range(n)])
+    runtime.enrich("long")
+    return "long"
+
+
+@pytest.mark.parametrize("policy", ["pace", "ace", "pace_plus", "rolling_summary", "full"])
+def test_old_history_folds_into_range_lines_and_the_recent_window_stays_whole(runtime, policy):
+    """600 steps of one-line placeholders alone cost more than the budget: without the fold the recent steps
+    are degraded with the old ones. With it, old history takes at most its share of the room, the recent window
+    is shown as planned, and every step is on a line of the prompt (shown, or inside a range line)."""
+    sid = _long_session(runtime, 600)
+    pol = runtime.policy(policy)
+    bound = pol.cfg.history
+    budget = 4000
+    turn = runtime.turn(sid, pol, budget)
+    plan, prompt = turn.plan, turn.prompt
+    assert prompt.tokens <= budget
+    cap = int((budget - prompt.prefix_tokens) * bound.old_share)
+    if policy in ("ace", "rolling_summary", "full"):
+        # ace's elasticizer and the rolling summary hide old steps themselves (nothing to fold); full is the
+        # reference and has no bound: it is degraded oldest first
+        assert "folded" not in plan.info
+        return
+    folded = plan.info["folded"]
+    assert folded["before"] > cap >= folded["after"] and folded["cap"] == cap
+    recent = np.arange(600 - bound.recent_window, 600)
+    # nothing in the recent window was degraded (old steps went first): it is shown as the policy planned it
+    assert not any(int(d.t) in set(recent.tolist()) for d in plan.degradations)
+    assert f"TOKEN599" in prompt.text
+    covered = np.zeros(600, dtype=bool)
+    for seg in prompt.segments:
+        if seg.kind == "step":
+            covered[seg.t] = True
+        elif seg.kind == "range":
+            first, _, last = seg.text.partition("..")
+            a = int(first.split("t=")[1].split()[0].rstrip("]"))
+            b = int(last.split()[0]) if last else a
+            covered[a: b + 1] = True
+    assert covered.all(), np.flatnonzero(~covered)[:10]
+
+
+def test_a_short_history_compiles_exactly_as_planned(runtime, session):
+    """The bound only acts when old history outgrows its share: a short session is untouched by it."""
+    snap = runtime.snapshot(session)
+    turn = runtime.compile(snap, runtime.policy("pace"), 100_000)
+    assert "folded" not in turn.plan.info and not turn.plan.degradations

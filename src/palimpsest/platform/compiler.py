@@ -7,7 +7,10 @@ Budget: the prompt's exact ids (chat template, tool declarations, every message)
 reply's ``max_tokens`` and the soft-memory positions) must be at most the budget. Planning uses the
 per-step counts stored in the ledger plus a per-message overhead (an estimate, O(M) numpy): while the
 estimate overflows, the lowest-scored unpinned steps are degraded one level at a time (full -> detailed
--> brief -> placeholder -> drop), lowest score first. Then the chat is assembled and its ids counted;
+-> brief -> placeholder -> drop), lowest score first, every step older than the policy's recent window
+before any step inside it. History older than that window first folds into range lines once it costs more
+than its share of the room (:mod:`palimpsest.platform.folding`), so a session of any length keeps room for
+its recent steps. Then the chat is assembled and its ids counted;
 while they overflow, degradation continues from the measured excess. The pinned latest step is never
 degraded: when it alone does not fit, its fields are shown head and tail with a marker naming the step
 (``glimpse`` shows the rest), and the plan's ``info["elided"]`` says so. Only a budget below the prefix
@@ -22,6 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from palimpsest.platform.chat import chat_ids, history_messages, message_overhead, prefix_messages, prefix_size, soft_slot
+from palimpsest.platform.folding import RANGE_LINE_TOKENS, fold_old_history, protected_order
 from palimpsest.platform.tokens import ChatTokenizer
 from palimpsest.platform.types import (
     BudgetError,
@@ -183,15 +187,27 @@ def compile_plan(snap: "SessionSnapshot", plan: RenderPlan, budget: int, tokeniz
 
     fold = plan.fold
     fold_tokens = (fold.tokens + overhead) if fold is not None else 0
-    total = prefix_tokens + fold_tokens + int(costs[rows, level].sum())
     degraded: list[np.ndarray] = []
+    # Old history at a bounded cost (platform.folding): the recent window is degraded last, and history older
+    # than it folds into range lines once it costs more than its share of the room.
+    bound = plan.history
+    order = protected_order(plan.score, bound.recent_window if bound is not None else 0)
+    line_cost = overhead + RANGE_LINE_TOKENS
+    ranges = plan.fold_ranges
+    folded = fold_old_history(costs, level, order, pinned, bound, room - prefix_tokens - fold_tokens, line_cost,
+                              ranges)
+    if folded is not None:
+        degraded.extend(folded[0])
+        plan.info["folded"] = folded[1]
+        ranges = plan.fold_ranges = True
+    total = prefix_tokens + fold_tokens + int(costs[rows, level].sum())
     runs_cost = 0
     while True:  # the estimate: cheap, O(M) per pass
-        if plan.fold_ranges:
-            runs_cost = len(_hidden_runs(level)) * (overhead + 24)
+        if ranges:
+            runs_cost = len(_hidden_runs(level)) * line_cost
         if total + runs_cost <= room:
             break
-        step = _degrade(costs, level, pinned, plan.score, total + runs_cost - room)
+        step = _degrade(costs, level, pinned, order, total + runs_cost - room)
         if step is None:
             break
         degraded.append(step[0])
@@ -199,13 +215,13 @@ def compile_plan(snap: "SessionSnapshot", plan: RenderPlan, budget: int, tokeniz
 
     # The exact count: assemble, count the ids, degrade further from the measured excess.
     for _ in range(_MAX_ROUNDS):
-        msgs, spans = history_messages(snap, level, fold, plan.fold_ranges, caps)
+        msgs, spans = history_messages(snap, level, fold, ranges, caps)
         slot = soft_slot(level, spans, len(prefix), len(prefix) + len(msgs))
         ids = chat_ids(tokenizer, prefix + msgs, slot)
         over = len(ids) - room
         if over <= 0:
             break
-        step = _degrade(costs, level, pinned, plan.score, over)
+        step = _degrade(costs, level, pinned, order, over)
         if step is not None:
             degraded.append(step[0])
             continue

@@ -219,6 +219,8 @@ class RenderPlan:
     fold: Fold | None = None
     new_fold: bool = False
     fold_ranges: bool = False  # render each run of dropped steps as one line (ids to glimpse)
+    # The policy's HistoryBound (platform.folding): how much old history may cost before the compiler folds it
+    history: Any = None
     # (K, 3) int64 rows of (t, before, after), in the order the compiler applied them
     degraded: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), dtype=np.int64))
     info: dict[str, Any] = field(default_factory=dict)

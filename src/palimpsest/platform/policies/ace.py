@@ -183,4 +183,4 @@ class AcePolicy:
             score[pending] = (pending + 1) / (m + 1)
         fallback_missing(snap, budget, res, score, codes, reasons, drop)
         return new_plan(self.name, self.config_hash, snap, res, score, codes, reasons,
-                        info={"elasticizer": self.elasticizer.name})
+                        info={"elasticizer": self.elasticizer.name}, history=self.cfg.history)

@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, ClassVar, Literal, Protocol
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from palimpsest.platform.embedding import Embedder, HashingEmbedder
+from palimpsest.platform.folding import HistoryBound
 from palimpsest.platform.render import head_tail, key_text, own_words
 from palimpsest.platform.tokens import ApproxTokenizer, Tokenizer
 from palimpsest.platform.types import ConfigError, Fold, RenderPlan, Resolution
@@ -48,6 +49,8 @@ class PolicyConfigBase(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     name: ClassVar[str]
+    history: HistoryBound = Field(default_factory=HistoryBound, description="how much of the budget history older "
+                                  "than the recent window may take before the compiler folds it (platform.folding)")
 
     def config_hash(self) -> str:
         blob = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
@@ -74,7 +77,8 @@ class Reasons:
 
 def new_plan(policy: str, config_hash: str, snap: "SessionSnapshot", resolution: np.ndarray, score: np.ndarray,
              reason_code: np.ndarray, reasons: Reasons, *, pin_last: int = 1, fold: Fold | None = None,
-             new_fold: bool = False, fold_ranges: bool = False, info: dict | None = None) -> RenderPlan:
+             new_fold: bool = False, fold_ranges: bool = False, info: dict | None = None,
+             history: HistoryBound | None = None) -> RenderPlan:
     m = snap.t
     pinned = np.zeros(m, dtype=bool)
     if m and pin_last:
@@ -83,7 +87,7 @@ def new_plan(policy: str, config_hash: str, snap: "SessionSnapshot", resolution:
         policy=policy, config_hash=config_hash, t=np.arange(m, dtype=np.int64), step_id=snap.step_ids.copy(),
         resolution=resolution.astype(np.int8), score=score.astype(np.float64),
         reason_code=reason_code.astype(np.int16), reasons=reasons.items, pinned=pinned, fold=fold,
-        new_fold=new_fold, fold_ranges=fold_ranges, info=info or {},
+        new_fold=new_fold, fold_ranges=fold_ranges, info=info or {}, history=history,
     )
 
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, ClassVar, Literal
 
 import numpy as np
+from pydantic import Field
+
+from palimpsest.platform.folding import HistoryBound
 
 from palimpsest.platform.policies.base import PolicyConfigBase, PolicyDeps, Reasons, new_plan, recency
 from palimpsest.platform.types import RenderPlan, Resolution
@@ -18,6 +21,8 @@ class FullConfig(PolicyConfigBase):
 
     type: Literal["full"] = "full"
     name: ClassVar[str] = "full"
+    history: HistoryBound = Field(default_factory=lambda: HistoryBound(recent_window=0),
+                                  description="off by default: full shows every step (the reference)")
 
     def build(self, deps: PolicyDeps | None = None) -> "FullPolicy":
         return FullPolicy(self)
@@ -35,4 +40,4 @@ class FullPolicy:
         reasons = Reasons()
         codes = np.full(m, reasons("full history"), dtype=np.int16)
         res = np.full(m, Resolution.FULL, dtype=np.int8)
-        return new_plan(self.name, self.config_hash, snap, res, recency(m), codes, reasons)
+        return new_plan(self.name, self.config_hash, snap, res, recency(m), codes, reasons, history=self.cfg.history)

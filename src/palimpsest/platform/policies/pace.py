@@ -112,4 +112,5 @@ class PacePolicy:
                 codes[old[level == r]] = reasons(text)
         fallback_missing(snap, budget, res, score, codes, reasons, Resolution.PLACEHOLDER)
         return new_plan(self.name, self.config_hash, snap, res, score, codes, reasons,
-                        info={"pressure": p, "thresholds": [alpha, beta, gamma], "scored": int(old.size)})
+                        info={"pressure": p, "thresholds": [alpha, beta, gamma], "scored": int(old.size)},
+                        history=self.cfg.history)

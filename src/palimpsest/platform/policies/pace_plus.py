@@ -176,4 +176,5 @@ class PacePlusPolicy:
                 codes[old[level == lv]] = reasons(f"knapsack: {lv.label} (value per token)")
         fallback_missing(snap, budget, res, score, codes, reasons, Resolution.PLACEHOLDER)
         return new_plan(self.name, self.config_hash, snap, res, score, codes, reasons, fold_ranges=True,
-                        info={"capacity": capacity, "scored": int(old.size)})
+                        info={"capacity": capacity, "scored": int(old.size)},
+                        history=self.cfg.history)

@@ -95,4 +95,5 @@ class RollingSummaryPolicy:
         res = np.where(folded, Resolution.DROP, Resolution.FULL).astype(np.int8)
         codes = np.where(folded, reasons("folded into the rolling summary"), reasons("not folded yet"))
         return new_plan(self.name, self.config_hash, snap, res, recency(m), codes, reasons, fold=fold,
-                        new_fold=new_fold, info={"trigger_tokens": trigger, "context_estimate": size})
+                        new_fold=new_fold, info={"trigger_tokens": trigger, "context_estimate": size},
+                        history=self.cfg.history)

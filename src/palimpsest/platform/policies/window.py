@@ -38,4 +38,4 @@ class WindowPolicy:
         inside = np.arange(m) >= m - k
         res = np.where(inside, Resolution.FULL, Resolution.DROP).astype(np.int8)
         codes = np.where(inside, reasons(f"within the last {k} steps"), reasons(f"older than the last {k} steps"))
-        return new_plan(self.name, self.config_hash, snap, res, recency(m), codes, reasons)
+        return new_plan(self.name, self.config_hash, snap, res, recency(m), codes, reasons, history=self.cfg.history)
