@@ -286,6 +286,8 @@ def replay(
     out_dir: Path = typer.Option(..., "--out", help="output folder (steps.parquet, summary.json, summary.md)"),
     policy_config: Optional[Path] = typer.Option(None, "--policy-config", help="YAML: one config, or labels -> configs"),
     concat: bool = typer.Option(False, "--concat", help="replay all trajectories as one continuous session"),
+    repeat: int = typer.Option(1, "--repeat", min=1, max=1000,
+                               help="with --concat: the trajectories N times over, one session N times as long"),
     as_json: bool = typer.Option(False, "--json", help="print the summary JSON to stdout and nothing else"),
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", min=0,
                                              help="tokens each prompt keeps free for the reply (default: the serve "
@@ -304,6 +306,8 @@ def replay(
     from palimpsest.pipelines.replay import TimedEmbedder, run_replay, summary_markdown, write_outputs
 
     validate_budget(budget)
+    if repeat > 1 and not concat:
+        raise PalimpsestError("--repeat needs --concat (it repeats the trajectories inside one session)")
     from palimpsest.serving.config import ActorConfig
 
     reserve = ActorConfig().max_tokens if max_tokens is None else max_tokens
@@ -317,7 +321,8 @@ def replay(
     timer = rt.embedder
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err, transient=True) as bar:
-        result = run_replay(rt, data, policies, budget, concat=concat, timer=timer, progress=bar, reserve=reserve)
+        result = run_replay(rt, data, policies, budget, concat=concat, timer=timer, progress=bar, reserve=reserve,
+                            repeat=repeat)
     rt.ledger.close()
     write_outputs(result, out_dir)
     if mlflow:

@@ -112,12 +112,13 @@ def _concat_records(trajs: Sequence[Trajectory]) -> tuple[list[StepRecord], list
 
 
 def prepare_sessions(rt: Runtime, trajs: Sequence[Trajectory], concat: bool, data_sha: str,
-                     skipped: list[Skipped], on_progress: Callable[[str], None] | None = None) -> list[ReplaySession]:
+                     skipped: list[Skipped], on_progress: Callable[[str], None] | None = None,
+                     repeat: int = 1) -> list[ReplaySession]:
     """Import (idempotently) and enrich every trajectory; the ledger caches summaries and keys."""
     led = rt.ledger
     sessions: list[ReplaySession] = []
     if concat:
-        sid = f"concat-{data_sha[:16]}"
+        sid = f"concat-{data_sha[:16]}" + (f"-x{repeat}" if repeat > 1 else "")
         records, steps = _concat_records(trajs)
         led.create_session(sid, "Work through the tasks that arrive as user messages, one after another.",
                            meta={"source": "replay-concat", "trajectories": [t.id for t in trajs]})
@@ -387,15 +388,19 @@ class ReplayResult:
 
 
 def run_replay(rt: Runtime, data: Path, policies: dict[str, PolicyConfigBase], budget: int, concat: bool = False,
-               timer: TimedEmbedder | None = None, progress=None, reserve: int = 0) -> ReplayResult:
-    """Replay every trajectory of ``data`` under every policy. ``progress`` is an optional rich Progress."""
+               timer: TimedEmbedder | None = None, progress=None, reserve: int = 0, repeat: int = 1) -> ReplayResult:
+    """Replay every trajectory of ``data`` under every policy. ``progress`` is an optional rich Progress.
+    ``repeat`` (with ``concat``): the trajectories N times over, as one session N times as long."""
+    if repeat < 1 or (repeat > 1 and not concat):
+        raise ReplayError(f"repeat must be >= 1 and needs concat, got repeat={repeat}, concat={concat}")
     read = read_trajectories(data)
     skipped = [Skipped(e.split(":")[0], e) for e in read.errors]
     if not read.trajectories:
         raise ReplayError(f"{data}: no valid trajectory to replay ({'; '.join(read.errors[:3])})")
     sha = file_sha256(data)
-    task = progress.add_task("importing + enriching", total=len(read.trajectories)) if progress else None
-    sessions = prepare_sessions(rt, read.trajectories, concat, sha, skipped,
+    trajs = list(read.trajectories) * repeat
+    task = progress.add_task("importing + enriching", total=len(trajs)) if progress else None
+    sessions = prepare_sessions(rt, trajs, concat, sha, skipped, repeat=repeat,
                                 on_progress=(lambda _: progress.advance(task)) if progress else None)
     # A budget that cannot hold a trajectory's fixed prefix is that trajectory's error, not the run's.
     usable = []
@@ -425,6 +430,7 @@ def run_replay(rt: Runtime, data: Path, policies: dict[str, PolicyConfigBase], b
         "budget": budget,
         "max_tokens": reserve,
         "concat": concat,
+        "repeat": repeat,
         "embedder": rt.embedder.name,
         "tokenizer": rt.ledger.tokenizer.name,
         "policies": by_policy,

@@ -58,10 +58,15 @@ def _messages_per_step(snap: "SessionSnapshot") -> np.ndarray:
     snapshot; ``SessionSnapshot.upto`` slices it)."""
     cached = snap._memo.get("messages_per_step")
     if cached is None or cached.shape[0] != snap.t:
-        cached = np.fromiter(((1 + ((bool(s.action or s.thought)) and s.observation is not None)) for s in snap.steps),
-                             dtype=np.int64, count=snap.t)
+        cached = step_message_counts(snap.steps)
         snap._memo["messages_per_step"] = cached
     return cached
+
+
+def step_message_counts(steps) -> np.ndarray:
+    """(n,) messages each step renders as: its turn and its result, or one of them."""
+    return np.fromiter(((1 + ((bool(s.action or s.thought)) and s.observation is not None)) for s in steps),
+                       dtype=np.int64, count=len(steps))
 
 
 def _costs(snap: "SessionSnapshot", overhead: int) -> np.ndarray:

@@ -234,6 +234,7 @@ class Ledger:
             # Insert-or-keep, then compare: two replicas creating one session at once both succeed.
             db.execute("INSERT OR IGNORE INTO sessions (id, task, system, tools, meta, created) VALUES (?,?,?,?,?,?)",
                        (session_id, task, system or "", tools, json.dumps(dict(meta or {})), time.time()))
+            db.execute("INSERT OR IGNORE INTO session_versions (session_id, version) VALUES (?, 0)", (session_id,))
             row = db.execute("SELECT task, system, tools FROM sessions WHERE id=?", (session_id,)).fetchone()
             if tuple(row) != (task, system or "", tools):
                 raise LedgerError(f"session {session_id!r} already exists with a different task, system or tools")
@@ -270,6 +271,7 @@ class Ledger:
             # row's lock), so the next t and the idempotency check below cannot race another writer.
             if not self._store.lock_session(db, session_id):
                 raise UnknownSessionError(f"unknown session {session_id!r}")
+            version = _bump(db, session_id)
             (next_t,) = db.execute("SELECT COUNT(*) FROM steps WHERE session_id=?", (session_id,)).fetchone()
             for r in records:
                 if assign_t:
@@ -307,6 +309,7 @@ class Ledger:
                            (sid, "placeholder", ph_body, n_ph, "ledger", "1", time.time()))
                 out.append(sid)
                 next_t += 1
+            _log(db, session_id, version, [("step", sid, None, None) for sid in out])
         return [self.step(session_id, sid) for sid in out]
 
     def step(self, session_id: str, step_id: int) -> Step:
@@ -354,6 +357,7 @@ class Ledger:
         n_det, n_brief = self.tokenizer.count_batch(texts)
         now = time.time()
         with self._tx() as db:
+            _log(db, session_id, _bump(db, session_id), [("enrich", step.id, None, None)])
             db.execute("INSERT OR IGNORE INTO abstractions (step_id, producer, producer_version, body, created)"
                        " VALUES (?,?,?,?,?)",
                        (step.id, producer, version, s.abstraction.to_json(), now))
@@ -370,6 +374,7 @@ class Ledger:
         ids = [int(sid) for sid in step_ids]
         now = time.time()
         with self._tx() as db:
+            version = _bump(db, session_id)
             # Ownership in one query: a step id of another session is unknown here.
             owned = {r[0] for r in db.execute(
                 f"SELECT id FROM steps WHERE session_id=? AND id IN ({','.join('?' * len(ids))})",
@@ -379,6 +384,7 @@ class Ledger:
                     raise UnknownStepError(f"no step #{sid} in session {session_id!r}")
             db.executemany("INSERT OR IGNORE INTO keys VALUES (?,?,?,?,?)",
                            [(sid, model, vectors.shape[1], vectors[i].tobytes(), now) for i, sid in enumerate(ids)])
+            _log(db, session_id, version, [("key", sid, model, None) for sid in ids])
 
     def pending(self, session_id: str, key_model: str | None, producer: tuple[str, str] | None = None
                 ) -> tuple[list[Step], list[Step]]:
@@ -396,6 +402,7 @@ class Ledger:
 
     def add_fold(self, session_id: str, policy_key: str, fold: Fold) -> None:
         with self._tx() as db:
+            _log(db, session_id, _bump(db, session_id), [("fold", None, policy_key, fold.upto)])
             db.execute("INSERT OR IGNORE INTO folds (session_id, policy_key, upto, text, tokens, producer, created)"
                        " VALUES (?,?,?,?,?,?,?)",
                        (session_id, policy_key, fold.upto, fold.text, fold.tokens, fold.producer, time.time()))
@@ -413,6 +420,7 @@ class Ledger:
             head["elided"] = p.info["elided"]  # oversized steps shown head and tail
         plan_blob = json.dumps(head).encode() + b"\0" + blob
         with self._tx() as db:
+            _log(db, turn.session_id, _bump(db, turn.session_id), [("turn", None, p.policy, turn.prompt.tokens)])
             db.execute(
                 "INSERT INTO audit (session_id, t, policy, config_hash, budget, prompt_hash, prefix_hash, tokens,"
                 " prefix_tokens, counts, plan, degradations, created) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
@@ -504,11 +512,17 @@ class Ledger:
 
     def snapshot(self, session_id: str, upto: int | None = None, key_model: str | None = None) -> SessionSnapshot:
         """A consistent, immutable view of the steps with t < upto (all steps when None)."""
+        return self.versioned_snapshot(session_id, upto, key_model)[0]
+
+    def versioned_snapshot(self, session_id: str, upto: int | None = None, key_model: str | None = None
+                           ) -> tuple[SessionSnapshot, int]:
+        """:meth:`snapshot` and the session's version (its count of writes) at the same point in time."""
         with self._tx(write=False, snapshot=True) as db:
             session = self.session(session_id)
             lim = upto if upto is not None else 1 << 62
             if lim < 0:
                 raise LedgerError(f"upto must be >= 0, got {upto}")
+            version = _version(db, session_id)
             rows = db.execute(f"SELECT {_STEP_COLS} FROM steps WHERE session_id=? AND t<? ORDER BY t",
                               (session_id, lim)).fetchall()
             steps = tuple(_step_from_row(r) for r in rows)
@@ -518,20 +532,8 @@ class Ledger:
             tokens = np.full((m, 4), -1, dtype=np.int64)
             tokens[:, Resolution.FULL] = [s.tokens["full"] for s in steps]
             bodies: list[list[str | None]] = [[None] * m for _ in _REPR_ORDER]
-            # Latest producer wins per resolution (an LLM summary written after the rule fallback).
-            for sid, res, text, ntok in db.execute(
-                "SELECT r.step_id, r.resolution, r.text, r.tokens FROM representations r JOIN steps s ON s.id=r.step_id"
-                " WHERE s.session_id=? AND s.t<? ORDER BY r.created, r.rowid", (session_id, lim)):
-                i = index[sid]
-                level = Resolution.parse(res)
-                tokens[i, level] = ntok
-                if level is not Resolution.FULL:
-                    bodies[_REPR_ORDER.index(level)][i] = text
             abstractions: list[str | None] = [None] * m
-            for sid, body in db.execute(
-                "SELECT a.step_id, a.body FROM abstractions a JOIN steps s ON s.id=a.step_id"
-                " WHERE s.session_id=? AND s.t<? ORDER BY a.created, a.rowid", (session_id, lim)):
-                abstractions[index[sid]] = body
+            _apply_enrichment(db, "s.session_id=? AND s.t<?", (session_id, lim), index, tokens, bodies, abstractions)
             has_key = np.zeros(m, dtype=bool)
             keys = np.zeros((m, 0), dtype=np.float32)
             if key_model is not None:
@@ -552,12 +554,64 @@ class Ledger:
             for policy, ntok in db.execute(
                 "SELECT policy, tokens FROM audit WHERE session_id=? AND t<? ORDER BY id", (session_id, lim)):
                 last[policy] = ntok
-        return SessionSnapshot(
+        snap = SessionSnapshot(
             session=session, steps=steps, step_ids=ids, tokens=tokens, bodies=tuple(tuple(b) for b in bodies),
             key_model=key_model, keys=keys, has_key=has_key, abstractions=tuple(abstractions), folds=folds,
             last_context_tokens=last, tokenizer=self.tokenizer.name,
             prefix_tokens=prefix_tokens(self.tokenizer, session),
         )
+        return snap, version
+
+    def version(self, session_id: str) -> int:
+        """The session's count of writes (steps, summaries, keys, folds, audited turns): one indexed row."""
+        with self._tx(write=False) as db:
+            return _version(db, session_id)
+
+    def delta(self, session_id: str, since: int, have_steps: int, have_ids: Mapping[int, int],
+              key_model: str | None) -> "SnapshotDelta":
+        """What a session gained after version ``since``, for a cached snapshot of ``have_steps`` steps
+        (``have_ids``: step id -> index): one read transaction, O(what changed)."""
+        with self._tx(write=False, snapshot=True) as db:
+            version = _version(db, session_id)
+            changes = db.execute("SELECT kind, step_id, policy, tokens FROM changes WHERE session_id=? AND version>?"
+                                 " AND version<=? ORDER BY version", (session_id, since, version)).fetchall()
+            steps = tuple(_step_from_row(r) for r in db.execute(
+                f"SELECT {_STEP_COLS} FROM steps WHERE session_id=? AND t>=? ORDER BY t", (session_id, have_steps)))
+            index = dict(have_ids)
+            index.update({s.id: have_steps + k for k, s in enumerate(steps)})
+            touched = sorted({int(c[1]) for c in changes if c[0] == "enrich" and c[1] in have_ids})
+            keyed = sorted({int(c[1]) for c in changes if c[0] == "key" and c[2] == key_model and c[1] in have_ids})
+            reps: list[tuple] = []
+            abstractions: list[tuple] = []
+            # the new steps' rows, then the re-read rows of older steps that gained a summary
+            fresh = [("s.session_id=? AND s.t>=?", (session_id, have_steps))] if steps else []
+            where = list(fresh)
+            for chunk in _chunks(touched, 500):
+                where.append((f"s.id IN ({','.join('?' * len(chunk))})", tuple(chunk)))
+            for cond, params in where:
+                reps += [tuple(r) for r in db.execute(
+                    "SELECT r.step_id, r.resolution, r.text, r.tokens FROM representations r JOIN steps s ON"
+                    f" s.id=r.step_id WHERE {cond} ORDER BY r.created, r.rowid", params)]
+                abstractions += [tuple(r) for r in db.execute(
+                    "SELECT a.step_id, a.body FROM abstractions a JOIN steps s ON s.id=a.step_id"
+                    f" WHERE {cond} ORDER BY a.created, a.rowid", params)]
+            keys: list[tuple] = []
+            if key_model is not None:
+                kwhere = fresh + [(f"s.id IN ({','.join('?' * len(c))})", tuple(c)) for c in _chunks(keyed, 500)]
+                for cond, params in kwhere:
+                    keys += [(int(r[0]), np.frombuffer(r[1], dtype=np.float32)) for r in db.execute(
+                        "SELECT k.step_id, k.vector FROM keys k JOIN steps s ON s.id=k.step_id"
+                        f" WHERE {cond} AND k.model=?", (*params, key_model))]
+            folds = {}
+            for key in sorted({c[2] for c in changes if c[0] == "fold"}):
+                row = db.execute("SELECT upto, text, tokens, producer FROM folds WHERE session_id=? AND policy_key=?"
+                                 " ORDER BY upto DESC LIMIT 1", (session_id, key)).fetchone()
+                if row is not None:
+                    folds[key] = Fold(upto=row[0], text=row[1], tokens=row[2], producer=row[3])
+        last = {c[2]: int(c[3]) for c in changes if c[0] == "turn"}
+        return SnapshotDelta(version, steps, [(index[r[0]], *r[1:]) for r in reps if r[0] in index],
+                             [(index[a[0]], a[1]) for a in abstractions if a[0] in index],
+                             [(index[k[0]], k[1]) for k in keys if k[0] in index], folds, last)
 
     def verify(self, session_id: str) -> int:
         """Recompute every stored hash of a session; returns the number of steps checked."""
@@ -573,6 +627,66 @@ class Ledger:
 _REPR_COLS = "step_id, resolution, text, tokens, producer, producer_version, created"
 _STEP_COLS = ("id, session_id, t, kind, thought, action, observation, authority, tool, sha256, tok_thought,"
               " tok_action, tok_observation, tok_full, created, calls")
+
+
+@dataclass(frozen=True)
+class SnapshotDelta:
+    """What a session gained after a cached version (see :meth:`Ledger.delta`). Rows name step indices."""
+
+    version: int
+    steps: tuple[Step, ...]  # appended steps, in order
+    representations: list[tuple[int, str, str, int]]  # (index, resolution, text, tokens), latest last
+    abstractions: list[tuple[int, str]]  # (index, JSON), latest last
+    keys: list[tuple[int, np.ndarray]]  # (index, vector) of the cached key model
+    folds: dict[str, Fold]  # policy key -> its latest fold, for the keys that changed
+    last_context_tokens: dict[str, int]  # policy -> tokens of its latest audited turn
+
+
+def _version(db, session_id: str) -> int:
+    row = db.execute("SELECT version FROM session_versions WHERE session_id=?", (session_id,)).fetchone()
+    if row is None:
+        raise UnknownSessionError(f"unknown session {session_id!r}")
+    return int(row[0])
+
+
+def _chunks(items: Sequence[int], n: int):
+    for i in range(0, len(items), n):
+        yield items[i: i + n]
+
+
+def _apply_enrichment(db, cond: str, params: Sequence, index: Mapping[int, int], tokens: np.ndarray,
+                      bodies: list[list[str | None]], abstractions: list[str | None]) -> None:
+    """Fill the summaries and abstractions of the steps ``cond`` selects; the latest producer wins per resolution
+    (an LLM summary written after the rule fallback)."""
+    for sid, res, text, ntok in db.execute(
+            "SELECT r.step_id, r.resolution, r.text, r.tokens FROM representations r JOIN steps s ON s.id=r.step_id"
+            f" WHERE {cond} ORDER BY r.created, r.rowid", params):
+        i = index[sid]
+        level = Resolution.parse(res)
+        tokens[i, level] = ntok
+        if level is not Resolution.FULL:
+            bodies[_REPR_ORDER.index(level)][i] = text
+    for sid, body in db.execute(
+            "SELECT a.step_id, a.body FROM abstractions a JOIN steps s ON s.id=a.step_id"
+            f" WHERE {cond} ORDER BY a.created, a.rowid", params):
+        abstractions[index[sid]] = body
+
+
+def _bump(db, session_id: str) -> int:
+    """Count one more write to a session (first in its transaction: on PostgreSQL the row lock orders the
+    session's writers, so versions commit in order); returns the new version."""
+    db.execute("UPDATE session_versions SET version = version + 1 WHERE session_id=?", (session_id,))
+    row = db.execute("SELECT version FROM session_versions WHERE session_id=?", (session_id,)).fetchone()
+    if row is None:
+        raise UnknownSessionError(f"unknown session {session_id!r}")
+    return int(row[0])
+
+
+def _log(db, session_id: str, version: int, rows: Sequence[tuple]) -> None:
+    """What a version added: (kind, step id, policy or key model, tokens or fold upto) rows."""
+    if rows:
+        db.executemany("INSERT INTO changes (session_id, version, kind, step_id, policy, tokens) VALUES (?,?,?,?,?,?)",
+                       [(session_id, version, *r) for r in rows])
 
 
 def _step_from_row(row) -> Step:

@@ -20,6 +20,7 @@ from palimpsest.platform.ledger import Ledger, SessionSnapshot
 from palimpsest.platform.policies import PolicyConfigBase, PolicyDeps, build_policy
 from palimpsest.platform.policies.base import ContextPolicy
 from palimpsest.platform.render import key_text, render_full_body
+from palimpsest.platform.snapshots import SnapshotCache
 from palimpsest.platform.types import CompiledTurn, GlimpseLimitError, Resolution, Step, StepRecord
 
 
@@ -60,8 +61,11 @@ class Runtime:
     """
 
     def __init__(self, ledger: Ledger, embedder: Embedder | None = None, summarizer: Summarizer | None = None,
-                 glimpse_limit: int = 3, chat=None, leases: bool | None = None, lease_s: float = 60.0):
+                 glimpse_limit: int = 3, chat=None, leases: bool | None = None, lease_s: float = 60.0,
+                 snapshot_cache_bytes: int = 512 << 20):
         self.ledger = ledger
+        # Each session's snapshot, kept current from what changed (0 reads every turn's snapshot whole)
+        self.snapshots = SnapshotCache(ledger, snapshot_cache_bytes)
         self.leases = ledger.backend == "postgresql" if leases is None else leases
         self.lease_s = lease_s
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
@@ -125,6 +129,10 @@ class Runtime:
     # -- turns ------------------------------------------------------------------------------
 
     def snapshot(self, session_id: str, at: int | None = None) -> SessionSnapshot:
+        """The session as of now (from the snapshot cache: only what changed since the last turn is read), or
+        as it stood before step ``at`` (read from the ledger, with the audit of that time)."""
+        if at is None:
+            return self.snapshots.get(session_id, self.embedder.name)
         return self.ledger.snapshot(session_id, upto=at, key_model=self.embedder.name)
 
     def compile(self, snap: SessionSnapshot, policy: ContextPolicy, budget: int, reserve: int = 0) -> CompiledTurn:
