@@ -7,7 +7,11 @@ PACE. Reported per backend:
 - rows and bytes per step (every table, indexes included: the SQLite file, or pg_total_relation_size);
 - durable single-step append latency (p50 / p95 ms, one writer, one commit per step);
 - appends per second with ``--writers`` processes on their own sessions (one commit per step);
-- snapshot load time at M (what a turn reads before planning).
+- snapshot load time at M (what a turn reads whole, without the snapshot cache);
+- platform time per turn at M (snapshot refresh, plan, compile, audit write) after one new step is appended
+  and enriched: the first turn of a fresh runtime (its cache empty: the session read whole) apart from the
+  following ``--turns`` turns (p50 / p95, the cache reads only what changed), with the same turns read whole
+  beside them, and the cache's bytes per cached step (its own estimate: texts plus columns).
 
     python benchmarks/ledger_scale.py --postgres postgresql://user@127.0.0.1:5432/db   # both backends
     python benchmarks/ledger_scale.py                                                  # SQLite only
@@ -89,6 +93,47 @@ def concurrent_appends(url: str, writers: int, n: int) -> float:
     return round(writers * n / max(spans), 1)  # the writers' own time: process start-up excluded
 
 
+def _pct(xs: list[float]) -> dict:
+    xs = sorted(xs)
+    return {"p50": round(statistics.median(xs), 2), "p95": round(xs[min(len(xs) - 1, int(0.95 * len(xs)))], 2)}
+
+
+def turn_cost(led: Ledger, sid: str, m: int, turns: int, rng) -> dict:
+    """Platform time per turn with the snapshot cache (first turn apart) and without it, at M steps."""
+    cached, whole = Runtime(led), Runtime(led, snapshot_cache_bytes=0)
+    budget = 16000
+    t = m
+
+    def next_step() -> None:  # the agent's step, appended and enriched before the turn (not timed)
+        nonlocal t
+        cached.append(sid, synthetic_step(rng, t))
+        t += 1
+
+    next_step()
+    t0 = time.perf_counter()
+    cached.turn(sid, "pace", budget)
+    first_ms = (time.perf_counter() - t0) * 1000
+    with_cache, refresh = [], []
+    for _ in range(turns):
+        next_step()
+        t0 = time.perf_counter()
+        cached.snapshot(sid)
+        refresh.append((time.perf_counter() - t0) * 1000)
+        t0 = time.perf_counter()
+        cached.turn(sid, "pace", budget)  # the refresh inside is a hit now: plan + compile + audit
+        plan_ms = (time.perf_counter() - t0) * 1000
+        with_cache.append(refresh[-1] + plan_ms)
+    read_whole = []
+    for _ in range(max(3, turns // 5)):
+        next_step()
+        t0 = time.perf_counter()
+        whole.turn(sid, "pace", budget)
+        read_whole.append((time.perf_counter() - t0) * 1000)
+    entry_bytes = cached.snapshots.nbytes
+    return {"first_turn_ms": round(first_ms, 1), "turn_ms": _pct(with_cache), "refresh_ms": _pct(refresh),
+            "turn_ms_read_whole": _pct(read_whole), "cache_bytes_per_step": round(entry_bytes / max(t, 1))}
+
+
 def one_backend(fresh, sizes: list[int], turns: int, appends: int, writers: int) -> dict:
     """``fresh()`` -> (url of a new empty ledger, cleanup)."""
     import random
@@ -106,15 +151,14 @@ def one_backend(fresh, sizes: list[int], turns: int, appends: int, writers: int)
             led.append_many(sid, [synthetic_step(rng, t) for t in range(start, min(m, start + 2000))])
         rt.enrich(sid, batch=512)
         ingest_s = time.perf_counter() - t0
-        for _ in range(turns):
-            rt.turn(sid, "pace", 16000)
         t0 = time.perf_counter()
-        rt.snapshot(sid)
+        led.snapshot(sid, key_model=rt.embedder.name)
         load_ms = (time.perf_counter() - t0) * 1000
+        cost = turn_cost(led, sid, m, turns, rng)
         rows, size = _size(led, url)
         steps = rows["steps"]
         out["by_m"][m] = {
-            "ingest_s": round(ingest_s, 1), "snapshot_load_ms": round(load_ms, 1),
+            "ingest_s": round(ingest_s, 1), "snapshot_load_ms": round(load_ms, 1), **cost,
             "rows_per_step": {t: round(rows[t] / steps, 3) for t in ("representations", "abstractions", "keys")},
             "audit_rows_per_turn": 1, "bytes_per_step": round(size / steps), "total_bytes": size}
         led.close()

@@ -201,8 +201,12 @@ def compile_plan(snap: "SessionSnapshot", plan: RenderPlan, budget: int, tokeniz
     ranges = plan.fold_ranges
     folded = fold_old_history(costs, level, order, pinned, bound, room - prefix_tokens - fold_tokens, line_cost,
                               ranges)
-    if folded is not None:
-        degraded.extend(folded[0])
+    if folded is not None:  # each folded step's reason says so (one audit row per step, not per level)
+        changed = np.concatenate(folded[0])[:, 0]
+        if changed.size:
+            code = len(plan.reasons)
+            plan.reasons.append(f"old history over {bound.old_share:g} of the room: folded")
+            plan.reason_code[changed] = code
         plan.info["folded"] = folded[1]
         ranges = plan.fold_ranges = True
     total = prefix_tokens + fold_tokens + int(costs[rows, level].sum())

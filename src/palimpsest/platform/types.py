@@ -245,11 +245,8 @@ class RenderPlan:
         ]
 
     def counts(self) -> dict[str, int]:
-        values, counts = np.unique(self.resolution, return_counts=True)
-        out = {r.label: 0 for r in Resolution}
-        for v, c in zip(values.tolist(), counts.tolist()):
-            out[Resolution(v).label] = c
-        return out
+        counts = np.bincount(self.resolution.astype(np.intp), minlength=len(Resolution)).tolist()
+        return {r.label: counts[int(r)] for r in Resolution}
 
 
 @dataclass(frozen=True)
