@@ -272,7 +272,7 @@ class Ledger:
             # row's lock), so the next t and the idempotency check below cannot race another writer.
             if not self._store.lock_session(db, session_id):
                 raise UnknownSessionError(f"unknown session {session_id!r}")
-            version = _bump(db, session_id)
+            version = self._bump(db, session_id)
             (next_t,) = db.execute("SELECT COUNT(*) FROM steps WHERE session_id=?", (session_id,)).fetchone()
             for r in records:
                 if assign_t:
@@ -358,7 +358,7 @@ class Ledger:
         n_det, n_brief = self.tokenizer.count_batch(texts)
         now = time.time()
         with self._tx() as db:
-            _log(db, session_id, _bump(db, session_id), [("enrich", step.id, None, None)])
+            _log(db, session_id, self._bump(db, session_id), [("enrich", step.id, None, None)])
             db.execute("INSERT OR IGNORE INTO abstractions (step_id, producer, producer_version, body, created)"
                        " VALUES (?,?,?,?,?)",
                        (step.id, producer, version, s.abstraction.to_json(), now))
@@ -375,7 +375,7 @@ class Ledger:
         ids = [int(sid) for sid in step_ids]
         now = time.time()
         with self._tx() as db:
-            version = _bump(db, session_id)
+            version = self._bump(db, session_id)
             # Ownership in one query: a step id of another session is unknown here.
             owned = {r[0] for r in db.execute(
                 f"SELECT id FROM steps WHERE session_id=? AND id IN ({','.join('?' * len(ids))})",
@@ -403,7 +403,7 @@ class Ledger:
 
     def add_fold(self, session_id: str, policy_key: str, fold: Fold) -> None:
         with self._tx() as db:
-            _log(db, session_id, _bump(db, session_id), [("fold", None, policy_key, fold.upto)])
+            _log(db, session_id, self._bump(db, session_id), [("fold", None, policy_key, fold.upto)])
             db.execute("INSERT OR IGNORE INTO folds (session_id, policy_key, upto, text, tokens, producer, created)"
                        " VALUES (?,?,?,?,?,?,?)",
                        (session_id, policy_key, fold.upto, fold.text, fold.tokens, fold.producer, time.time()))
@@ -423,7 +423,7 @@ class Ledger:
             head["folded"] = p.info["folded"]  # old history folded into range lines
         plan_blob = json.dumps(head).encode() + b"\0" + blob
         with self._tx() as db:
-            _log(db, turn.session_id, _bump(db, turn.session_id), [("turn", None, p.policy, turn.prompt.tokens)])
+            _log(db, turn.session_id, self._bump(db, turn.session_id), [("turn", None, p.policy, turn.prompt.tokens)])
             db.execute(
                 "INSERT INTO audit (session_id, t, policy, config_hash, budget, prompt_hash, prefix_hash, tokens,"
                 " prefix_tokens, counts, plan, degradations, created) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
@@ -573,6 +573,9 @@ class Ledger:
         )
         return snap, version
 
+    def _bump(self, db, session_id: str) -> int:
+        return _bump(self._store, db, session_id)
+
     def version(self, session_id: str) -> int:
         """The session's count of writes (steps, summaries, keys, folds, audited turns): one indexed row."""
         with self._tx(write=False) as db:
@@ -683,9 +686,12 @@ def _apply_enrichment(db, cond: str, params: Sequence, index: Mapping[int, int],
         abstractions[index[sid]] = body
 
 
-def _bump(db, session_id: str) -> int:
-    """Count one more write to a session (first in its transaction: on PostgreSQL the row lock orders the
-    session's writers, so versions commit in order); returns the new version."""
+def _bump(store, db, session_id: str) -> int:
+    """Count one more write to a session, first in its transaction, under the session's lock (on PostgreSQL the
+    session row, taken first by every writer of the session: one lock order, and versions commit in order);
+    returns the new version."""
+    if not store.lock_session(db, session_id):
+        raise UnknownSessionError(f"unknown session {session_id!r}")
     db.execute("UPDATE session_versions SET version = version + 1 WHERE session_id=?", (session_id,))
     row = db.execute("SELECT version FROM session_versions WHERE session_id=?", (session_id,)).fetchone()
     if row is None:
