@@ -68,6 +68,7 @@ def tiny_config(tiny_dir, memory_dir, ledger) -> dict:
                  # tool declarations cost ~750 byte-level tokens of the tiny tokenizer: a wider budget
                  {"name": "wide", "policy": {"type": "pace"}, "budget": 2000, "weight": 0.0}],
         "limits": {"max_step_chars": 20_000, "glimpses_per_turn": 3},
+        "ab": {"shadow_rate": 1.0, "shadow_queue": 4},
         "auth": {"tenants": {
             "alice": {"key_sha256": hashlib.sha256(KEYS["alice"].encode()).hexdigest(), "allow_prompt_embeds": True},
             "bob": {"key_sha256": hashlib.sha256(KEYS["bob"].encode()).hexdigest()}}},

@@ -36,3 +36,23 @@ def test_bad_weights_are_refused():
         Router(("a",), (0.0,))
     with pytest.raises(ConfigError):
         Router(("a", "b"), (1.0,))
+
+
+def test_shadow_fidelity_is_zero_for_the_same_distribution_and_grows_with_the_difference():
+    import math
+
+    from palimpsest.serving.shadow import fidelity, sampled
+
+    p = [{1: math.log(0.7), 2: math.log(0.2), 3: math.log(0.05)}, {4: math.log(0.9), 5: math.log(0.05)}]
+    assert fidelity(p, p) == (0.0, 1.0)
+    near = [{1: math.log(0.6), 2: math.log(0.3), 3: math.log(0.05)}, {4: math.log(0.9), 5: math.log(0.05)}]
+    far = [{2: math.log(0.7), 1: math.log(0.2), 3: math.log(0.05)}, {5: math.log(0.9), 4: math.log(0.05)}]
+    kl_near, top1_near = fidelity(near, p)
+    kl_far, top1_far = fidelity(far, p)
+    assert 0 < kl_near < kl_far and top1_near == 1.0 and top1_far == 0.0
+    with pytest.raises(ValueError):
+        fidelity(p[:1], p)
+    # sampling is a deterministic draw per (session, t) at the configured rate
+    draws = [sampled(f"s{i}", i % 7, 0.25) for i in range(4000)]
+    assert draws == [sampled(f"s{i}", i % 7, 0.25) for i in range(4000)] and 0.22 < sum(draws) / 4000 < 0.28
+    assert not any(sampled(f"s{i}", 0, 0.0) for i in range(100))

@@ -69,6 +69,27 @@ def test_a_turn_with_soft_memory_goes_through_prompt_embeds(client):
     assert own["arm"] == "memory-b" and own["tokens"]["soft"] == with_memory["tokens"]["soft"]
 
 
+def test_sampled_turns_are_scored_for_shadow_fidelity_off_the_turn_path(server, client):
+    """Every turn is sampled here (ab.shadow_rate = 1): the lane scores each served prompt against the reference
+    after the turn returned, and records it (or why it was skipped) under the arm that served it."""
+    new_session(client, "shadow-1", arm="pace", steps=6)
+    new_session(client, "shadow-m", arm="pace+memory", steps=6)
+    for sid in ("shadow-1", "shadow-m"):
+        for _ in range(2):
+            assert client.post(f"/v1/sessions/{sid}/turn", json={"max_tokens": 4}).status_code == 200
+    state = client.get("/v1/ab/shadow", params={"wait_s": 120}).json()
+    assert state["drained"] and state["sampled"] >= 4 and state["scored"] >= 1
+    rows = Ledger(server.cfg.ledger).shadows()
+    text = [r for r in rows if r["session_id"] == "alice::shadow-1"]
+    assert len(text) == 2 and {r["arm"] for r in text} == {"pace"}
+    for r in text:  # short histories fit the window: the reference is the whole history
+        assert r["status"] == "scored" and r["reference"] == "full" and r["tokens"] >= 1
+        assert r["kl"] >= 0 and 0 <= r["top1"] <= 1
+    memory = [r for r in rows if r["session_id"] == "alice::shadow-m"]
+    assert len(memory) == 2 and all(r["status"] == "scored" or r["reason"] for r in memory)
+    assert client.get("/readyz").json()["shadow"]["rate"] == 1.0
+
+
 def test_an_arm_serving_a_memory_otherwise_than_it_was_trained_is_warned_about(client, tiny_dir, tiny_memory, tmp_path):
     from palimpsest.platform.policies import parse_policy_config
     from palimpsest.serving.config import parse_serve_config

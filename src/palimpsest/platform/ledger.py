@@ -514,6 +514,22 @@ class Ledger:
                 for r in self._read("SELECT session_id, t, arm, metrics, created FROM served WHERE created>=?"
                                     " ORDER BY id", (since,))]
 
+    def record_shadow(self, session_id: str, t: int, arm: str, status: str, reason: str = "", reference: str = "",
+                      kl: float | None = None, top1: float | None = None, tokens: int = 0) -> None:
+        """A sampled served turn's shadow fidelity (``scored``) or why it has none (``skipped``)."""
+        if status not in ("scored", "skipped"):
+            raise LedgerError(f"shadow status must be 'scored' or 'skipped', got {status!r}")
+        with self._tx() as db:
+            db.execute("INSERT INTO shadow (session_id, t, arm, status, reason, reference, kl, top1, tokens, created)"
+                       " VALUES (?,?,?,?,?,?,?,?,?,?)",
+                       (session_id, int(t), arm, status, reason, reference, kl, top1, int(tokens), time.time()))
+
+    def shadows(self, since: float = 0.0) -> list[dict]:
+        """Every shadow-fidelity record since ``since`` (unix time), oldest first."""
+        cols = ("session_id", "t", "arm", "status", "reason", "reference", "kl", "top1", "tokens", "created")
+        return [dict(zip(cols, r)) for r in self._read(
+            f"SELECT {', '.join(cols)} FROM shadow WHERE created>=? ORDER BY id", (since,))]
+
     def outcomes(self, since: float = 0.0) -> list[dict]:
         return [{"session_id": r[0], "arm": r[1], "value": r[2], "note": r[3], "created": r[4]}
                 for r in self._read("SELECT session_id, arm, value, note, created FROM outcomes WHERE created>=?"

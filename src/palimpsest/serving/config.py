@@ -187,6 +187,25 @@ class TrackingConfig(_Strict):
     experiment: str = Field("palimpsest-ab", description="the experiment A/B reports are logged to")
 
 
+class TurnPrepConfig(_Strict):
+    prime_on_append: bool = Field(True, description="an append returns once the next turn's query embeddings and "
+                                  "the step's key are computed (one embedder request), so the turn does not wait for "
+                                  "them; false: the append returns at its commit and the turn may wait")
+    snapshot_cache_mib: int = Field(512, ge=0, le=1 << 20, description="per-replica cache of session snapshots, "
+                                    "kept current from the ledger's change log (0: every turn reads its session whole)")
+
+
+class ABConfig(_Strict):
+    shadow_rate: float = Field(0.0, ge=0.0, le=1.0, description="share of served turns whose prompt is scored "
+                               "against the full-history reference on a low-priority lane (shadow fidelity)")
+    shadow_queue: int = Field(16, ge=1, le=10_000, description="sampled turns waiting to be scored at most; a turn "
+                              "sampled beyond it is skipped (counted)")
+    shadow_top_k: int = Field(20, ge=1, le=20, description="log-probabilities per position the actor returns for "
+                              "the fidelity KL (vLLM's limit is 20)")
+    shadow_max_age_s: float = Field(600.0, gt=0, description="a sampled turn not scored within this long (the "
+                                    "actor stayed busy) is skipped (counted)")
+
+
 class ServeConfig(_Strict):
     name: str = "palimpsest"
     route_prefix: str = "/"
@@ -209,6 +228,8 @@ class ServeConfig(_Strict):
     resources: DeploymentResources = DeploymentResources()
     replicas: DeploymentReplicas = DeploymentReplicas()
     tracking: TrackingConfig = TrackingConfig()
+    turns: TurnPrepConfig = TurnPrepConfig()
+    ab: ABConfig = ABConfig()
 
     @model_validator(mode="after")
     def _arms(self) -> "ServeConfig":

@@ -106,6 +106,16 @@ class Actor:
                 out["memory_cached"] = memory["cached"]
             yield out
 
+    async def score(self, request: dict, memory: dict | None = None, top_k: int = 20) -> list[dict[int, float]]:
+        """Log-probabilities at a prompt's ``last`` positions (shadow fidelity): ``request`` is {"ids", "last"} or
+        {"context", "bridge", "last"} with ``memory``'s soft span between context and bridge."""
+        soft = memory["soft"] if memory else None
+        if soft is not None:
+            embeds = self.engine.compose(request["context"], soft, request.get("bridge", []))
+            return await self.engine.score(embeds=embeds, start=int(embeds.shape[0]) - request["last"], top_k=top_k)
+        ids = request["ids"] if "ids" in request else request["context"] + request.get("bridge", [])
+        return await self.engine.score(ids=ids, start=len(ids) - request["last"], top_k=top_k)
+
     async def chat(self, messages: list[dict], max_tokens: int = 96) -> str:
         from palimpsest.platform.chat import chat_ids
 
@@ -192,6 +202,10 @@ class RemoteActor:
             out["memory_ms"] = memory["ms"]
             out["memory_cached"] = memory["cached"]
         return out
+
+    async def score(self, request: dict, memory: dict | None = None, top_k: int = 20):
+        """An OpenAI-compatible upstream returns no prompt log-probabilities: shadow fidelity is not available."""
+        raise NotImplementedError("the upstream actor does not return prompt log-probabilities")
 
     async def chat(self, messages: list[dict], max_tokens: int = 96) -> str:
         await self._ready()

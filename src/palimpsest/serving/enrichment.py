@@ -14,6 +14,7 @@ import numpy as np
 
 from palimpsest.platform.embedding import EmbedderUnavailable
 from palimpsest.platform.policies.base import query_from
+from palimpsest.platform.render import key_text
 from palimpsest.platform.types import StepRecord
 
 log = logging.getLogger("palimpsest.ingress")
@@ -60,6 +61,16 @@ class HandleEmbedder:
                     vectors, keys = self._result(pending)
                     return vectors[keys.index(texts[0])][None]
                 self.misses += 1
+            if len(texts) > 1:  # a batch (keys): the texts primed already come from the cache
+                with self._lock:
+                    known = {t: self._cache[t] for t in texts if t in self._cache}
+                if known:
+                    self.hits += len(known)
+                    rest = [t for t in dict.fromkeys(texts) if t not in known]
+                    if rest:
+                        vectors, _ = self._result(self.handle.embed.remote(rest), rest)
+                        known.update(zip(rest, vectors))
+                    return np.stack([known[t] for t in texts])
             out, _ = self._result(self.handle.embed.remote(texts), texts)
             if len(texts) == 1:
                 self._remember(texts, out)
@@ -136,18 +147,32 @@ class Enrichment:
                 self._llm_queued.add(sid)
                 self._llm_queue.put_nowait(sid)
 
-    def _prime_queries(self, sid: str) -> None:
-        """Embed the query each arm's policy will use on the next turn (the policy's own query builder)."""
+    def _prime_queries(self, sid: str, keys: list[str] | None = None) -> None:
+        """Embed the query each arm's policy will use on the next turn (the policy's own query builder), and
+        ``keys`` (key texts of new steps) in the same request: the enrichment then finds them in the cache."""
         wanted = {(p.cfg.recent, p.cfg.query) for p in self.policies.values() if p.name in ("pace", "pace_plus")}
-        if not wanted:
-            return
-        ledger = self.runtime.ledger
-        session, n = ledger.session(sid), ledger.count(sid)
-        texts = []
-        for recent, layout in sorted(wanted):
-            steps = [ledger.step_at(sid, t) for t in range(max(0, n - recent), n)]
-            texts.append(query_from(session.task, steps, layout))
-        self.runtime.embedder.prime(texts)
+        texts = list(keys or [])
+        if wanted:
+            ledger = self.runtime.ledger
+            session, n = ledger.session(sid), ledger.count(sid)
+            recent = max(r for r, _ in wanted)
+            steps = ledger.steps(sid, max(0, n - recent), recent)
+            for r, layout in sorted(wanted):
+                texts.append(query_from(session.task, steps[len(steps) - min(r, len(steps)):], layout))
+        if texts:
+            self.runtime.embedder.prime(texts)
+
+    async def prime_after_append(self, sid: str, step) -> bool:
+        """What the next turn's plan needs, computed before the append returns: the query embeddings of every
+        arm and the new step's key, in one embedder request. Never fails the append (the step is already
+        durable): on an error the turn falls back as before. Returns whether it finished."""
+        try:
+            await asyncio.to_thread(self._prime_queries, sid, [key_text(step)])
+            return True
+        except Exception as e:
+            self.metrics.errors.labels(arm="-", kind="prime").inc()
+            log.warning("priming the next turn of %s failed: %s", sid, e)
+            return False
 
     def _retry_later(self, sid: str, delay_s: float = 5.0) -> None:
         asyncio.get_running_loop().call_later(delay_s, self.enqueue, sid)

@@ -62,6 +62,7 @@ from palimpsest.serving.schemas import (
     TurnIn,
     TurnOut,
 )
+from palimpsest.serving.shadow import ShadowLane
 from palimpsest.serving.turn import TurnRequest, run_turn, turn_memory
 
 log = logging.getLogger("palimpsest.ingress")
@@ -129,6 +130,8 @@ class Ingress:
         self.warnings: list[str] = []
         self.enrichment: Enrichment | None = None
         self.runtime: Runtime | None = None
+        self.shadow: ShadowLane | None = None
+        self._inflight = 0  # turns being served on this replica (the shadow lane waits for none)
 
     # -- start-up ---------------------------------------------------------------------------
 
@@ -148,10 +151,13 @@ class Ingress:
         tokenizer = get_tokenizer(info["tokenizer"], info.get("chat_template"))
         ledger = await asyncio.to_thread(Ledger, self.cfg.ledger, tokenizer, pool_size=self.cfg.ledger_pool_size)
         self.runtime = Runtime(ledger, embedder=HandleEmbedder(self.embedder_h, emb["name"]), summarizer=RuleSummarizer(),
-                               glimpse_limit=self.cfg.limits.glimpses_per_turn, chat=self._chat)
+                               glimpse_limit=self.cfg.limits.glimpses_per_turn, chat=self._chat,
+                               snapshot_cache_bytes=self.cfg.turns.snapshot_cache_mib << 20)
         self.policies = {a.name: self.runtime.policy(a.policy_config()) for a in self.cfg.arms}
         self.enrichment = Enrichment(self.runtime, self.policies, self.summarizer, self.summarizer_info, self.metrics,
                                      self.cfg)
+        self.shadow = ShadowLane(self.runtime, self.actor, self.cfg.ab, info["max_model_len"],
+                                 busy=lambda: self._inflight > 0, metrics=self.metrics)
 
     async def _ensure(self) -> None:
         if self._ready is None:
@@ -232,6 +238,8 @@ class Ingress:
         # Without t the step is the next one: t is assigned under the session's lock (concurrent appends each get
         # their own); with t the idempotent and conflict rules apply.
         step = await asyncio.to_thread(ledger.append if body.t is not None else ledger.append_next, session_id, rec)
+        if self.cfg.turns.prime_on_append and self.enrichment is not None:
+            await self.enrichment.prime_after_append(session_id, step)  # the next turn's query, before we return
         self._enqueue(session_id)
         return StepOut(session_id=ext, step_id=step.id, t=step.t)
 
@@ -286,6 +294,7 @@ class Ingress:
         session = await asyncio.to_thread(ledger.session, sid)
         arm = self._arm_of(session)
         armcfg = self.cfg.arm(arm)
+        self._inflight += 1
         try:
             return await self._turn_inner(sid, session, arm, armcfg, body, t_start, tool_choice, parallel_tool_calls,
                                            emit)
@@ -297,6 +306,8 @@ class Ingress:
             if _retriable_error(e):
                 raise HTTPProblem(503, f"a model replica is unavailable ({type(e).__name__}); retry shortly") from None
             raise
+        finally:
+            self._inflight -= 1
 
     async def _check_turn(self, sid: str, body: TurnIn) -> None:
         """The checks of a turn's size that need no compile (a streamed turn runs them before its 200)."""
@@ -352,6 +363,13 @@ class Ingress:
             "elided": len(ct.plan.info.get("elided", [])), "tool_calls": len(res.tool_calls), "streamed": emit is not None,
             **({"fallback": res.fallback} if res.fallback else {})})
         self.metrics.observe_turn(arm, tokens, latency, len(res.glimpses))
+        if self.shadow is not None:
+
+            async def soft_span():  # the turn's span again (the encoder caches it by what it read)
+                return await memory_for(ct)
+
+            self.shadow.offer(sid, arm, ct, res.out.get("token_ids") or [], res.generations, self.policies[arm],
+                              soft_span if mem is not None else None)
         return TurnOut(session_id=sid, t=ct.t, arm=arm, action=res.text, finish_reason=res.finish_reason,
                        plan=ct.plan.counts(), tokens=tokens, latency_ms=latency, glimpses=res.glimpses,
                        prompt_hash=ct.prompt.prompt_hash, content=res.content, tool_calls=res.tool_calls)
@@ -519,7 +537,15 @@ class Ingress:
         return {"ready": True, "arms": dict(zip(self.router.names, self.router.weights)),
                 "actor": self.actor_info["model"], "remote": self.actor_info.get("remote"),
                 "prompt_embeds": self.actor_info.get("prompt_embeds", True), "memory": self.memory_info, "summarizer": self.summarizer_info,
-                "embedder": self.runtime.embedder.name, "warnings": self.warnings}
+                "embedder": self.runtime.embedder.name, "warnings": self.warnings,
+                "shadow": self.shadow.state() if self.shadow is not None else None}
+
+    @app.get("/v1/ab/shadow", summary="Shadow fidelity: samples queued, scored and skipped on this replica")
+    async def shadow_state(self, wait_s: float = Query(0.0, ge=0.0, le=3600.0)) -> dict:
+        """With ``wait_s``, first wait (at most that long) until the queued samples are scored or skipped."""
+        await self._ensure()
+        drained = await self.shadow.drained(wait_s) if wait_s else self.shadow.queue.qsize() == 0
+        return {**self.shadow.state(), "drained": drained}
 
     @app.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse)
     async def prometheus(self):

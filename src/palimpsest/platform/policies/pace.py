@@ -5,7 +5,7 @@ Per turn (all numpy over the cached key matrix, O(M)):
     q_t   = Enc(query text)                                        recent steps first by default (below)
     s_i   = cos(q_t, k_i)                                          keys: a head+tail view of the full text
     w_i   = softmax(s_i / tau);  w~_i = M · w_i                    mean 1 over the M old steps
-    P_t   = max(t / T_max, |C_{t-1}| / B_max)                      pressure
+    P_t   = max(min(t / T_max, 1), |C_{t-1}| / B_max)              pressure (length term capped: methods.md)
     (α, β, γ) = (0.4, 0.8, 1.5) · (1 + λ · P_t)
     w~ > γ: full;  β < w~ ≤ γ: detailed;  α < w~ ≤ β: brief;  else placeholder
 
@@ -54,6 +54,9 @@ class PaceConfig(PolicyConfigBase):
     lam: float = Field(0.5, ge=0.0, le=10.0, description="lambda: how strongly pressure raises the thresholds")
     t_max: int = Field(150, ge=1, description="T_max in steps (the paper: the 95th percentile of task length; set per deployment)")
     b_max: int | None = Field(None, ge=1, description="B_max in tokens; None = the turn's budget")
+    length_pressure_max: float | None = Field(
+        1.0, gt=0.0, description="the most the length term t/T_max adds to pressure (None: unbounded, the paper). "
+        "Old history's cost is bounded by the fold, so past T_max the budget term |C|/B_max measures pressure")
 
     @model_validator(mode="after")
     def _ordered(self) -> "PaceConfig":
@@ -76,7 +79,10 @@ class PacePolicy:
     def pressure(self, snap: "SessionSnapshot", budget: int) -> float:
         b_max = self.cfg.b_max or budget
         last = snap.last_context_tokens.get(self.name, 0)
-        return max(snap.t / self.cfg.t_max, last / b_max)
+        length = snap.t / self.cfg.t_max
+        if self.cfg.length_pressure_max is not None:
+            length = min(length, self.cfg.length_pressure_max)
+        return max(length, last / b_max)
 
     def thresholds(self, pressure: float) -> tuple[float, float, float]:
         scale = 1.0 + self.cfg.lam * pressure

@@ -1,0 +1,169 @@
+"""Shadow fidelity: a quality signal for live A/B that does not wait for task outcomes.
+
+For a sample of served turns (``ab.shadow_rate``, drawn by a hash of session and t, so a replay samples the
+same turns), a low-priority lane of the ingress scores the prompt the arm served against a reference with
+the action-fidelity measure (docs/metrics.md): the actor's next-token distributions over the tokens of the
+reply it served, once after the served prompt (the student q) and once after the reference prompt (p), give
+per reply token KL(q || p) and whether the two top-1 tokens agree.
+
+- The reference is the whole history (policy ``full``) when it fits the actor's window beside the reply;
+  otherwise the arm's own policy compiled at the largest budget the window allows. Each record names it.
+- The actor returns its top-k log-probabilities per position (vLLM's ``prompt_logprobs``, k <= 20), so the
+  KL is taken over the partition {tokens in both top-k lists, the rest}: a coarsening of the vocabulary and
+  so a lower bound of the full KL (eval-actions partitions by the teacher's top-64; figures of the two are
+  not interchangeable).
+- It never delays a turn: a sampled turn is queued (bounded: ``ab.shadow_queue``) and scored only while no
+  turn is in flight on this replica. A sample that finds the queue full, waits past ``ab.shadow_max_age_s``,
+  served glimpses (several generations) or meets an actor that cannot score is recorded as skipped with its
+  reason, so the report counts what it left out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from palimpsest.platform.types import CompiledTurn, Resolution
+
+log = logging.getLogger("palimpsest.shadow")
+
+
+def sampled(session_id: str, t: int, rate: float) -> bool:
+    """Deterministic Bernoulli(rate) per (session, t)."""
+    if rate <= 0:
+        return False
+    h = int.from_bytes(hashlib.sha256(f"{session_id}\0{t}".encode()).digest()[:8], "big")
+    return h / 2**64 < rate
+
+
+def fidelity(student: list[dict[int, float]], teacher: list[dict[int, float]]) -> tuple[float, float]:
+    """Mean KL(q || p) over {tokens in both top-k lists, rest} and top-1 agreement, per position."""
+    if not student or len(student) != len(teacher):
+        raise ValueError(f"expected as many student as teacher positions, got {len(student)} and {len(teacher)}")
+    kls, agree = [], []
+    for q, p in zip(student, teacher):
+        shared = q.keys() & p.keys()
+        kl = 0.0
+        q_in = p_in = 0.0
+        for tok in shared:
+            lq, lp = q[tok], p[tok]
+            kl += math.exp(lq) * (lq - lp)
+            q_in += math.exp(lq)
+            p_in += math.exp(lp)
+        q_rest, p_rest = max(1.0 - q_in, 1e-12), max(1.0 - p_in, 1e-12)
+        kl += q_rest * (math.log(q_rest) - math.log(p_rest))
+        kls.append(max(kl, 0.0))
+        agree.append(float(max(q, key=q.get) == max(p, key=p.get)))
+    return sum(kls) / len(kls), sum(agree) / len(agree)
+
+
+@dataclass
+class Sample:
+    session_id: str
+    arm: str
+    turn: CompiledTurn
+    reply: list[int]
+    policy: Any  # the arm's policy (the reference when the whole history does not fit)
+    memory: Any  # an async callable returning the turn's soft span (a handle response), or None for a text arm
+    queued: float
+
+
+class ShadowLane:
+    """The ingress's shadow-fidelity worker (one per replica, on its event loop)."""
+
+    def __init__(self, runtime, actor, cfg, window: int, busy: Callable[[], bool], metrics=None):
+        self.runtime, self.actor, self.cfg, self.window, self.busy = runtime, actor, cfg, window, busy
+        self.metrics = metrics
+        self.queue: asyncio.Queue[Sample] = asyncio.Queue()
+        self.counts = {"sampled": 0, "scored": 0, "skipped": 0}
+        self._task = asyncio.get_running_loop().create_task(self._worker()) if cfg.shadow_rate > 0 else None
+
+    def state(self) -> dict:
+        return {"rate": self.cfg.shadow_rate, "queued": self.queue.qsize(), **self.counts}
+
+    def offer(self, session_id: str, arm: str, ct: CompiledTurn, reply: list[int], generations: int, policy,
+              memory=None) -> None:
+        """Called after a turn is served and recorded; returns at once."""
+        if self._task is None or not sampled(session_id, ct.t, self.cfg.shadow_rate):
+            return
+        self.counts["sampled"] += 1
+        if generations != 1 or not reply:
+            self._skip(session_id, ct.t, arm, "glimpse" if generations != 1 else "empty reply", len(reply))
+        elif self.queue.qsize() >= self.cfg.shadow_queue:
+            self._skip(session_id, ct.t, arm, "load: queue full", len(reply))
+        else:
+            self.queue.put_nowait(Sample(session_id, arm, ct, list(reply), policy, memory, time.monotonic()))
+
+    def _skip(self, sid: str, t: int, arm: str, reason: str, tokens: int) -> None:
+        self.counts["skipped"] += 1
+        if self.metrics is not None:
+            self.metrics.shadow.labels(arm=arm, status="skipped").inc()
+        try:
+            self.runtime.ledger.record_shadow(sid, t, arm, "skipped", reason=reason, tokens=tokens)
+        except Exception as e:  # the record is best effort; the counter above still counts it
+            log.warning("could not record a skipped shadow sample: %s", e)
+
+    async def drained(self, timeout_s: float) -> bool:
+        """Wait until every queued sample is scored or skipped (the demo's report waits for them)."""
+        deadline = time.monotonic() + timeout_s
+        while self.queue.qsize() or self._working:
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.2)
+        return True
+
+    _working = False
+
+    async def _worker(self) -> None:
+        while True:
+            s = await self.queue.get()
+            self._working = True
+            try:
+                while self.busy():  # low priority: served turns first
+                    if time.monotonic() - s.queued > self.cfg.shadow_max_age_s:
+                        break
+                    await asyncio.sleep(0.05)
+                if time.monotonic() - s.queued > self.cfg.shadow_max_age_s:
+                    await asyncio.to_thread(self._skip, s.session_id, s.turn.t, s.arm, "load: stale", len(s.reply))
+                    continue
+                await self._score(s)
+            except Exception as e:
+                reason = "actor cannot score" if isinstance(e, NotImplementedError) else f"error: {type(e).__name__}"
+                log.warning("shadow scoring of %s t=%s failed: %s", s.session_id, s.turn.t, e)
+                await asyncio.to_thread(self._skip, s.session_id, s.turn.t, s.arm, reason, len(s.reply))
+            finally:
+                self._working = False
+
+    def _reference(self, s: Sample) -> tuple[str, list[int]]:
+        """The whole history when it fits the window beside the reply; else the arm's policy at the largest budget."""
+        budget = self.window - len(s.reply) - 1
+        snap = s.turn.snapshot
+        full = self.runtime.compile(snap, self.runtime.policy("full"), budget)
+        if (full.plan.resolution == Resolution.FULL).all() and "elided" not in full.plan.info:
+            return "full", list(full.prompt.ids)
+        largest = self.runtime.compile(snap, s.policy, budget)
+        return f"{s.policy.name}@{budget}", list(largest.prompt.ids)
+
+    async def _score(self, s: Sample) -> None:
+        prompt = s.turn.prompt
+        k, n = self.cfg.shadow_top_k, len(s.reply)
+        reference, ref_ids = await asyncio.to_thread(self._reference, s)
+        # the soft span (a handle response, as on the turn) goes from the memory encoder to the actor directly
+        memory = await s.memory() if s.memory is not None else None
+        student = await self.actor.score.remote(
+            {"context": list(prompt.context_ids), "bridge": list(prompt.bridge_ids) + s.reply, "last": n}, memory, k)
+        teacher = await self.actor.score.remote({"ids": ref_ids + s.reply, "last": n}, None, k)
+        kl, top1 = fidelity(student, teacher)
+        self.counts["scored"] += 1
+        if self.metrics is not None:
+            self.metrics.shadow.labels(arm=s.arm, status="scored").inc()
+        await asyncio.to_thread(self.runtime.ledger.record_shadow, s.session_id, s.turn.t, s.arm, "scored",
+                                reference=reference, kl=kl, top1=top1, tokens=len(s.reply))
+
+
+__all__ = ["ShadowLane", "fidelity", "sampled"]
