@@ -600,7 +600,7 @@ def demo(
                                       help="memory training config used when no memory model is registered"),
     port: int = typer.Option(8000, min=1, max=65535),
     every: int = typer.Option(8, min=1, help="a turn every N steps of each trajectory"),
-    max_turns: int = typer.Option(4, min=1, help="turns per session"),
+    max_turns: int = typer.Option(3, min=1, help="turns per session (each trajectory runs once per arm)"),
     concurrency: int = typer.Option(4, min=1, max=64, help="sessions driven at once"),
     limit: Optional[int] = typer.Option(None, min=1, help="only the first N trajectories"),
 ) -> None:
@@ -654,7 +654,9 @@ def ab_report(
     track: bool = typer.Option(False, "--mlflow/--no-mlflow", help="also log the comparison as an MLflow run"),
     experiment: str = typer.Option("palimpsest-ab", "--experiment"),
 ) -> None:
-    """Per-arm comparison (tokens, latency by stage, glimpses, errors, outcomes) with 95% intervals."""
+    """Per-arm comparison with 95% intervals: outcomes, shadow fidelity, tokens, latency by stage, prefix-cache hit
+    rate, glimpses, errors; the smallest difference detectable at 80% power, and the paired comparison of
+    trajectories run once per arm (sessions named ID@ARM)."""
     import json as _json
 
     from palimpsest.pipelines.ab import ab_summary, log_ab, summary_markdown
@@ -662,7 +664,8 @@ def ab_report(
     with Ledger(_existing(ledger)) as led:
         served = [r for r in led.served(since) if r["session_id"].startswith(prefix)]
         outcomes = [o for o in led.outcomes(since) if o["session_id"].startswith(prefix)]
-    summary = ab_summary(served, outcomes, [a.strip() for a in arms.split(",")] if arms else None)
+        shadows = [r for r in led.shadows(since) if r["session_id"].startswith(prefix)]
+    summary = ab_summary(served, outcomes, [a.strip() for a in arms.split(",")] if arms else None, shadows)
     md = summary_markdown(summary)
     if track:
         run_id, uri = log_ab(summary, experiment, {"ledger": str(ledger), "since": since, "prefix": prefix}, md)

@@ -5,8 +5,10 @@
 3. start the composed Serve app on 127.0.0.1 (actor on vLLM with prompt embeds, embedder, summarizer,
    memory encoder, ingress);
 4. replay the dev trajectories through the HTTP endpoint as live A/B traffic on two arms (`pace` and
-   `pace` + soft memory), posting each session's outcome;
-5. print the per-arm comparison with confidence intervals and the MLflow run that holds it;
+   `pace` + soft memory), each trajectory once per arm (paired), posting each session's outcome; every
+   served turn is scored for shadow fidelity against the full-history reference off the turn path;
+5. print the per-arm comparison with confidence intervals (outcome, shadow fidelity, tokens, latency,
+   prefix-cache hit rate), the power statement, the paired comparison, and the MLflow run that holds it;
 6. shut everything down.
 """
 
@@ -51,8 +53,22 @@ def ensure_memory(out: Console, train_config: Path, data: Path) -> str | None:
     return summary.get("registered")
 
 
+def wait_shadow(url: str, timeout_s: float) -> dict:
+    """Wait until the ingress has scored (or skipped) every turn it sampled for shadow fidelity."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    state: dict = {}
+    with httpx.Client(base_url=url, timeout=120) as client:
+        while time.monotonic() < deadline:
+            state = client.get("/v1/ab/shadow", params={"wait_s": 60}).json()
+            if state.get("drained"):
+                break
+    return state
+
+
 def run_main_demo(out: Console, data: Path, serve_config: Path = DEMO_SERVE, train_config: Path = DEMO_TRAIN,
-                  port: int = 8000, every: int = 8, max_turns: int = 4, concurrency: int = 4,
+                  port: int = 8000, every: int = 8, max_turns: int = 3, concurrency: int = 4,
                   limit: int | None = None, track: bool = True) -> dict:
     from palimpsest.models.assets import minilm_dir, smollm2_dir, smollm2_tokenizer_dir
     from palimpsest.pipelines.ab import ab_summary, log_ab, summary_markdown
@@ -85,12 +101,19 @@ def run_main_demo(out: Console, data: Path, serve_config: Path = DEMO_SERVE, tra
             out.print(f"  {sid}: arm {res.sessions.get(sid, '?')}, next-action F1 {res.f1.get(sid, float('nan')):.3f}",
                       highlight=False)
 
+        arms = [a.name for a in cfg.arms]
         res = drive(server.url, data, prefix=prefix, every=every, max_turns=max_turns, concurrency=concurrency,
-                    limit=limit, on_session=progress)
+                    limit=limit, on_session=progress, arms=arms)
         timings["traffic_s"] = res.wall_s
-        out.print(f"{len(res.sessions)} sessions, {res.turns} turns in {res.wall_s:.0f} s; {len(res.errors)} errors")
+        out.print(f"{len(res.sessions)} sessions (each trajectory once per arm), {res.turns} turns in {res.wall_s:.0f} s; "
+                  f"{len(res.errors)} errors")
         for e in res.errors[:5]:
             out.print(f"  [red]{e}[/]", highlight=False)
+        t0 = time.perf_counter()
+        shadow = wait_shadow(server.url, timeout_s=1800)
+        timings["shadow_s"] = time.perf_counter() - t0
+        out.print(f"shadow fidelity: {shadow.get('scored', 0)} turns scored, {shadow.get('skipped', 0)} skipped "
+                  f"({timings['shadow_s']:.0f} s after the traffic)")
     finally:
         server.stop()
     if res.turns == 0:
@@ -99,7 +122,8 @@ def run_main_demo(out: Console, data: Path, serve_config: Path = DEMO_SERVE, tra
     ledger = Ledger(cfg.ledger)
     served = [r for r in ledger.served(res.started) if r["session_id"].startswith(prefix)]
     outcomes = [o for o in ledger.outcomes(res.started) if o["session_id"].startswith(prefix)]
-    summary = ab_summary(served, outcomes, [a.name for a in cfg.arms])
+    shadows = [r for r in ledger.shadows(res.started) if r["session_id"].startswith(prefix)]
+    summary = ab_summary(served, outcomes, [a.name for a in cfg.arms], shadows)
     md = summary_markdown(summary)
     out.print(Markdown(md))
     if track:

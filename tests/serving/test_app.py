@@ -90,6 +90,29 @@ def test_sampled_turns_are_scored_for_shadow_fidelity_off_the_turn_path(server, 
     assert client.get("/readyz").json()["shadow"]["rate"] == 1.0
 
 
+def test_paired_traffic_runs_every_trajectory_once_per_arm_and_the_report_pairs_them(server, tmp_path):
+    from palimpsest.pipelines.ab import ab_summary, summary_markdown
+    from palimpsest.pipelines.live_ab import drive
+    from tests.pipelines.test_replay import traj
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps(traj(f"tr{i}", n=8)) for i in range(3)) + "\n")
+    res = drive(server.url, data, prefix="pair/", every=3, first=3, max_tokens=3, max_turns=2, concurrency=2,
+                arms=["pace", "wide"], headers=bearer("alice"))
+    assert not res.errors and sorted(res.sessions) == sorted(f"pair/tr{i}@{a}" for i in range(3) for a in ("pace", "wide"))
+    assert all(arm == sid.rsplit("@", 1)[1] for sid, arm in res.sessions.items())  # the arm named, not hashed
+    with httpx.Client(base_url=server.url, timeout=200, headers=bearer("alice")) as c:
+        assert c.get("/v1/ab/shadow", params={"wait_s": 180}).json()["drained"]
+    led = Ledger(server.cfg.ledger)
+    mine = lambda rows: [r for r in rows if r["session_id"].startswith("alice::pair/")]  # noqa: E731
+    s = ab_summary(mine(led.served(res.started)), mine(led.outcomes(res.started)), ["pace", "wide"],
+                   mine(led.shadows(res.started)))
+    paired = s["paired"]["wide"]
+    assert paired["outcome"]["n"] == 3 and paired["tokens_context"]["n"] == 3
+    assert s["arms"]["wide"]["fidelity"]["scored"] + s["arms"]["wide"]["fidelity"]["skipped"] == 6
+    assert "Paired by trajectory" in summary_markdown(s)
+
+
 def test_an_arm_serving_a_memory_otherwise_than_it_was_trained_is_warned_about(client, tiny_dir, tiny_memory, tmp_path):
     from palimpsest.platform.policies import parse_policy_config
     from palimpsest.serving.config import parse_serve_config

@@ -1,7 +1,8 @@
 """Recorded trajectories as live A/B traffic through the HTTP endpoint.
 
-Each trajectory becomes a session (its arm is assigned by the server's sticky hash); its steps are
-appended one by one as an agent would, and at the turn points the server compiles the context and the
+Each trajectory becomes a session (its arm is assigned by the server's sticky hash), or with ``arms`` one
+session per arm (named ``ID@ARM``, the arm chosen explicitly), so that arms are compared on the same
+trajectories, pair by pair (pipelines/ab.py). Its steps are appended one by one as an agent would, and at the turn points the server compiles the context and the
 actor proposes the next action. The proposal is scored against the action the recorded agent really
 took next (token F1 over identifiers, paths and words), and the session's mean is posted as its
 outcome, so arms are compared on what the actor did with the context each one compiled.
@@ -51,8 +52,9 @@ class DriveResult:
 
 
 def _drive_one(client, traj: Trajectory, sid: str, every: int, first: int, budget: int | None, max_tokens: int,
-               max_turns: int, res: DriveResult) -> None:
-    r = client.post("/v1/sessions", json={"session_id": sid, "task": traj.task, "system": traj.system, "tools": traj.tools})
+               max_turns: int, res: DriveResult, arm: str | None = None) -> None:
+    r = client.post("/v1/sessions", json={"session_id": sid, "task": traj.task, "system": traj.system, "tools": traj.tools,
+                                          **({"arm": arm} if arm else {})})
     if r.status_code != 200:
         res.errors.append(f"{sid}: create {r.status_code} {r.text[:200]}")
         return
@@ -82,7 +84,8 @@ def _drive_one(client, traj: Trajectory, sid: str, every: int, first: int, budge
 
 def drive(url: str, data: Path, *, prefix: str = "", every: int = 8, first: int = 4, budget: int | None = None,
           max_tokens: int = 24, max_turns: int = 1000, concurrency: int = 4, limit: int | None = None,
-          on_session=None) -> DriveResult:
+          on_session=None, arms: list[str] | None = None, headers: dict | None = None) -> DriveResult:
+    """Drive every trajectory (the first ``limit``) as sessions; with ``arms``, once per arm (paired)."""
     import httpx
 
     read = read_trajectories(data)
@@ -91,14 +94,14 @@ def drive(url: str, data: Path, *, prefix: str = "", every: int = 8, first: int 
         raise PalimpsestError(f"no usable trajectory in {data}")
     res = DriveResult(started=time.time())
     t0 = time.perf_counter()
-    with httpx.Client(base_url=url, timeout=600) as client, ThreadPoolExecutor(concurrency) as pool:
-        futures = []
-        for tr in trajs:
-            futures.append(pool.submit(_drive_one, client, tr, f"{prefix}{tr.id}", every, first, budget, max_tokens,
-                                       max_turns, res))
-        for f, tr in zip(futures, trajs):
+    with httpx.Client(base_url=url, timeout=600, headers=headers) as client, ThreadPoolExecutor(concurrency) as pool:
+        jobs = [(tr, f"{prefix}{tr.id}@{arm}" if arm else f"{prefix}{tr.id}", arm)
+                for tr in trajs for arm in (arms or [None])]
+        futures = [pool.submit(_drive_one, client, tr, sid, every, first, budget, max_tokens, max_turns, res, arm)
+                   for tr, sid, arm in jobs]
+        for f, (_, sid, _) in zip(futures, jobs):
             f.result()
             if on_session:
-                on_session(f"{prefix}{tr.id}", res)
+                on_session(sid, res)
     res.wall_s = time.perf_counter() - t0
     return res
