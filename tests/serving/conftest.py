@@ -53,7 +53,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def tiny_config(tiny_dir, memory_dir, ledger) -> dict:
+def tiny_config(tiny_dir, memory_dir, ledger, shadow_rate: float = 0.0) -> dict:
     return {
         "ledger": str(ledger), "embedder": "hashing", "budget": 900,
         "actor": {"model": str(tiny_dir), "max_model_len": 2048, "max_tokens": 6, "max_embeds_len": 2048,
@@ -68,7 +68,7 @@ def tiny_config(tiny_dir, memory_dir, ledger) -> dict:
                  # tool declarations cost ~750 byte-level tokens of the tiny tokenizer: a wider budget
                  {"name": "wide", "policy": {"type": "pace"}, "budget": 2000, "weight": 0.0}],
         "limits": {"max_step_chars": 20_000, "glimpses_per_turn": 3},
-        "ab": {"shadow_rate": 1.0, "shadow_queue": 4},
+        "ab": {"shadow_rate": shadow_rate, "shadow_queue": 8},
         "auth": {"tenants": {
             "alice": {"key_sha256": hashlib.sha256(KEYS["alice"].encode()).hexdigest(), "allow_prompt_embeds": True},
             "bob": {"key_sha256": hashlib.sha256(KEYS["bob"].encode()).hexdigest()}}},
@@ -76,13 +76,19 @@ def tiny_config(tiny_dir, memory_dir, ledger) -> dict:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_dir, tiny_memory, tmp_path_factory):
+def shadow_rate() -> float:
+    """The share of turns the module's app scores for shadow fidelity (a module overrides it)."""
+    return 0.0
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir, tiny_memory, tmp_path_factory, shadow_rate):
     """One app per test module: it is shut down (Serve and Ray) before the next module, so later tiers (Ray
     Train needs every CPU of this machine) never run beside it."""
     from palimpsest.serving.local import LocalServer
 
     ledger = tmp_path_factory.mktemp("serve") / "ledger.db"
-    srv = LocalServer(tiny_config(tiny_dir, tiny_memory, ledger), port=free_port())
+    srv = LocalServer(tiny_config(tiny_dir, tiny_memory, ledger, shadow_rate), port=free_port())
     srv.start(timeout_s=600)
     yield srv
     srv.stop()

@@ -26,6 +26,11 @@ def bearer(tenant: str) -> dict:
 
 
 @pytest.fixture(scope="module")
+def shadow_rate() -> float:
+    return 1.0  # every turn of this module's app is scored for shadow fidelity
+
+
+@pytest.fixture(scope="module")
 def client(server):
     with httpx.Client(base_url=server.url, timeout=120, headers=bearer("alice")) as c:
         yield c

@@ -607,8 +607,10 @@ class Ledger:
                                  " AND version<=? ORDER BY version", (session_id, since, version)).fetchall()
             steps = tuple(_step_from_row(r) for r in db.execute(
                 f"SELECT {_STEP_COLS} FROM steps WHERE session_id=? AND t>=? ORDER BY t", (session_id, have_steps)))
-            index = dict(have_ids)
-            index.update({s.id: have_steps + k for k, s in enumerate(steps)})
+            fresh_ids = {s.id: have_steps + k for k, s in enumerate(steps)}
+
+            def index(sid: int) -> int | None:  # no copy of the cached id map: O(what changed)
+                return fresh_ids[sid] if sid in fresh_ids else have_ids.get(sid)
             touched = sorted({int(c[1]) for c in changes if c[0] == "enrich" and c[1] in have_ids})
             keyed = sorted({int(c[1]) for c in changes if c[0] == "key" and c[2] == key_model and c[1] in have_ids})
             reps: list[tuple] = []
@@ -639,9 +641,9 @@ class Ledger:
                 if row is not None:
                     folds[key] = Fold(upto=row[0], text=row[1], tokens=row[2], producer=row[3])
         last = {c[2]: int(c[3]) for c in changes if c[0] == "turn"}
-        return SnapshotDelta(version, steps, [(index[r[0]], *r[1:]) for r in reps if r[0] in index],
-                             [(index[a[0]], a[1]) for a in abstractions if a[0] in index],
-                             [(index[k[0]], k[1]) for k in keys if k[0] in index], folds, last)
+        return SnapshotDelta(version, steps, [(index(r[0]), *r[1:]) for r in reps if index(r[0]) is not None],
+                             [(index(a[0]), a[1]) for a in abstractions if index(a[0]) is not None],
+                             [(index(k[0]), k[1]) for k in keys if index(k[0]) is not None], folds, last)
 
     def verify(self, session_id: str) -> int:
         """Recompute every stored hash of a session; returns the number of steps checked."""
