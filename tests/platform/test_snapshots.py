@@ -103,3 +103,19 @@ def test_turns_are_the_same_with_and_without_the_cache(ledger):
             b = whole.turn("s", pol, 1500, record=False)
             assert a.prompt.text == b.prompt.text, (t, pol)
     assert whole.snapshots.stats["full_reads"] == 36 and cached.snapshots.stats["full_reads"] == 1
+
+
+def test_a_step_appended_before_its_key_keeps_the_key_matrix_aligned(ledger):
+    """The serving order: the cache holds keyed steps, then a step arrives whose key is written later."""
+    rt = Runtime(ledger)
+    ledger.create_session("s", "Keep the build green.")
+    for t in range(3):
+        rt.append("s", _steps(t, 1)[0])  # enriched: keys exist
+    rt.snapshot("s")
+    rt.append("s", _steps(3, 1)[0], enrich=False)  # no key yet
+    snap = rt.snapshot("s")
+    assert snap.keys.shape[0] == snap.t == 4 and not snap.has_key[3]
+    _same(snap, ledger.snapshot("s", key_model=rt.embedder.name))
+    rt.turn("s", "pace", 4000)
+    rt.enrich("s")
+    _same(rt.snapshot("s"), ledger.snapshot("s", key_model=rt.embedder.name))

@@ -33,8 +33,19 @@ _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 
          2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
 
 
-def t975(df: int) -> float:
-    return _T975[df - 1] if 1 <= df <= len(_T975) else Z95
+def t975(df: float) -> float:
+    """Student's t 97.5% quantile (beyond 30 degrees of freedom, the Cornish-Fisher expansion: within 0.1%)."""
+    if df != df or df < 1:
+        return float("nan")
+    if df <= len(_T975):
+        return _T975[int(df) - 1]  # a fractional (Welch) df rounds down: the wider interval
+    return Z95 + (Z95 ** 3 + Z95) / (4 * df) + (5 * Z95 ** 5 + 16 * Z95 ** 3 + 3 * Z95) / (96 * df ** 2)
+
+
+def welch_df(a: dict, b: dict) -> float:
+    va, vb = a["sd"] ** 2 / a["n"], b["sd"] ** 2 / b["n"]
+    den = (va ** 2 / (a["n"] - 1) if a["n"] > 1 else 0) + (vb ** 2 / (b["n"] - 1) if b["n"] > 1 else 0)
+    return (va + vb) ** 2 / den if den > 0 else float(a["n"] + b["n"] - 2)
 
 
 def mean_ci(xs: list[float]) -> dict[str, float]:
@@ -49,12 +60,13 @@ def mean_ci(xs: list[float]) -> dict[str, float]:
 
 
 def diff_ci(a: dict, b: dict) -> dict[str, float]:
-    """b - a with a Welch (normal) 95% interval."""
+    """b - a with a Welch 95% interval (Student's t on the Welch-Satterthwaite degrees of freedom)."""
     if a["n"] < 2 or b["n"] < 2:
         return {"diff": b["mean"] - a["mean"], "lo": float("nan"), "hi": float("nan")}
     se = math.sqrt(a["sd"] ** 2 / a["n"] + b["sd"] ** 2 / b["n"])
     d = b["mean"] - a["mean"]
-    return {"diff": d, "lo": d - Z95 * se, "hi": d + Z95 * se}
+    q = t975(welch_df(a, b))
+    return {"diff": d, "lo": d - q * se, "hi": d + q * se}
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -66,9 +78,12 @@ def percentile(xs: list[float], q: float) -> float:
     return s[f] + (s[c] - s[f]) * (k - f)
 
 
-def mde(se: float) -> float:
-    """The smallest true difference a comparison with standard error ``se`` detects at 80% power (two-sided 5%)."""
-    return (Z95 + Z80) * se if se == se else float("nan")
+def mde(se: float, df: float = float("inf")) -> float:
+    """The smallest true difference a comparison with standard error ``se`` (and ``df`` degrees of freedom)
+    detects at 80% power, two-sided 5% (the t quantile for the test, the normal one for the power: approximate)."""
+    if se != se:
+        return float("nan")
+    return ((Z95 if df == float("inf") else t975(df)) + Z80) * se
 
 
 def _se(a: dict, b: dict) -> float:
@@ -142,8 +157,10 @@ def ab_summary(served: list[dict], outcomes: list[dict], arms: list[str] | None 
                            "fidelity_kl": diff_ci(control["fidelity"]["kl"], a["fidelity"]["kl"]),
                            "fidelity_top1": diff_ci(control["fidelity"]["top1"], a["fidelity"]["top1"]),
                            **{k: diff_ci(control["metrics"][k], a["metrics"][k]) for k, _ in METRICS}}
-        a["power"] = {"outcome_mde": mde(_se(control["outcome"], a["outcome"])),
-                      "fidelity_kl_mde": mde(_se(control["fidelity"]["kl"], a["fidelity"]["kl"]))}
+        co, ao = control["outcome"], a["outcome"]
+        ck, ak = control["fidelity"]["kl"], a["fidelity"]["kl"]
+        a["power"] = {"outcome_mde": mde(_se(co, ao), welch_df(co, ao) if min(co["n"], ao["n"]) > 1 else float("nan")),
+                      "fidelity_kl_mde": mde(_se(ck, ak), welch_df(ck, ak) if min(ck["n"], ak["n"]) > 1 else float("nan"))}
     out["paired"] = _paired(out, names)
     for a in out["arms"].values():
         a.pop("_sessions")
@@ -165,7 +182,7 @@ def _paired(out: dict, names: list[str]) -> dict[str, Any]:
             ci = mean_ci(d)
             significant = ci["n"] >= 2 and (ci["lo"] > 0 or ci["hi"] < 0)
             per[metric] = {**ci, "significant": bool(significant),
-                           "mde": mde(ci["sd"] / math.sqrt(ci["n"])) if ci["n"] >= 2 else float("nan")}
+                           "mde": mde(ci["sd"] / math.sqrt(ci["n"]), ci["n"] - 1) if ci["n"] >= 2 else float("nan")}
         if any(v["n"] for v in per.values()):
             result[arm] = per
     return result

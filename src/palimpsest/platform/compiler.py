@@ -202,7 +202,7 @@ def compile_plan(snap: "SessionSnapshot", plan: RenderPlan, budget: int, tokeniz
     folded = fold_old_history(costs, level, order, pinned, bound, room - prefix_tokens - fold_tokens, line_cost,
                               ranges)
     if folded is not None:  # each folded step's reason says so (one audit row per step, not per level)
-        changed = np.concatenate(folded[0])[:, 0]
+        changed = np.concatenate(folded[0])[:, 0] if folded[0] else np.zeros(0, dtype=np.int64)
         if changed.size:
             code = len(plan.reasons)
             plan.reasons.append(f"old history over {bound.old_share:g} of the room: folded")

@@ -72,8 +72,8 @@ def fold_old_history(costs: np.ndarray, level: np.ndarray, score: np.ndarray, pi
                      ) -> tuple[list[np.ndarray], dict] | None:
     """Fold old history into range lines until it costs at most ``bound.old_share * room`` (estimated).
 
-    Mutates ``level``; returns the (t, before, after) rows it applied and what it did, or None when the old
-    history already fits its share (nothing changes)."""
+    Mutates ``level``; returns the (t, before, after) rows it applied (the compiler gives those steps a fold
+    reason) and what it did, or None when the old history already fits its share (nothing changes)."""
     if bound is None or bound.recent_window <= 0:
         return None
     m = level.size

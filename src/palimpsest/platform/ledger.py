@@ -710,6 +710,8 @@ def _bump(store, db, session_id: str) -> int:
     returns the new version."""
     if not store.lock_session(db, session_id):
         raise UnknownSessionError(f"unknown session {session_id!r}")
+    # a session created by code older than the counter has no row yet: it starts at 0
+    db.execute("INSERT OR IGNORE INTO session_versions (session_id, version) VALUES (?, 0)", (session_id,))
     db.execute("UPDATE session_versions SET version = version + 1 WHERE session_id=?", (session_id,))
     row = db.execute("SELECT version FROM session_versions WHERE session_id=?", (session_id,)).fetchone()
     if row is None:

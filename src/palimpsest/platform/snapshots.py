@@ -35,6 +35,10 @@ from palimpsest.platform.types import Resolution
 _REPR_ORDER = (Resolution.DETAILED, Resolution.BRIEF, Resolution.PLACEHOLDER)
 
 
+class _Reread(Exception):
+    """The cached entry cannot take this delta: read the session whole."""
+
+
 def _grow(a: np.ndarray, n: int) -> np.ndarray:
     """``a`` with room for at least ``n`` rows (capacity doubles: appends are amortised O(1))."""
     if a.shape[0] >= n:
@@ -92,6 +96,8 @@ class _Entry:
         m = start + n
         if n:
             self.steps.extend(d.steps)
+            if self.keys.shape[1]:  # rows for the new steps (their keys may come later)
+                self.keys = _grow(self.keys, m)
             self.ids = _grow(self.ids, m)
             self.tokens = _grow(self.tokens, m)
             self.has_key = _grow(self.has_key, m)
@@ -113,7 +119,10 @@ class _Entry:
             level = Resolution.parse(res)
             self.tokens[i, level] = ntok
             if level is not Resolution.FULL:
-                self.bodies[_REPR_ORDER.index(level)][i] = text
+                column = self.bodies[_REPR_ORDER.index(level)]
+                if i < start:  # a summary of a cached step: count its bytes here (new rows are counted below)
+                    self.nbytes += len(text) - len(column[i] or "")
+                column[i] = text
         for i, body in d.abstractions:
             if self.abstractions[i] == body:
                 continue
@@ -121,12 +130,17 @@ class _Entry:
                 keep = self.rows[: self.nnz] != i
                 self.rows, self.tok_ids = self.rows[: self.nnz][keep].copy(), self.tok_ids[: self.nnz][keep].copy()
                 self.nnz = self.rows.size
+            if i < start:
+                self.nbytes += len(body) - len(self.abstractions[i] or "") + 16 * len(body) // 40
             self.abstractions[i] = body
             self._add_facts(i, body)
         if d.keys:
             dim = d.keys[0][1].shape[0]
-            if self.keys.ndim != 2 or self.keys.shape[1] != dim:  # the first key of this session
+            if self.keys.shape[1] and self.keys.shape[1] != dim:
+                raise _Reread("the key model's dimension changed")
+            if not self.keys.shape[1]:  # the first key of this session
                 self.keys = np.zeros((max(m, 64), dim), dtype=np.float32)
+                self.nbytes += 4 * dim * start  # rows of steps cached before it (new rows are counted below)
             self.keys = _grow(self.keys, m)
             for i, vec in d.keys:
                 self.keys[i] = vec  # written before the flag: a snapshot reads only flagged rows
@@ -205,7 +219,12 @@ class SnapshotCache:
                 self.stats["hits"] += 1
                 return entry.snapshot()
             before = entry.nbytes
-            entry.apply(self.ledger.delta(session_id, entry.version, entry.m, entry.index, key_model))
+            try:
+                entry.apply(self.ledger.delta(session_id, entry.version, entry.m, entry.index, key_model))
+            except _Reread:
+                with self._lock:
+                    self._entries.pop(key, None)
+                return self.get(session_id, key_model)
             self.stats["refreshes"] += 1
             snap = entry.snapshot()
         if entry.nbytes != before:

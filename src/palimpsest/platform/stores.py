@@ -286,7 +286,8 @@ class PostgresStore:
         return PoolTimeout
 
     def lock_session(self, db: Conn, session_id: str) -> bool:
-        return db.execute("SELECT 1 FROM sessions WHERE id=? FOR UPDATE", (session_id,)).fetchone() is not None
+        # NO KEY UPDATE serialises the session's writers without blocking inserts whose foreign key names it
+        return db.execute("SELECT 1 FROM sessions WHERE id=? FOR NO KEY UPDATE", (session_id,)).fetchone() is not None
 
     def next_id(self, db: Conn, table: str) -> int:
         (n,) = db.execute(f"SELECT nextval(pg_get_serial_sequence('{table}', 'id'))").fetchone()

@@ -191,6 +191,8 @@ class TurnPrepConfig(_Strict):
     prime_on_append: bool = Field(True, description="an append returns once the next turn's query embeddings and "
                                   "the step's key are computed (one embedder request), so the turn does not wait for "
                                   "them; false: the append returns at its commit and the turn may wait")
+    prime_timeout_s: float = Field(2.0, gt=0, le=60, description="the longest an append waits for that priming "
+                                   "(an embedder that does not answer then delays no append longer)")
     snapshot_cache_mib: int = Field(512, ge=0, le=1 << 20, description="per-replica cache of session snapshots, "
                                     "kept current from the ledger's change log (0: every turn reads its session whole)")
 

@@ -366,6 +366,41 @@ class MemoryEncoder:
         return {"soft": self.cache[ck], "ms": (time.perf_counter() - t0) * 1000, "cached": False}
 
 
+    async def score(self, key: str, session_id: str, history: list[int], summary: list[int], context: list[int],
+                    bridge: list[int], reply: list[int], reference: list[int], top_k: int = 20) -> tuple[list, list]:
+        """Shadow fidelity of a memory arm's turn (vLLM returns no prompt log-probabilities for prompt embeds):
+        the frozen actor's top-k log-probabilities (and the reply token's) at each reply token, after
+        [context; soft span; bridge] (the student) and after ``reference`` (the teacher), both by this actor."""
+        import torch
+
+        span = (await self.encode(key, session_id, history, summary))["soft"]
+        actor = self.encoders[key].actor
+        n = len(reply)
+
+        def rows(logits: torch.Tensor) -> list[dict[int, float]]:
+            logp = torch.log_softmax(logits.float(), -1)
+            top = logp.topk(top_k, -1)
+            out = []
+            for j in range(n):
+                row = {int(i): float(v) for i, v in zip(top.indices[j].tolist(), top.values[j].tolist())}
+                row[int(reply[j])] = float(logp[j, reply[j]])
+                out.append(row)
+            return out
+
+        def run() -> tuple[list, list]:
+            with torch.no_grad():
+                dev = next(actor.model.parameters()).device
+                ids = lambda xs: torch.as_tensor(xs, dtype=torch.long, device=dev)  # noqa: E731
+                embeds = torch.cat([actor.embed(ids(context)), span.to(dev, actor.embed(ids(context)).dtype),
+                                    actor.embed(ids(bridge + reply))])[None]
+                student = actor(inputs_embeds=embeds, last=n + 1)[0, :n]
+                teacher = actor(input_ids=ids(reference + reply)[None], last=n + 1)[0, :n]
+            return rows(student), rows(teacher)
+
+        async with self._lock:
+            return await asyncio.to_thread(run)
+
+
 def deployment_env() -> dict[str, str]:
     """Variables every replica needs (Ray passes them through runtime_env)."""
     keys = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "PALIMPSEST_CACHE", "MLFLOW_TRACKING_URI", "VLLM_CACHE_ROOT",

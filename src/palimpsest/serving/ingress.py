@@ -239,7 +239,8 @@ class Ingress:
         # their own); with t the idempotent and conflict rules apply.
         step = await asyncio.to_thread(ledger.append if body.t is not None else ledger.append_next, session_id, rec)
         if self.cfg.turns.prime_on_append and self.enrichment is not None:
-            await self.enrichment.prime_after_append(session_id, step)  # the next turn's query, before we return
+            # the next turn's query and the step's key, before we return
+            await self.enrichment.prime_after_append(session_id, step, self.cfg.turns.prime_timeout_s)
         self._enqueue(session_id)
         return StepOut(session_id=ext, step_id=step.id, t=step.t)
 
@@ -365,11 +366,17 @@ class Ingress:
         self.metrics.observe_turn(arm, tokens, latency, len(res.glimpses))
         if self.shadow is not None:
 
-            async def soft_span():  # the turn's span again (the encoder caches it by what it read)
-                return await memory_for(ct)
+            async def memory_score(reference: list[int], reply: list[int], k: int):
+                """Both prompts of a memory arm's turn scored by the memory encoder's actor (the span is cached)."""
+                read = await asyncio.to_thread(turn_memory, self.runtime, ct, self.cfg.memory)
+                if read is None:
+                    return None
+                p = ct.prompt
+                return await self.memory.score.remote(mem, sid, *read, list(p.context_ids), list(p.bridge_ids), reply,
+                                                      reference, k)
 
             self.shadow.offer(sid, arm, ct, res.out.get("token_ids") or [], res.generations, self.policies[arm],
-                              soft_span if mem is not None else None)
+                              memory_score if mem is not None else None)
         return TurnOut(session_id=sid, t=ct.t, arm=arm, action=res.text, finish_reason=res.finish_reason,
                        plan=ct.plan.counts(), tokens=tokens, latency_ms=latency, glimpses=res.glimpses,
                        prompt_hash=ct.prompt.prompt_hash, content=res.content, tool_calls=res.tool_calls)

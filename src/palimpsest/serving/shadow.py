@@ -12,10 +12,14 @@ per reply token KL(q || p) and whether the two top-1 tokens agree.
   KL is taken over the partition {tokens in both top-k lists, the rest}: a coarsening of the vocabulary and
   so a lower bound of the full KL (eval-actions partitions by the teacher's top-64; figures of the two are
   not interchangeable).
-- It never delays a turn: a sampled turn is queued (bounded: ``ab.shadow_queue``) and scored only while no
-  turn is in flight on this replica. A sample that finds the queue full, waits past ``ab.shadow_max_age_s``,
-  served glimpses (several generations) or meets an actor that cannot score is recorded as skipped with its
-  reason, so the report counts what it left out.
+- A memory arm's prompt carries a soft span, and vLLM returns no prompt log-probabilities for prompt embeds,
+  so both prompts of a memory arm's turn are scored by the memory encoder's frozen actor (Hugging Face, the
+  same weights); text arms by the vLLM actor. Each KL compares two distributions of one engine.
+- It stays off the turn path: a sampled turn is queued after its reply is ready (bounded: ``ab.shadow_queue``),
+  and the lane starts scoring a sample only when no turn is in flight on this replica (a turn that arrives
+  while a sample is being scored shares the actor with it for that one scoring). A sample that finds the queue
+  full, waits past ``ab.shadow_max_age_s``, answered a glimpse (several generations) or has no reply token ids
+  (a remote upstream) is recorded as skipped with its reason, so the report counts what it left out.
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ log = logging.getLogger("palimpsest.shadow")
 
 
 def sampled(session_id: str, t: int, rate: float) -> bool:
-    """Deterministic Bernoulli(rate) per (session, t)."""
+    """Deterministic Bernoulli(rate) per (session, t). Paired sessions (``ID@ARM``) are sampled by ``ID``, so both
+    arms of a trajectory score the same turns."""
     if rate <= 0:
         return False
     h = int.from_bytes(hashlib.sha256(f"{session_id}\0{t}".encode()).digest()[:8], "big")
@@ -69,7 +74,7 @@ class Sample:
     turn: CompiledTurn
     reply: list[int]
     policy: Any  # the arm's policy (the reference when the whole history does not fit)
-    memory: Any  # an async callable returning the turn's soft span (a handle response), or None for a text arm
+    memory: Any  # a memory arm's scorer: async (reference ids, reply, k) -> (student, teacher) rows, or None
     queued: float
 
 
@@ -89,20 +94,33 @@ class ShadowLane:
     def offer(self, session_id: str, arm: str, ct: CompiledTurn, reply: list[int], generations: int, policy,
               memory=None) -> None:
         """Called after a turn is served and recorded; returns at once."""
-        if self._task is None or not sampled(session_id, ct.t, self.cfg.shadow_rate):
+        key = session_id[: -len(arm) - 1] if session_id.endswith("@" + arm) else session_id
+        if self._task is None or not sampled(key, ct.t, self.cfg.shadow_rate):
             return
         self.counts["sampled"] += 1
         if generations != 1 or not reply:
-            self._skip(session_id, ct.t, arm, "glimpse" if generations != 1 else "empty reply", len(reply))
+            reason = "glimpse (several generations)" if generations != 1 else "no reply token ids (remote upstream)"
+            self._skip_later(session_id, ct.t, arm, reason, len(reply))
         elif self.queue.qsize() >= self.cfg.shadow_queue:
-            self._skip(session_id, ct.t, arm, "load: queue full", len(reply))
+            self._skip_later(session_id, ct.t, arm, "load: queue full", len(reply))
         else:
             self.queue.put_nowait(Sample(session_id, arm, ct, list(reply), policy, memory, time.monotonic()))
 
-    def _skip(self, sid: str, t: int, arm: str, reason: str, tokens: int) -> None:
+    def _skip_later(self, sid: str, t: int, arm: str, reason: str, tokens: int) -> None:
+        """Count a skip now and record it off the event loop (the turn's reply is not held up by the write)."""
+        self._count_skip(arm)
+        asyncio.get_running_loop().run_in_executor(None, self._record_skip, sid, t, arm, reason, tokens)
+
+    def _count_skip(self, arm: str) -> None:
         self.counts["skipped"] += 1
         if self.metrics is not None:
             self.metrics.shadow.labels(arm=arm, status="skipped").inc()
+
+    def _skip(self, sid: str, t: int, arm: str, reason: str, tokens: int) -> None:
+        self._count_skip(arm)
+        self._record_skip(sid, t, arm, reason, tokens)
+
+    def _record_skip(self, sid: str, t: int, arm: str, reason: str, tokens: int) -> None:
         try:
             self.runtime.ledger.record_shadow(sid, t, arm, "skipped", reason=reason, tokens=tokens)
         except Exception as e:  # the record is best effort; the counter above still counts it
@@ -154,10 +172,15 @@ class ShadowLane:
         k, n = self.cfg.shadow_top_k, len(s.reply)
         reference, ref_ids = await asyncio.to_thread(self._reference, s)
         # the soft span (a handle response, as on the turn) goes from the memory encoder to the actor directly
-        memory = await s.memory() if s.memory is not None else None
-        student = await self.actor.score.remote(
-            {"context": list(prompt.context_ids), "bridge": list(prompt.bridge_ids) + s.reply, "last": n}, memory, k)
-        teacher = await self.actor.score.remote({"ids": ref_ids + s.reply, "last": n}, None, k)
+        # A memory arm's prompt carries a soft span, and vLLM gives no prompt log-probabilities for prompt embeds:
+        # the memory encoder's frozen actor scores both prompts of such a turn (None: no span this turn).
+        pair = await s.memory(ref_ids, s.reply, k) if s.memory is not None else None
+        if pair is not None:
+            student, teacher = pair
+        else:
+            student = await self.actor.score.remote(
+                {"context": list(prompt.context_ids), "bridge": list(prompt.bridge_ids) + s.reply, "last": n}, None, k)
+            teacher = await self.actor.score.remote({"ids": ref_ids + s.reply, "last": n}, None, k)
         kl, top1 = fidelity(student, teacher)
         self.counts["scored"] += 1
         if self.metrics is not None:
