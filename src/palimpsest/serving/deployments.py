@@ -106,16 +106,6 @@ class Actor:
                 out["memory_cached"] = memory["cached"]
             yield out
 
-    async def score(self, request: dict, memory: dict | None = None, top_k: int = 20) -> list[dict[int, float]]:
-        """Log-probabilities at a prompt's ``last`` positions (shadow fidelity): ``request`` is {"ids", "last"} or
-        {"context", "bridge", "last"} with ``memory``'s soft span between context and bridge."""
-        soft = memory["soft"] if memory else None
-        if soft is not None:
-            embeds = self.engine.compose(request["context"], soft, request.get("bridge", []))
-            return await self.engine.score(embeds=embeds, start=int(embeds.shape[0]) - request["last"], top_k=top_k)
-        ids = request["ids"] if "ids" in request else request["context"] + request.get("bridge", [])
-        return await self.engine.score(ids=ids, start=len(ids) - request["last"], top_k=top_k)
-
     async def chat(self, messages: list[dict], max_tokens: int = 96) -> str:
         from palimpsest.platform.chat import chat_ids
 
@@ -202,10 +192,6 @@ class RemoteActor:
             out["memory_ms"] = memory["ms"]
             out["memory_cached"] = memory["cached"]
         return out
-
-    async def score(self, request: dict, memory: dict | None = None, top_k: int = 20):
-        """An OpenAI-compatible upstream returns no prompt log-probabilities: shadow fidelity is not available."""
-        raise NotImplementedError("the upstream actor does not return prompt log-probabilities")
 
     async def chat(self, messages: list[dict], max_tokens: int = 96) -> str:
         await self._ready()
@@ -337,6 +323,8 @@ class MemoryEncoder:
         self.cache: OrderedDict[tuple[str, str, str], Any] = OrderedDict()
         self.cache_size = cache_size
         self._lock = asyncio.Lock()
+        self._score_lock = asyncio.Lock()
+        self.actor_path, self.device, self._actor = actor_path, device, None
         self.hits = self.misses = 0
 
     def info(self) -> dict:
@@ -366,15 +354,17 @@ class MemoryEncoder:
         return {"soft": self.cache[ck], "ms": (time.perf_counter() - t0) * 1000, "cached": False}
 
 
-    async def score(self, key: str, session_id: str, history: list[int], summary: list[int], context: list[int],
-                    bridge: list[int], reply: list[int], reference: list[int], top_k: int = 20) -> tuple[list, list]:
-        """Shadow fidelity of a memory arm's turn (vLLM returns no prompt log-probabilities for prompt embeds):
-        the frozen actor's top-k log-probabilities (and the reply token's) at each reply token, after
-        [context; soft span; bridge] (the student) and after ``reference`` (the teacher), both by this actor."""
+    async def score(self, key: str | None, session_id: str, history: list[int], summary: list[int],
+                    context: list[int], bridge: list[int], reply: list[int], reference: list[int],
+                    top_k: int = 20) -> tuple[list, list]:
+        """Shadow fidelity of one served turn: the frozen actor's top-k log-probabilities (and the reply token's) at
+        each reply token, after the served prompt (the student: [context; soft span of memory ``key``; bridge], no
+        span when ``key`` is None) and after ``reference`` (the teacher). Only the reply positions' logits are
+        computed (vLLM's prompt log-probabilities cover every prompt position and refuse prompt embeds)."""
         import torch
 
-        span = (await self.encode(key, session_id, history, summary))["soft"]
-        actor = self.encoders[key].actor
+        span = (await self.encode(key, session_id, history, summary))["soft"] if key is not None else None
+        actor = self._scorer()
         n = len(reply)
 
         def rows(logits: torch.Tensor) -> list[dict[int, float]]:
@@ -391,14 +381,27 @@ class MemoryEncoder:
             with torch.no_grad():
                 dev = next(actor.model.parameters()).device
                 ids = lambda xs: torch.as_tensor(xs, dtype=torch.long, device=dev)  # noqa: E731
-                embeds = torch.cat([actor.embed(ids(context)), span.to(dev, actor.embed(ids(context)).dtype),
-                                    actor.embed(ids(bridge + reply))])[None]
-                student = actor(inputs_embeds=embeds, last=n + 1)[0, :n]
+                if span is None:
+                    student = actor(input_ids=ids(context + bridge + reply)[None], last=n + 1)[0, :n]
+                else:
+                    head = actor.embed(ids(context))
+                    embeds = torch.cat([head, span.to(dev, head.dtype), actor.embed(ids(bridge + reply))])[None]
+                    student = actor(inputs_embeds=embeds, last=n + 1)[0, :n]
                 teacher = actor(input_ids=ids(reference + reply)[None], last=n + 1)[0, :n]
             return rows(student), rows(teacher)
 
-        async with self._lock:
+        async with self._score_lock:  # one scoring at a time; never holds the turn path's encode lock
             return await asyncio.to_thread(run)
+
+    def _scorer(self):
+        """The frozen actor the memories read with, or (no memory model loaded) one loaded on first use."""
+        if self.encoders:
+            return next(iter(self.encoders.values())).actor
+        if self._actor is None:
+            from palimpsest.models.actor import FrozenActor
+
+            self._actor = FrozenActor.from_pretrained(self.actor_path, device=self.device)
+        return self._actor
 
 
 def deployment_env() -> dict[str, str]:

@@ -152,32 +152,6 @@ class ActorEngine:
             result["logprobs"] = [{int(k): float(v.logprob) for k, v in step.items()} for step in steps]
         yield result
 
-    async def score(self, *, ids: list[int] | None = None, embeds: torch.Tensor | None = None, start: int,
-                    top_k: int = 20) -> list[dict[int, float]]:
-        """The actor's next-token log-probabilities at prompt positions ``start``..n-1 (each predicting the token at
-        that position): its ``top_k`` tokens and the prompt's own token per position. One prefill, no sampling."""
-        from vllm import SamplingParams
-
-        if (ids is None) == (embeds is None):
-            raise ValueError("give exactly one of ids or embeds")
-        if ids is not None:
-            if not ids or min(ids) < 0 or max(ids) >= self.vocab_size:
-                raise ConfigError(f"token ids must be non-empty and within [0, {self.vocab_size})")
-            prompt: dict = {"prompt_token_ids": list(ids)}
-            n = len(ids)
-        else:
-            embeds = validate_embeds(embeds, self.hidden_size, self.cfg.max_embeds_len, dtype=self.dtype)
-            prompt, n = {"prompt_embeds": embeds}, int(embeds.shape[0])
-        if not 1 <= start < n or n + 1 > self.cfg.max_model_len:
-            raise ConfigError(f"cannot score positions {start}..{n - 1} within a window of {self.cfg.max_model_len}")
-        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=top_k)
-        (p,) = await self.engine.renderer.render_cmpl_async([prompt])
-        final = None
-        async for out in self.engine.generate(p, params, request_id=uuid.uuid4().hex):
-            final = out
-        rows = final.prompt_logprobs or []
-        return [{int(k): float(v.logprob) for k, v in (rows[i] or {}).items()} for i in range(start, n)]
-
     async def check_health(self) -> None:
         """Raises when the engine is dead (Serve then replaces the replica)."""
         await self.engine.check_health()

@@ -156,7 +156,7 @@ class Ingress:
         self.policies = {a.name: self.runtime.policy(a.policy_config()) for a in self.cfg.arms}
         self.enrichment = Enrichment(self.runtime, self.policies, self.summarizer, self.summarizer_info, self.metrics,
                                      self.cfg)
-        self.shadow = ShadowLane(self.runtime, self.actor, self.cfg.ab, info["max_model_len"],
+        self.shadow = ShadowLane(self.runtime, self.cfg.ab, info["max_model_len"],
                                  busy=lambda: self._inflight > 0, metrics=self.metrics)
 
     async def _ensure(self) -> None:
@@ -366,17 +366,14 @@ class Ingress:
         self.metrics.observe_turn(arm, tokens, latency, len(res.glimpses))
         if self.shadow is not None:
 
-            async def memory_score(reference: list[int], reply: list[int], k: int):
-                """Both prompts of a memory arm's turn scored by the memory encoder's actor (the span is cached)."""
-                read = await asyncio.to_thread(turn_memory, self.runtime, ct, self.cfg.memory)
-                if read is None:
-                    return None
+            async def score(reference: list[int], reply: list[int], k: int):
+                """Both prompts of the turn scored by the memory encoder's actor (a memory arm's span is cached)."""
+                read = await asyncio.to_thread(turn_memory, self.runtime, ct, self.cfg.memory) if mem else None
                 p = ct.prompt
-                return await self.memory.score.remote(mem, sid, *read, list(p.context_ids), list(p.bridge_ids), reply,
-                                                      reference, k)
+                return await self.memory.score.remote(mem if read else None, sid, *(read or ([], [])),
+                                                      list(p.context_ids), list(p.bridge_ids), reply, reference, k)
 
-            self.shadow.offer(sid, arm, ct, res.out.get("token_ids") or [], res.generations, self.policies[arm],
-                              memory_score if mem is not None else None)
+            self.shadow.offer(sid, arm, ct, res.out.get("token_ids") or [], res.generations, self.policies[arm], score)
         return TurnOut(session_id=sid, t=ct.t, arm=arm, action=res.text, finish_reason=res.finish_reason,
                        plan=ct.plan.counts(), tokens=tokens, latency_ms=latency, glimpses=res.glimpses,
                        prompt_hash=ct.prompt.prompt_hash, content=res.content, tool_calls=res.tool_calls)

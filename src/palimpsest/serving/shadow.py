@@ -8,13 +8,14 @@ per reply token KL(q || p) and whether the two top-1 tokens agree.
 
 - The reference is the whole history (policy ``full``) when it fits the actor's window beside the reply;
   otherwise the arm's own policy compiled at the largest budget the window allows. Each record names it.
-- The actor returns its top-k log-probabilities per position (vLLM's ``prompt_logprobs``, k <= 20), so the
-  KL is taken over the partition {tokens in both top-k lists, the rest}: a coarsening of the vocabulary and
+- The scorer returns the top-k log-probabilities per position (``ab.shadow_top_k``, 20) and the reply token's,
+  so the KL is taken over the partition {tokens in both lists, the rest}: a coarsening of the vocabulary and
   so a lower bound of the full KL (eval-actions partitions by the teacher's top-64; figures of the two are
   not interchangeable).
-- A memory arm's prompt carries a soft span, and vLLM returns no prompt log-probabilities for prompt embeds,
-  so both prompts of a memory arm's turn are scored by the memory encoder's frozen actor (Hugging Face, the
-  same weights); text arms by the vLLM actor. Each KL compares two distributions of one engine.
+- Both prompts are scored by the memory encoder's frozen copy of the actor (Hugging Face, the same weights),
+  computing only the reply positions' logits: vLLM's prompt log-probabilities cover every prompt position
+  (a full-vocabulary row each: minutes per sample on CPU) and refuse prompt embeds. Every arm is scored by
+  the same engine.
 - It stays off the turn path: a sampled turn is queued after its reply is ready (bounded: ``ab.shadow_queue``),
   and the lane starts scoring a sample only when no turn is in flight on this replica (a turn that arrives
   while a sample is being scored shares the actor with it for that one scoring). A sample that finds the queue
@@ -74,15 +75,15 @@ class Sample:
     turn: CompiledTurn
     reply: list[int]
     policy: Any  # the arm's policy (the reference when the whole history does not fit)
-    memory: Any  # a memory arm's scorer: async (reference ids, reply, k) -> (student, teacher) rows, or None
+    scorer: Any  # async (reference ids, reply, k) -> (student rows, teacher rows): the memory encoder's actor
     queued: float
 
 
 class ShadowLane:
     """The ingress's shadow-fidelity worker (one per replica, on its event loop)."""
 
-    def __init__(self, runtime, actor, cfg, window: int, busy: Callable[[], bool], metrics=None):
-        self.runtime, self.actor, self.cfg, self.window, self.busy = runtime, actor, cfg, window, busy
+    def __init__(self, runtime, cfg, window: int, busy: Callable[[], bool], metrics=None):
+        self.runtime, self.cfg, self.window, self.busy = runtime, cfg, window, busy
         self.metrics = metrics
         self.queue: asyncio.Queue[Sample] = asyncio.Queue()
         self.counts = {"sampled": 0, "scored": 0, "skipped": 0}
@@ -92,7 +93,7 @@ class ShadowLane:
         return {"rate": self.cfg.shadow_rate, "queued": self.queue.qsize(), **self.counts}
 
     def offer(self, session_id: str, arm: str, ct: CompiledTurn, reply: list[int], generations: int, policy,
-              memory=None) -> None:
+              scorer) -> None:
         """Called after a turn is served and recorded; returns at once."""
         key = session_id[: -len(arm) - 1] if session_id.endswith("@" + arm) else session_id
         if self._task is None or not sampled(key, ct.t, self.cfg.shadow_rate):
@@ -104,7 +105,7 @@ class ShadowLane:
         elif self.queue.qsize() >= self.cfg.shadow_queue:
             self._skip_later(session_id, ct.t, arm, "load: queue full", len(reply))
         else:
-            self.queue.put_nowait(Sample(session_id, arm, ct, list(reply), policy, memory, time.monotonic()))
+            self.queue.put_nowait(Sample(session_id, arm, ct, list(reply), policy, scorer, time.monotonic()))
 
     def _skip_later(self, sid: str, t: int, arm: str, reason: str, tokens: int) -> None:
         """Count a skip now and record it off the event loop (the turn's reply is not held up by the write)."""
@@ -168,19 +169,10 @@ class ShadowLane:
         return f"{s.policy.name}@{budget}", list(largest.prompt.ids)
 
     async def _score(self, s: Sample) -> None:
-        prompt = s.turn.prompt
-        k, n = self.cfg.shadow_top_k, len(s.reply)
+        k = self.cfg.shadow_top_k
         reference, ref_ids = await asyncio.to_thread(self._reference, s)
         # the soft span (a handle response, as on the turn) goes from the memory encoder to the actor directly
-        # A memory arm's prompt carries a soft span, and vLLM gives no prompt log-probabilities for prompt embeds:
-        # the memory encoder's frozen actor scores both prompts of such a turn (None: no span this turn).
-        pair = await s.memory(ref_ids, s.reply, k) if s.memory is not None else None
-        if pair is not None:
-            student, teacher = pair
-        else:
-            student = await self.actor.score.remote(
-                {"context": list(prompt.context_ids), "bridge": list(prompt.bridge_ids) + s.reply, "last": n}, None, k)
-            teacher = await self.actor.score.remote({"ids": ref_ids + s.reply, "last": n}, None, k)
+        student, teacher = await s.scorer(ref_ids, s.reply, k)
         kl, top1 = fidelity(student, teacher)
         self.counts["scored"] += 1
         if self.metrics is not None:
