@@ -81,7 +81,7 @@ def percentile(xs: list[float], q: float) -> float:
 def mde(se: float, df: float = float("inf")) -> float:
     """The smallest true difference a comparison with standard error ``se`` (and ``df`` degrees of freedom)
     detects at 80% power, two-sided 5% (the t quantile for the test, the normal one for the power: approximate)."""
-    if se != se:
+    if se != se or se == 0:  # no spread (e.g. identical outcomes): nothing to say about power
         return float("nan")
     return ((Z95 if df == float("inf") else t975(df)) + Z80) * se
 
