@@ -600,7 +600,7 @@ def demo(
                                       help="memory training config used when no memory model is registered"),
     port: int = typer.Option(8000, min=1, max=65535),
     every: int = typer.Option(8, min=1, help="a turn every N steps of each trajectory"),
-    max_turns: int = typer.Option(3, min=1, help="turns per session (each trajectory runs once per arm)"),
+    max_turns: int = typer.Option(2, min=1, help="turns per session (each trajectory runs once per arm)"),
     concurrency: int = typer.Option(4, min=1, max=64, help="sessions driven at once"),
     limit: Optional[int] = typer.Option(None, min=1, help="only the first N trajectories"),
 ) -> None:

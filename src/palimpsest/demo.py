@@ -68,7 +68,7 @@ def wait_shadow(url: str, timeout_s: float) -> dict:
 
 
 def run_main_demo(out: Console, data: Path, serve_config: Path = DEMO_SERVE, train_config: Path = DEMO_TRAIN,
-                  port: int = 8000, every: int = 8, max_turns: int = 3, concurrency: int = 4,
+                  port: int = 8000, every: int = 8, max_turns: int = 2, concurrency: int = 4,
                   limit: int | None = None, track: bool = True) -> dict:
     from palimpsest.models.assets import minilm_dir, smollm2_dir, smollm2_tokenizer_dir
     from palimpsest.pipelines.ab import ab_summary, log_ab, summary_markdown
