@@ -152,9 +152,9 @@ class ShadowLane:
                     continue
                 await self._score(s)
             except Exception as e:
-                reason = "actor cannot score" if isinstance(e, NotImplementedError) else f"error: {type(e).__name__}"
                 log.warning("shadow scoring of %s t=%s failed: %s", s.session_id, s.turn.t, e)
-                await asyncio.to_thread(self._skip, s.session_id, s.turn.t, s.arm, reason, len(s.reply))
+                await asyncio.to_thread(self._skip, s.session_id, s.turn.t, s.arm, f"error: {type(e).__name__}",
+                                        len(s.reply))
             finally:
                 self._working = False
 
