@@ -32,3 +32,13 @@ STEPS = [
      "Traceback (most recent call last):\n  File \"settings/loader.py\", line 2, in parse_config\nKeyError: 'database_url'"),
     ("grep -n database_url settings/loader.py", "2:    url = env['database_url']  # KeyError when the env file is empty"),
 ]
+
+
+#: Planning every turn anew (the seeds' behaviour): what the tests of a policy's or the compiler's per-turn
+#: decisions compile with, since every policy runs in compaction epochs by default (platform/epochs.py).
+PER_TURN = {"mode": "per_turn"}
+
+
+def per_turn(name: str, **fields) -> dict:
+    """A policy config (by type) that plans every turn."""
+    return {"type": name, "compaction": PER_TURN, **fields}

@@ -113,7 +113,7 @@ def test_policies_lists_names_and_defaults(tmp_path):
 def test_render_with_a_policy_config_file(tmp_path, data):
     cli("import", str(data), cwd=tmp_path)
     cfg = tmp_path / "w.yaml"
-    cfg.write_text("type: window\nk: 2\n")
+    cfg.write_text("type: window\nk: 2\ncompaction: {mode: per_turn}\n")
     r = cli("render", "--session", "demo/1", "--policy", "window", "--budget", "5000", "--policy-config", str(cfg),
             "--no-prompt", cwd=tmp_path)
     assert r.returncode == 0 and "drop 4" in r.stdout

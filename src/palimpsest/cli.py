@@ -148,6 +148,8 @@ def render(
                                              help="tokens kept for the reply (default: the serve config's actor.max_tokens)"),
     policy_config: Optional[Path] = typer.Option(None, "--policy-config", help="YAML config of the policy"),
     show_prompt: bool = typer.Option(True, "--prompt/--no-prompt", help="print the compiled context"),
+    cached_rate: float = typer.Option(0.1, "--cached-rate", min=0.0, max=1.0,
+                                      help="price of a cached input token against an uncached one (the cost block)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object (ids, text, messages, plan) and nothing else"),
     ledger: Optional[str] = LedgerOpt,
     embedder: str = EmbedderOpt,
@@ -169,6 +171,10 @@ def render(
         sess = led.session(session)  # unknown session -> a clear error before any work
         rt.enrich(session)
         turn = rt.turn(session, cfg, budget, at=at, record=False, reserve=reserve)
+        if as_json:
+            from palimpsest.pipelines.replay import session_cost
+
+            cost = session_cost(rt, session, cfg, budget, reserve, turn.t, cached_rate)
     p = turn.prompt
     if as_json:
         spans = {s.t: s for s in p.segments if s.t is not None and s.kind == "step"}
@@ -188,6 +194,8 @@ def render(
                                                  "(tools: what the tool declarations add to it); soft is 0 here: a "
                                                  "memory arm adds its soft positions when serving", "prompt_hash": p.prompt_hash, "prefix_hash": p.prefix_hash,
             "elided": turn.plan.info.get("elided", []),
+            "compaction": turn.plan.info.get("compaction"), "epoch": turn.plan.info.get("epoch"),
+            "cost": cost,
             "plan": [{"t": e.t, "step_id": e.step_id, "resolution": e.resolution.label, "reason": e.reason,
                       "score": e.score, "messages": list(spans[e.t].messages) if e.t in spans else None}
                      for e in turn.plan.entries()],
@@ -289,6 +297,8 @@ def replay(
     repeat: int = typer.Option(1, "--repeat", min=1, max=1000,
                                help="with --concat: the trajectories N times over, one session N times as long"),
     as_json: bool = typer.Option(False, "--json", help="print the summary JSON to stdout and nothing else"),
+    cached_rate: float = typer.Option(0.1, "--cached-rate", min=0.0, max=1.0,
+                                      help="price of a cached input token against an uncached one (billed per turn)"),
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", min=0,
                                              help="tokens each prompt keeps free for the reply (default: the serve "
                                                   "config's actor.max_tokens, as serving reserves it)"),
@@ -322,7 +332,7 @@ def replay(
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err, transient=True) as bar:
         result = run_replay(rt, data, policies, budget, concat=concat, timer=timer, progress=bar, reserve=reserve,
-                            repeat=repeat)
+                            repeat=repeat, cached_rate=cached_rate)
     rt.ledger.close()
     write_outputs(result, out_dir)
     if mlflow:

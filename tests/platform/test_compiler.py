@@ -4,7 +4,7 @@ import pytest
 from palimpsest.platform import BudgetError, Resolution
 from palimpsest.platform.compiler import compile_plan
 from palimpsest.platform.policies import WindowConfig
-from tests.helpers import step
+from tests.helpers import per_turn, step
 
 
 @pytest.mark.parametrize("policy", ["full", "window", "rolling_summary", "pace", "ace", "pace_plus"])
@@ -21,9 +21,9 @@ def test_compiled_context_never_exceeds_the_budget(runtime, session, policy, bud
 
 def test_overflow_degrades_lowest_scores_first_one_level_at_a_time_and_records_it(runtime, session):
     snap = runtime.snapshot(session)
-    roomy = runtime.compile(snap, runtime.policy("pace"), 100_000)
+    roomy = runtime.compile(snap, runtime.policy(per_turn("pace")), 100_000)
     assert not roomy.plan.degradations
-    tight = runtime.compile(snap, runtime.policy("pace"), roomy.prompt.tokens - 60)
+    tight = runtime.compile(snap, runtime.policy(per_turn("pace")), roomy.prompt.tokens - 60)
     assert tight.prompt.tokens <= roomy.prompt.tokens - 60
     degr = tight.plan.degradations
     assert degr and all(d.after > d.before for d in degr)
@@ -36,8 +36,8 @@ def test_overflow_degrades_lowest_scores_first_one_level_at_a_time_and_records_i
 
 def test_latest_step_and_prefix_are_never_degraded(runtime, session):
     snap = runtime.snapshot(session)
-    only_latest = runtime.compile(snap, runtime.policy(WindowConfig(k=1)), 100_000).prompt
-    turn = runtime.compile(snap, runtime.policy("full"), only_latest.tokens)
+    only_latest = runtime.compile(snap, runtime.policy(per_turn("window", k=1)), 100_000).prompt
+    turn = runtime.compile(snap, runtime.policy(per_turn("full")), only_latest.tokens)
     assert turn.plan.resolution[-1] == Resolution.FULL
     kinds = [s.kind for s in turn.prompt.segments]
     assert kinds[:2] == ["system", "task"] and kinds.count("step") == 1
@@ -83,7 +83,7 @@ def test_prefix_is_byte_identical_across_turns(runtime, session):
 
 
 def test_steps_appear_in_order_and_placeholders_name_their_step_id(runtime, session):
-    turn = runtime.turn(session, "pace", 100_000)
+    turn = runtime.turn(session, per_turn("pace"), 100_000)
     ts = [s.t for s in turn.prompt.segments if s.kind == "step"]
     assert ts == sorted(ts) and ts[-1] == 11
     ph = [s for s in turn.prompt.segments if s.resolution is Resolution.PLACEHOLDER]
@@ -140,7 +140,7 @@ def test_old_history_folds_into_range_lines_and_the_recent_window_stays_whole(ru
     are degraded with the old ones. With it, old history takes at most its share of the room, the recent window
     is shown as planned, and every step is on a line of the prompt (shown, or inside a range line)."""
     sid = _long_session(runtime, 600)
-    pol = runtime.policy(policy)
+    pol = runtime.policy(per_turn(policy))
     bound = pol.cfg.history
     budget = 4000
     turn = runtime.turn(sid, pol, budget)

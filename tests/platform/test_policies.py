@@ -11,7 +11,7 @@ from palimpsest.platform.policies import (
     parse_policy_config,
     policy_names,
 )
-from tests.helpers import step
+from tests.helpers import PER_TURN, step
 
 BUDGET = 100_000
 
@@ -136,7 +136,7 @@ def test_ace_can_render_drops_as_placeholders(runtime, session):
 
 
 def test_rolling_summary_folds_past_the_threshold_and_extends_later(runtime, session, ledger):
-    cfg = RollingSummaryConfig(keep_last=3, trigger_tokens=200)
+    cfg = RollingSummaryConfig(keep_last=3, trigger_tokens=200, compaction=PER_TURN)
     first = runtime.turn(session, cfg, BUDGET)
     assert first.plan.new_fold and first.plan.fold.upto == 9
     assert resolutions(first.plan) == [Resolution.DROP] * 9 + [Resolution.FULL] * 3
@@ -152,7 +152,7 @@ def test_rolling_summary_folds_past_the_threshold_and_extends_later(runtime, ses
 
 
 def test_rolling_summary_is_bounded(runtime, session):
-    cfg = RollingSummaryConfig(keep_last=1, trigger_tokens=50, max_summary_tokens=40)
+    cfg = RollingSummaryConfig(keep_last=1, trigger_tokens=50, max_summary_tokens=40, compaction=PER_TURN)
     fold = runtime.turn(session, cfg, BUDGET).plan.fold
     assert fold.text.startswith("(") and "earlier steps omitted" in fold.text
 

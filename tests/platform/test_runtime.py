@@ -1,7 +1,7 @@
 import pytest
 
 from palimpsest.platform import GlimpseLimitError, UnknownStepError
-from tests.helpers import TASK, step
+from tests.helpers import TASK, per_turn, step
 
 
 def test_glimpse_returns_the_raw_step(runtime, session, ledger):
@@ -51,8 +51,8 @@ def test_enrichment_is_idempotent_and_turns_never_wait_for_it(runtime, session, 
 
 def test_a_turn_without_keys_is_planned_on_the_fallback_and_fits(runtime, session):
     """The embedder down: the turn plans as if no key existed yet (PACE's fallback) and stays in budget."""
-    with_keys = runtime.turn(session, "pace", 2_000, record=False)
-    without = runtime.turn(session, "pace", 2_000, record=False, keys=False)
+    with_keys = runtime.turn(session, per_turn("pace"), 2_000, record=False)
+    without = runtime.turn(session, per_turn("pace"), 2_000, record=False, keys=False)
     assert without.prompt.tokens <= 2_000
     reasons = {e.reason for e in without.plan.entries()}
     assert not any(r.startswith("w~") for r in reasons)  # nothing was scored by relevance

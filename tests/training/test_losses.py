@@ -105,3 +105,18 @@ def test_stage1_learns_to_reconstruct_and_stage2_starts_from_it():
     stage2 = memnet(actor, seed=99)
     init_stage2_from_stage1(stage2, net.state_dict())
     assert all(torch.equal(a, b) for a, b in zip(stage2.state_dict().values(), net.state_dict().values()))
+
+
+def test_the_tail_mass_of_a_peaked_teacher_is_exact():
+    """A confident teacher: 1 - sum(top-k) rounds to 0 in float32; the tail is a logsumexp over the rest."""
+    from palimpsest.training.teachers import coarse_kl, teacher_of
+
+    logits = torch.full((1, 1000), -20.0)
+    logits[0, 0] = 20.0  # p(top) ~ 1 - 1e-15: the other 999 tokens carry ~4.2e-15 in all
+    t = teacher_of(logits, 4)
+    exact = torch.log_softmax(logits.double(), -1)[0, 4:].logsumexp(-1)
+    assert float(t.tail[0]) == pytest.approx(float(exact), abs=1e-3)
+    # a student that agrees pays (almost) nothing; one that puts mass on the tail pays for it
+    assert float(coarse_kl(logits, t)[0]) == pytest.approx(0.0, abs=1e-6)
+    flat = torch.zeros((1, 1000))
+    assert float(coarse_kl(flat, t)[0]) > 5.0

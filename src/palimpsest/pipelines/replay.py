@@ -32,6 +32,7 @@ from palimpsest.pipelines.trajectories import (
     to_record,
 )
 from palimpsest.platform.embedding import Embedder
+from palimpsest.platform.epochs import CACHE_BLOCK, Boundary, compaction_of, turn_cost
 from palimpsest.platform.ledger import SessionSnapshot
 from palimpsest.platform.policies import PolicyConfigBase
 from palimpsest.platform.render import own_words
@@ -41,6 +42,8 @@ from palimpsest.platform.types import Authority, BudgetError, Fold, LedgerError,
 UNBOUNDED = 1 << 40  # the `full` policy is the unbudgeted reference: ReAct shows everything
 DISTANCES = (("1-4", 1, 4), ("5-19", 5, 19), ("20+", 20, math.inf))
 CONCAT_WINDOW = 250
+#: Longevity on a concatenated session: steps until a window's recall 1-4 steps back falls below this.
+RECENT_RECALL_FLOOR = 0.95
 
 
 class ReplayError(PalimpsestError):
@@ -142,6 +145,7 @@ def prepare_sessions(rt: Runtime, trajs: Sequence[Trajectory], concat: bool, dat
 class _PolicyState:
     fold: Fold | None = None
     prev_tokens: int = 0
+    boundary: Boundary | None = None  # compaction epochs: the session's last boundary
 
 
 def action_targets(snap: SessionSnapshot) -> list[tuple[str, ...]]:
@@ -174,13 +178,15 @@ def walk_turns(rt: Runtime, sess: ReplaySession, cfg: PolicyConfigBase, budget: 
                          last_context_tokens={policy.name: state.prev_tokens})
         t0 = time.perf_counter()
         try:
-            turn = rt.compile(snap, policy, bound, reserve if bound != UNBOUNDED else 0)
+            turn = rt.compile(snap, policy, bound, reserve if bound != UNBOUNDED else 0, state.boundary)
         except BudgetError as e:
             yield rs, snap, e, time.perf_counter() - t0
             continue
         elapsed = time.perf_counter() - t0
         if turn.plan.new_fold:
             state.fold = turn.plan.fold
+        if turn.boundary is not None:
+            state.boundary = turn.boundary
         state.prev_tokens = turn.prompt.tokens
         yield rs, snap, turn, elapsed
 
@@ -220,16 +226,24 @@ def teacher_boundaries(rt: Runtime, sess: ReplaySession, budget: int, window: in
             yield rs.t, list(turn.prompt.ids), target
 
 
+#: A cached input token's price against an uncached one (the API providers' cached-input rate).
+CACHED_RATE = 0.1
+
+
 def replay_session(rt: Runtime, sess: ReplaySession, label: str, cfg: PolicyConfigBase, budget: int,
                    timer: TimedEmbedder | None, on_step: Callable[[], None] | None = None,
-                   reserve: int = 0, targets: list[tuple[str, ...]] | None = None) -> list[dict]:
+                   reserve: int = 0, targets: list[tuple[str, ...]] | None = None,
+                   cached_rate: float = CACHED_RATE) -> list[dict]:
     """Per-step rows for one policy over one session: the served prompt (its exact ids), checked on the
-    text the actor receives."""
+    text the actor receives, and what it costs against the previous turn's ids (a prefix cache holds their
+    common prefix in whole blocks)."""
     full = rt.snapshot(sess.session_id)
     full_cost = _full_sizes(rt, full)
     prefix_text = _prefix_text(full)
     rows = []
     embed_before = timer.seconds if timer else 0.0
+    prev_ids: list[int] | None = None
+    epochs = compaction_of(rt.policy(cfg)) is not None
     for rs, snap, turn, seconds in walk_turns(rt, sess, cfg, budget, reserve):
         t = rs.t
         row = {"policy": label, "budget": budget, "trajectory": rs.trajectory, "t": t - rs.offset, "session_t": t,
@@ -247,6 +261,11 @@ def replay_session(rt: Runtime, sess: ReplaySession, label: str, cfg: PolicyConf
         if targets is not None and t < len(targets):
             row["action_ids"] = len(targets[t])
             row["action_id_hits"] = sum(appears(tok, turn.prompt.text) for tok in targets[t])
+        ids = turn.prompt.ids
+        row.update(turn_cost(prev_ids, ids, cached_rate))
+        # a rebuild: a compaction boundary (epochs), or every turn of a policy that plans per turn
+        row["compaction"] = bool(turn.compacted) if epochs else prev_ids is not None
+        prev_ids = ids
         row["ms"] = (seconds - embedded) * 1000
         row["over_budget"] = turn.prompt.tokens + reserve > budget
         row["elided"] = len(turn.plan.info.get("elided", []))
@@ -254,6 +273,33 @@ def replay_session(rt: Runtime, sess: ReplaySession, label: str, cfg: PolicyConf
         if on_step:
             on_step()
     return rows
+
+
+def session_cost(rt: Runtime, session_id: str, cfg: PolicyConfigBase, budget: int, reserve: int, upto: int,
+                 cached_rate: float = CACHED_RATE) -> dict:
+    """What the turns of one ledger session cost under a policy, replayed from its first step to ``upto``:
+    the per-turn means of ``summarize`` (prefix reuse, uncached and billed ids, compactions per 100 turns)
+    and the last turn's own figures. ``palimpsest render --json`` reports it."""
+    sess = ReplaySession(session_id, [ReplayStep(t, session_id, ()) for t in range(upto + 1)])
+    epochs = compaction_of(rt.policy(cfg)) is not None
+    prev: list[int] | None = None
+    rows = []
+    for _rs, _snap, turn, _s in walk_turns(rt, sess, cfg, budget, reserve):
+        if isinstance(turn, BudgetError):
+            continue
+        ids = turn.prompt.ids
+        rows.append({**turn_cost(prev, ids, cached_rate), "tokens": len(ids),
+                     "compaction": bool(turn.compacted) if epochs else prev is not None})
+        prev = ids
+    if not rows:
+        return {"turns": 0}
+    n = len(rows)
+    return {"turns": n, "cached_rate": cached_rate, "cache_block": CACHE_BLOCK,
+            "prefix_reuse": round(float(np.mean([r["prefix_reuse"] for r in rows])), 4),
+            "uncached_per_turn": round(float(np.mean([r["uncached"] for r in rows])), 1),
+            "billed_per_turn": round(float(np.mean([r["billed"] for r in rows])), 1),
+            "compactions_per_100": round(100.0 * sum(r["compaction"] for r in rows) / n, 2),
+            "this_turn": rows[-1]}
 
 
 def _full_sizes(rt: Runtime, snap: SessionSnapshot) -> np.ndarray:
@@ -279,7 +325,8 @@ def _empty_row(needs: Iterable[Need]) -> dict:
     strong = [n for n in needs if n.strength == "strong"]
     out = {"tokens": 0, "ms": float("nan"), "over_budget": False, "strong_needs": len(strong), "strong_hits": 0,
            "weak_needs": len(needs) - len(strong), "weak_hits": 0, "recoverable": 0, "far_needs": 0, "far_hits": 0,
-           "elided": 0, "action_ids": 0, "action_id_hits": 0}
+           "elided": 0, "action_ids": 0, "action_id_hits": 0, "cached": 0, "uncached": 0, "billed": 0.0,
+           "prefix_reuse": 0.0, "compaction": False}
     out.update({f"n_{r.label}": 0 for r in Resolution})
     for key, lo, hi in DISTANCES:
         out[f"needs_{key}"] = 0
@@ -364,19 +411,29 @@ def summarize(rows: list[dict], budget: int, concat: bool) -> dict:
         "elided_steps": sum(1 for r in done if r["elided"]),
         "recoverable": sum(r["recoverable"] for r in done),
         "ms_per_step": round(float(np.median(ms)), 3) if ms else None,
+        # what a prefix cache leaves to pay, per turn (the previous turn's ids, 16-token blocks)
+        "prefix_reuse": round(float(np.mean([r["prefix_reuse"] for r in done])), 4) if done else None,
+        "uncached_per_turn": round(float(np.mean([r["uncached"] for r in done])), 1) if done else None,
+        "billed_per_turn": round(float(np.mean([r["billed"] for r in done])), 1) if done else None,
+        "compactions_per_100": round(100.0 * sum(r["compaction"] for r in done) / len(done), 2) if done else None,
         "steps": len(rows),
         "strong_needs": strong,
         "skipped_steps": len(rows) - len(done),
     }
     if concat:
-        over = [i for i, r in enumerate(rows) if r["skipped"] is None and r["over_budget"]]
-        out["longevity_steps"] = over[0] if over else len(rows)
+        # Longevity that can fail: the first step of the first window whose recall 1-4 steps back falls below
+        # RECENT_RECALL_FLOOR (the session's length when none does). The budget bound itself always holds.
         windows = []
+        out["longevity_steps"] = len(rows)
         for start in range(0, len(rows), CONCAT_WINDOW):
             chunk = [r for r in rows[start: start + CONCAT_WINDOW] if r["skipped"] is None]
+            recent = _ratio(sum(r["hits_1-4"] for r in chunk), sum(r["needs_1-4"] for r in chunk))
             windows.append({"steps": f"{start}-{start + CONCAT_WINDOW - 1}",
                             "need_recall_strong": _ratio(sum(r["strong_hits"] for r in chunk),
-                                                         sum(r["strong_needs"] for r in chunk))})
+                                                         sum(r["strong_needs"] for r in chunk)),
+                            "recall_1-4": recent})
+            if recent is not None and recent < RECENT_RECALL_FLOOR and out["longevity_steps"] == len(rows):
+                out["longevity_steps"] = start
         out["recall_by_window"] = windows
     return out
 
@@ -388,9 +445,12 @@ class ReplayResult:
 
 
 def run_replay(rt: Runtime, data: Path, policies: dict[str, PolicyConfigBase], budget: int, concat: bool = False,
-               timer: TimedEmbedder | None = None, progress=None, reserve: int = 0, repeat: int = 1) -> ReplayResult:
+               timer: TimedEmbedder | None = None, progress=None, reserve: int = 0, repeat: int = 1,
+               cached_rate: float = CACHED_RATE) -> ReplayResult:
     """Replay every trajectory of ``data`` under every policy. ``progress`` is an optional rich Progress.
     ``repeat`` (with ``concat``): the trajectories N times over, as one session N times as long."""
+    if not 0.0 <= cached_rate <= 1.0:
+        raise ReplayError(f"the cached-input rate must be within [0, 1], got {cached_rate}")
     if repeat < 1 or (repeat > 1 and not concat):
         raise ReplayError(f"repeat must be >= 1 and needs concat, got repeat={repeat}, concat={concat}")
     read = read_trajectories(data)
@@ -422,7 +482,8 @@ def run_replay(rt: Runtime, data: Path, policies: dict[str, PolicyConfigBase], b
         for sess in usable:
             policy_rows += replay_session(rt, sess, label, cfg, budget, timer,
                                           on_step=(lambda: progress.advance(bar)) if progress else None,
-                                          reserve=reserve, targets=targets[sess.session_id])
+                                          reserve=reserve, targets=targets[sess.session_id],
+                                          cached_rate=cached_rate)
         by_policy[label] = summarize(policy_rows, budget, concat)
         rows += policy_rows
     summary = {
@@ -431,6 +492,8 @@ def run_replay(rt: Runtime, data: Path, policies: dict[str, PolicyConfigBase], b
         "max_tokens": reserve,
         "concat": concat,
         "repeat": repeat,
+        "cached_rate": cached_rate,
+        "cache_block": CACHE_BLOCK,
         "embedder": rt.embedder.name,
         "tokenizer": rt.ledger.tokenizer.name,
         "policies": by_policy,
@@ -455,14 +518,19 @@ def summary_markdown(summary: dict) -> str:
     lines = [f"# Replay: {Path(d['file']).name} ({d['trajectories']} trajectories, {d['steps']} steps), "
              f"budget {summary['budget']}{' — concatenated' if summary.get('concat') else ''}", "",
              f"embedder `{summary['embedder']}`, tokenizer `{summary['tokenizer']}`, data sha256 `{d['sha256'][:16]}`", "",
+             f"cost per turn against the previous turn's ids: a prefix cache holds their common prefix in "
+             f"{summary.get('cache_block', CACHE_BLOCK)}-token blocks; billed = uncached + "
+             f"{summary.get('cached_rate', CACHED_RATE):g} x cached", "",
              "| policy | mean tokens | p95 tokens | token ratio | strong recall | far recall | weak recall | 1-4 | 5-19 "
-             "| 20+ | over budget | recoverable | ms/step |" + (" longevity |" if summary.get("concat") else ""),
-             "|---|" + "---|" * (13 if summary.get("concat") else 12)]
+             "| 20+ | prefix reuse | uncached/turn | billed/turn | compactions/100 | over budget | recoverable "
+             "| ms/step |" + (" longevity |" if summary.get("concat") else ""),
+             "|---|" + "---|" * (17 if summary.get("concat") else 16)]
     for name, m in summary["policies"].items():
         rbd = m["recall_by_distance"]
         cells = [m["mean_tokens"], m["p95_tokens"], m["token_ratio"], m["need_recall_strong"], m.get("need_recall_far"),
-                 m["need_recall_weak"],
-                 rbd["1-4"], rbd["5-19"], rbd["20+"], m["over_budget_steps"], m["recoverable"], m["ms_per_step"]]
+                 m["need_recall_weak"], rbd["1-4"], rbd["5-19"], rbd["20+"], m.get("prefix_reuse"),
+                 m.get("uncached_per_turn"), m.get("billed_per_turn"), m.get("compactions_per_100"),
+                 m["over_budget_steps"], m["recoverable"], m["ms_per_step"]]
         if summary.get("concat"):
             cells.append(m["longevity_steps"])
         lines.append(f"| {name} | " + " | ".join("-" if c is None else str(c) for c in cells) + " |")

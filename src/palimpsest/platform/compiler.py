@@ -20,11 +20,28 @@ plus a minimal rendering of the latest step is an error.
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from palimpsest.platform.chat import chat_ids, history_messages, message_overhead, prefix_messages, prefix_size, soft_slot
+from palimpsest.platform.chat import (
+    ChatIds,
+    chat_ids,
+    history_messages,
+    message_overhead,
+    prefix_messages,
+    prefix_size,
+    soft_slot,
+)
+from palimpsest.platform.epochs import (
+    Boundary,
+    Compaction,
+    boundary_of,
+    empty_boundary,
+    estimate_extension,
+    extend,
+    extended_plan,
+)
 from palimpsest.platform.folding import RANGE_LINE_TOKENS, fold_old_history, protected_order
 from palimpsest.platform.tokens import ChatTokenizer
 from palimpsest.platform.types import (
@@ -160,14 +177,19 @@ def _initial_caps(snap: "SessionSnapshot", costs: np.ndarray, pinned_idx: np.nda
 
 
 def compile_plan(snap: "SessionSnapshot", plan: RenderPlan, budget: int, tokenizer: ChatTokenizer,
-                 reserve: int = 0) -> Prompt:
+                 reserve: int = 0, slot: str = "recent") -> Prompt:
     """Render ``plan`` so that its exact ids plus ``reserve`` fit ``budget``; mutates ``plan`` (final
-    resolutions, degradations, and ``info["elided"]`` for oversized steps shown head and tail)."""
+    resolutions, degradations, and ``info["elided"]`` for oversized steps shown head and tail). ``slot``:
+    the soft-memory slot before the trailing run of raw steps (``recent``, per-turn planning) or after the
+    whole history (``end``, a compaction boundary: the steps appended since follow it)."""
     budget = validate_budget(budget)
     if isinstance(reserve, bool) or not isinstance(reserve, (int, np.integer)) or reserve < 0:
         raise BudgetError(f"the reserve (max_tokens + soft positions) must be a non-negative integer, got {reserve!r}")
     if len(plan) != snap.t:
         raise ValueError(f"plan covers {len(plan)} steps but the snapshot has {snap.t}")
+    if slot not in ("recent", "end"):
+        raise ValueError(f"slot must be 'recent' or 'end', got {slot!r}")
+    slot_at_end = slot == "end"
     room = budget - int(reserve)
     prefix = prefix_messages(snap.session)
     prefix_tokens = prefix_size(tokenizer, prefix)
@@ -225,8 +247,9 @@ def compile_plan(snap: "SessionSnapshot", plan: RenderPlan, budget: int, tokeniz
     # The exact count: assemble, count the ids, degrade further from the measured excess.
     for _ in range(_MAX_ROUNDS):
         msgs, spans = history_messages(snap, level, fold, ranges, caps)
-        slot = soft_slot(level, spans, len(prefix), len(prefix) + len(msgs))
-        ids = chat_ids(tokenizer, prefix + msgs, slot)
+        at = (len(prefix) + len(msgs) if slot_at_end
+              else soft_slot(level, spans, len(prefix), len(prefix) + len(msgs)))
+        ids = chat_ids(tokenizer, prefix + msgs, at)
         over = len(ids) - room
         if over <= 0:
             break
@@ -257,8 +280,7 @@ def compile_plan(snap: "SessionSnapshot", plan: RenderPlan, budget: int, tokeniz
                                                                     snap.steps[i].observation))}
                                for i, c in sorted(caps.items())]
     messages = prefix + msgs
-    segments = [Segment("system", "system", prefix[0]["content"], 0, messages=(0, 1)),
-                Segment("task", "user", prefix[1]["content"], 0, messages=(1, 2))]
+    segments = prefix_segments(prefix)
     base = len(prefix)
     if fold is not None:
         segments.append(Segment("fold", "user", msgs[0]["content"], fold_tokens, messages=(base, base + 1)))
@@ -269,6 +291,17 @@ def compile_plan(snap: "SessionSnapshot", plan: RenderPlan, budget: int, tokeniz
         kind = "range" if lv == _DROP else "step"
         segments.append(Segment(kind, msgs[first]["role"], text, int(costs[i, lv]), t=step.t, step_id=step.id,
                                 resolution=Resolution(lv), messages=(base + first, base + first + n)))
+    return assemble_prompt(tokenizer, prefix, messages, ids, segments, prefix_tokens, reserve)
+
+
+def prefix_segments(prefix: list[dict]) -> list[Segment]:
+    return [Segment("system", "system", prefix[0]["content"], 0, messages=(0, 1)),
+            Segment("task", "user", prefix[1]["content"], 0, messages=(1, 2))]
+
+
+def assemble_prompt(tokenizer: ChatTokenizer, prefix: list[dict], messages: list[dict], ids: ChatIds,
+                    segments: list[Segment], prefix_tokens: int, reserve: int) -> Prompt:
+    """The ``Prompt`` of counted ``messages`` (their ``ids``, split at the soft slot)."""
     # The text the actor receives: its ids decoded (piece by piece from the tokenizer's cache where it has one).
     fast = getattr(tokenizer, "decode_encoded", None)
     text = fast(ids.text) if fast is not None and ids.text is not None else tokenizer.decode(ids.all)
@@ -286,6 +319,52 @@ def compile_plan(snap: "SessionSnapshot", plan: RenderPlan, budget: int, tokeniz
         reserve=int(reserve),
         soft_at=ids.split if ids.split is not None else len(messages),
     )
+
+
+def compile_epoch(snap: "SessionSnapshot", plan_at: Callable[[int], RenderPlan], budget: int,
+                  tokenizer: ChatTokenizer, reserve: int, prev: Boundary | None, compaction: Compaction,
+                  policy: tuple[str, str] = ("", "")) -> tuple[RenderPlan, Prompt, Boundary, bool]:
+    """One turn of a compaction epoch (:mod:`palimpsest.platform.epochs`): the previous boundary's prompt plus
+    the steps appended since, raw, unless those ids plus ``reserve`` would pass ``compaction.high`` x budget;
+    then a boundary: ``plan_at(plan budget)`` plans anew and the prompt is compacted to ``compaction.low`` x
+    budget (the whole budget where the low watermark cannot hold the prefix and the latest step). Returns
+    (plan, prompt, the boundary in effect, whether this turn is a new boundary). ``policy``: the policy's
+    (name, config hash), named by the plan of an append-only turn."""
+    budget = validate_budget(budget)
+    if isinstance(reserve, bool) or not isinstance(reserve, (int, np.integer)) or reserve < 0:
+        raise BudgetError(f"the reserve (max_tokens + soft positions) must be a non-negative integer, got {reserve!r}")
+    prefix = prefix_messages(snap.session)
+    prefix_tokens = prefix_size(tokenizer, prefix)
+    overhead = message_overhead(tokenizer)
+    base = prev if prev is not None and prev.t <= snap.t else empty_boundary(prefix, prefix_segments(prefix))
+    high = int(compaction.high * budget)
+    base_tokens = int(base.info.get("tokens", prefix_tokens))
+    estimate = estimate_extension(base, snap, base_tokens, overhead, _messages_per_step(snap))
+    before = estimate
+    # An extension far past the watermark (a long history met for the first time) is not counted exactly.
+    if estimate + reserve <= high * 1.25 + 64:
+        msgs, segments = extend(base, snap, overhead)
+        ids = chat_ids(tokenizer, msgs, base.split)
+        before = len(ids)
+        if len(ids) + reserve <= high:
+            plan = extended_plan(base, snap, *policy)
+            return plan, assemble_prompt(tokenizer, prefix, msgs, ids, segments, prefix_tokens, reserve), base, False
+    low = max(int(compaction.low * budget), 1)
+    try:
+        plan = plan_at(low - reserve if 0 <= reserve < low else low)
+        prompt = compile_plan(snap, plan, low, tokenizer, reserve, slot="end")
+    except BudgetError:
+        low = budget
+        plan = plan_at(budget - reserve if 0 <= reserve < budget else budget)
+        prompt = compile_plan(snap, plan, budget, tokenizer, reserve, slot="end")
+    kept = np.concatenate([base.resolution, np.full(snap.t - base.t, Resolution.FULL, np.int8)])
+    changed = int(np.count_nonzero(kept != plan.resolution)) if kept.size == len(plan) else len(plan)
+    info = {"t": snap.t, "previous_t": base.t, "previous_id": base.id, "before": int(before), "reserve": int(reserve),
+            "high": high, "target": low, "after": prompt.tokens, "changed": changed,
+            "trigger": f"{before} + {reserve} > {compaction.high:g} x {budget}" if base.t or snap.t else "start",
+            "tokens": prompt.tokens}
+    plan.info["compaction"] = info
+    return plan, prompt, boundary_of(plan, prompt.messages, prompt.segments, budget, info), True
 
 
 def _tighten(snap: "SessionSnapshot", caps: dict[int, int], pinned_idx: np.ndarray, ids, tokenizer,

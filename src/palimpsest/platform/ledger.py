@@ -408,6 +408,41 @@ class Ledger:
                        " VALUES (?,?,?,?,?,?,?)",
                        (session_id, policy_key, fold.upto, fold.text, fold.tokens, fold.producer, time.time()))
 
+    # -- compaction boundaries (platform.epochs) ----------------------------------------------
+
+    def add_boundary(self, session_id: str, key: str, boundary) -> int:
+        """Store a compaction boundary (its exact messages and decisions) of a session under ``key``; returns
+        its row id. The latest row of a key at or before a step is the boundary in effect there."""
+        with self._tx() as db:
+            if not self._store.lock_session(db, session_id):
+                raise UnknownSessionError(f"unknown session {session_id!r}")
+            (row,) = db.execute(
+                "INSERT INTO boundaries (session_id, key, t, digest, body, created) VALUES (?,?,?,?,?,?) RETURNING id",
+                (session_id, key, int(boundary.t), boundary.digest, boundary.encode(), time.time())).fetchone()
+        return int(row)
+
+    def last_boundary(self, session_id: str, key: str, at: int | None = None) -> int | None:
+        """The row id of the session's last boundary under ``key`` (covering at most ``at`` steps), or None."""
+        if at is None:
+            row = self._read_one("SELECT id FROM boundaries WHERE session_id=? AND key=? ORDER BY id DESC LIMIT 1",
+                                 (session_id, key))
+        else:
+            row = self._read_one("SELECT id FROM boundaries WHERE session_id=? AND key=? AND t<=? "
+                                 "ORDER BY id DESC LIMIT 1", (session_id, key, int(at)))
+        return None if row is None else int(row[0])
+
+    def boundary_blob(self, session_id: str, row_id: int) -> bytes:
+        row = self._read_one("SELECT body FROM boundaries WHERE session_id=? AND id=?", (session_id, int(row_id)))
+        if row is None:
+            raise LedgerError(f"session {session_id!r} has no boundary {row_id}")
+        return bytes(row[0])
+
+    def boundaries(self, session_id: str) -> list[dict]:
+        """Every compaction boundary of a session, oldest first: (id, key, t, digest, created)."""
+        rows = self._read("SELECT id, key, t, digest, created FROM boundaries WHERE session_id=? ORDER BY id",
+                          (session_id,))
+        return [{"id": r[0], "key": r[1], "t": r[2], "digest": r[3], "created": r[4]} for r in rows]
+
     # -- audit ------------------------------------------------------------------------------
 
     def record_turn(self, turn: CompiledTurn) -> None:
@@ -421,6 +456,9 @@ class Ledger:
             head["elided"] = p.info["elided"]  # oversized steps shown head and tail
         if p.info.get("folded"):
             head["folded"] = p.info["folded"]  # old history folded into range lines
+        for k in ("compaction", "epoch"):  # a compaction boundary (what changed, why), or the epoch extended
+            if p.info.get(k):
+                head[k] = p.info[k]
         plan_blob = json.dumps(head).encode() + b"\0" + blob
         with self._tx() as db:
             _log(db, turn.session_id, self._bump(db, turn.session_id), [("turn", None, p.policy, turn.prompt.tokens)])
@@ -459,7 +497,8 @@ class Ledger:
                         "prefix_hash": r[5], "tokens": r[6], "prefix_tokens": r[7], "counts": json.loads(r[8]),
                         "plan": plan, "degradations": json.loads(r[10]), "created": r[11],
                         "reserve": meta.get("reserve", 0), "elided": meta.get("elided", []),
-                        "folded": meta.get("folded")})
+                        "folded": meta.get("folded"), "compaction": meta.get("compaction"),
+                        "epoch": meta.get("epoch")})
         return out
 
     def record_glimpse(self, session_id: str, step_id: int, limit: int) -> bool:

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections import OrderedDict
 import socket
 import uuid
 from dataclasses import dataclass
 from typing import Protocol
 
 from palimpsest.platform.abstraction import RuleSummarizer, Summaries
-from palimpsest.platform.compiler import ELIDE_SHARE, compile_plan, validate_budget
+from palimpsest.platform.compiler import ELIDE_SHARE, compile_epoch, compile_plan, validate_budget
 from palimpsest.platform.embedding import Embedder, HashingEmbedder
+from palimpsest.platform.epochs import Boundary, compaction_of, epoch_key
 from palimpsest.platform.ledger import Ledger, SessionSnapshot
 from palimpsest.platform.policies import PolicyConfigBase, PolicyDeps, build_policy
 from palimpsest.platform.policies.base import ContextPolicy
@@ -73,6 +75,7 @@ class Runtime:
         self.summarizer = summarizer or RuleSummarizer()
         self.glimpse_limit = glimpse_limit
         self.deps = PolicyDeps(embedder=self.embedder, tokenizer=ledger.tokenizer, chat=chat)
+        self._boundaries: OrderedDict[int, Boundary] = OrderedDict()  # decoded boundaries by ledger row
 
     def policy(self, config: PolicyConfigBase | dict | str) -> ContextPolicy:
         return build_policy(config, self.deps)
@@ -135,15 +138,44 @@ class Runtime:
             return self.snapshots.get(session_id, self.embedder.name)
         return self.ledger.snapshot(session_id, upto=at, key_model=self.embedder.name)
 
-    def compile(self, snap: SessionSnapshot, policy: ContextPolicy, budget: int, reserve: int = 0) -> CompiledTurn:
+    def compile(self, snap: SessionSnapshot, policy: ContextPolicy, budget: int, reserve: int = 0,
+                boundary: Boundary | None = None) -> CompiledTurn:
         """Plan and compile over a snapshot, with no side effect (the pure part of a turn). The prompt's ids
-        plus ``reserve`` (the reply's max_tokens and any soft positions) fit ``budget``."""
+        plus ``reserve`` (the reply's max_tokens and any soft positions) fit ``budget``.
+
+        A policy in compaction epochs (``compaction.mode: epochs``, platform.epochs) extends ``boundary``, the
+        session's last one (None: the session's start), and plans anew only when the extension would pass
+        the high watermark; the turn then carries the new boundary (``compacted``)."""
         budget = validate_budget(budget)
-        plan_budget = budget - reserve if 0 <= reserve < budget else budget
-        plan = policy.plan(_as_planned(snap, plan_budget), plan_budget)
-        prompt = compile_plan(snap, plan, budget, self.ledger.tokenizer, reserve)
+        epochs = compaction_of(policy)
+        if epochs is None:
+            plan_budget = budget - reserve if 0 <= reserve < budget else budget
+            plan = policy.plan(_as_planned(snap, plan_budget), plan_budget)
+            prompt = compile_plan(snap, plan, budget, self.ledger.tokenizer, reserve)
+            return CompiledTurn(session_id=snap.session.id, t=snap.t, budget=budget, plan=plan, prompt=prompt,
+                                snapshot=snap)
+        plan, prompt, now, compacted = compile_epoch(
+            snap, lambda b: policy.plan(_as_planned(snap, b), b), budget, self.ledger.tokenizer, reserve, boundary,
+            epochs, (policy.name, policy.config_hash))
         return CompiledTurn(session_id=snap.session.id, t=snap.t, budget=budget, plan=plan, prompt=prompt,
-                            snapshot=snap)
+                            snapshot=snap, boundary=now, compacted=compacted,
+                            epoch_key=epoch_key(policy.config_hash, budget))
+
+    def boundary(self, session_id: str, key: str, at: int | None = None) -> Boundary | None:
+        """The session's last compaction boundary under ``key`` (at or before step ``at``), from the ledger;
+        decoded once per replica (boundaries are immutable)."""
+        row = self.ledger.last_boundary(session_id, key, at)
+        if row is None:
+            return None
+        cached = self._boundaries.get(row)
+        if cached is None:
+            cached = Boundary.decode(self.ledger.boundary_blob(session_id, row), row)
+            self._boundaries[row] = cached
+            if len(self._boundaries) > 1024:
+                self._boundaries.popitem(last=False)
+        else:
+            self._boundaries.move_to_end(row)
+        return cached
 
     def turn(self, session_id: str, policy: ContextPolicy | PolicyConfigBase | dict | str, budget: int,
              at: int | None = None, record: bool = True, keys: bool = True, reserve: int = 0) -> CompiledTurn:
@@ -151,10 +183,18 @@ class Runtime:
         no key embedding existed (the fallback when the embedder is unavailable)."""
         pol = policy if hasattr(policy, "plan") else self.policy(policy)  # type: ignore[arg-type]
         snap = self.snapshot(session_id, at)
-        turn = self.compile(snap if keys else snap.without_keys(), pol, budget, reserve)
-        with self.ledger.transaction():  # the fold and the audit of a turn are stored together or not at all
+        prev = None
+        if compaction_of(pol) is not None:
+            prev = self.boundary(session_id, epoch_key(pol.config_hash, validate_budget(budget)), at)
+        turn = self.compile(snap if keys else snap.without_keys(), pol, budget, reserve, prev)
+        # the fold, the boundary and the audit of a turn are stored together or not at all
+        with self.ledger.transaction():
             if turn.plan.new_fold and turn.plan.fold is not None:
                 self.ledger.add_fold(session_id, turn.plan.config_hash, turn.plan.fold)
+            if turn.compacted and turn.epoch_key is not None and at is None:
+                row = self.ledger.add_boundary(session_id, turn.epoch_key, turn.boundary)
+                turn = dataclasses.replace(turn, boundary=dataclasses.replace(turn.boundary, id=row))
+                turn.plan.info["compaction"]["id"] = row
             if record:
                 self.ledger.record_turn(turn)
         return turn

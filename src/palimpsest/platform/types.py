@@ -300,3 +300,7 @@ class CompiledTurn:
     prompt: Prompt
     # The snapshot the turn was compiled over (what the memory reads is chosen from its steps); not compared.
     snapshot: Any = field(default=None, compare=False, repr=False)
+    # Compaction epochs (platform.epochs): the boundary the prompt extends, and whether this turn made it.
+    boundary: Any = field(default=None, compare=False, repr=False)
+    compacted: bool = False
+    epoch_key: str | None = None

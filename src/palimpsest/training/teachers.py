@@ -26,20 +26,34 @@ class Teacher:
     tail: torch.Tensor  # (R,) log of the probability mass outside the top k
 
 
+#: The least log-mass a cached tail is taken to have (a teacher that put none outside its top k).
+_MIN_LOG_TAIL = -69.0  # ~1e-30
+
+
+def _log_rest(logp: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """(R,) log of the probability mass outside ``ids``: a logsumexp over the remaining tokens (-inf when none
+    remain). ``1 - sum(top-k)`` in float32 loses it for a confident teacher: it rounds to 0 (or below)."""
+    return logp.scatter(-1, ids, float("-inf")).logsumexp(-1)
+
+
 def teacher_of(logits: torch.Tensor, k: int = TOP_K) -> Teacher:
     logp = F.log_softmax(logits.float(), -1)
     top, ids = logp.topk(min(k, logp.shape[-1]), -1)
-    rest = (1.0 - top.exp().sum(-1)).clamp(min=1e-12)
-    return Teacher(ids, top, rest.log())
+    return Teacher(ids, top, _log_rest(logp, ids))
 
 
 def coarse_kl(q_logits: torch.Tensor, teacher: Teacher) -> torch.Tensor:
     """(R,) KL(q || p) per position over the partition {the teacher's top-k tokens, the rest}: a lower bound
-    of the full-vocabulary KL, exact as k grows. Differentiable in ``q_logits`` (Stage II trains on it)."""
+    of the full-vocabulary KL, exact as k grows (k = the vocabulary: the full KL). Differentiable in
+    ``q_logits`` (Stage II trains on it)."""
     log_q = F.log_softmax(q_logits.float(), -1)
     q_k = log_q.gather(-1, teacher.ids)
-    q_rest = (1.0 - q_k.exp().sum(-1)).clamp(min=1e-12).log()
-    kl = (q_k.exp() * (q_k - teacher.logp)).sum(-1) + q_rest.exp() * (q_rest - teacher.tail)
+    q_rest = _log_rest(log_q, teacher.ids)
+    some = torch.isfinite(q_rest)  # no rest at all (k = the vocabulary): that term is 0
+    q_rest = torch.where(some, q_rest, torch.zeros_like(q_rest))
+    tail = teacher.tail.to(q_rest).clamp(min=_MIN_LOG_TAIL)
+    rest_term = torch.where(some, q_rest.exp() * (q_rest - tail), torch.zeros_like(q_rest))
+    kl = (q_k.exp() * (q_k - teacher.logp)).sum(-1) + rest_term
     return kl.clamp(min=0)
 
 

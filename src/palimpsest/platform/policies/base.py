@@ -17,6 +17,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from palimpsest.platform.embedding import Embedder, HashingEmbedder
+from palimpsest.platform.epochs import Compaction
 from palimpsest.platform.folding import HistoryBound
 from palimpsest.platform.render import head_tail, key_text, own_words
 from palimpsest.platform.tokens import ApproxTokenizer, Tokenizer
@@ -51,6 +52,8 @@ class PolicyConfigBase(BaseModel):
     name: ClassVar[str]
     history: HistoryBound = Field(default_factory=HistoryBound, description="how much of the budget history older "
                                   "than the recent window may take before the compiler folds it (platform.folding)")
+    compaction: Compaction = Field(default_factory=Compaction, description="when the session's prompt is rebuilt: "
+                                   "at compaction boundaries, append-only between (platform.epochs), or per turn")
 
     def config_hash(self) -> str:
         blob = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))

@@ -1,0 +1,173 @@
+"""Compaction epochs (platform/epochs.py): append-only turns between boundaries, a boundary exactly when the
+high watermark is crossed, the budget on every turn, and replicas that agree byte for byte."""
+
+import numpy as np
+import pytest
+
+from palimpsest.platform import Ledger, Runtime
+from palimpsest.platform.chat import chat_ids
+from palimpsest.platform.epochs import Boundary, Compaction, cached_tokens, turn_cost
+from palimpsest.platform.policies import parse_policy_config
+from palimpsest.platform.types import ConfigError
+from tests.helpers import STEPS, TASK, step
+
+POLICIES = ["full", "window", "rolling_summary", "pace", "ace", "pace_plus"]
+BUDGET, RESERVE = 1500, 64
+
+
+def _grow(runtime, sid, t):
+    action, obs = STEPS[t % len(STEPS)]
+    runtime.append(sid, step(t, f"{action} # {t}", f"{obs}\nrun {t}: " + "value=%d " % (t * 7) * 20))
+
+
+def _session(runtime, sid="e1"):
+    runtime.ledger.create_session(sid, TASK, system="You are a careful coding agent.")
+    return sid
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_between_boundaries_the_ids_strictly_extend_the_previous_turns(runtime, policy):
+    """Every turn that is not a boundary sends the previous turn's ids unchanged, then the new step's."""
+    sid = _session(runtime)
+    prev, extensions, boundaries = None, 0, 0
+    for t in range(40):
+        _grow(runtime, sid, t)
+        turn = runtime.turn(sid, policy, BUDGET, reserve=RESERVE)
+        ids = turn.prompt.ids
+        if turn.compacted:
+            boundaries += 1
+        elif prev is not None:
+            assert len(ids) > len(prev) and ids[: len(prev)] == prev, f"t={t}: the prompt was rewritten"
+            assert cached_tokens(prev, ids) == (len(prev) // 16) * 16
+            extensions += 1
+        prev = ids
+    assert extensions >= 20
+    if policy != "full":  # full is unbudgeted only in replay; here it compacts like the rest
+        assert boundaries >= 2
+
+
+def test_a_boundary_happens_exactly_when_the_high_watermark_is_crossed(runtime):
+    sid = _session(runtime)
+    cfg = parse_policy_config({"type": "pace", "compaction": {"high": 0.8, "low": 0.5}})
+    pol = runtime.policy(cfg)
+    tok = runtime.ledger.tokenizer
+    seen = 0
+    for t in range(40):
+        _grow(runtime, sid, t)
+        prev = runtime.boundary(sid, f"{pol.config_hash}@{BUDGET}")
+        snap = runtime.snapshot(sid)
+        # what the append-only turn would send: the last boundary's messages plus every step since, raw
+        from palimpsest.platform.compiler import prefix_segments
+        from palimpsest.platform.chat import message_overhead, prefix_messages
+        from palimpsest.platform.epochs import empty_boundary, extend
+
+        base = prev or empty_boundary(prefix_messages(snap.session), prefix_segments(prefix_messages(snap.session)))
+        msgs, _ = extend(base, snap, message_overhead(tok))
+        would = len(chat_ids(tok, msgs, base.split))
+        turn = runtime.turn(sid, pol, BUDGET, reserve=RESERVE)
+        crossed = would + RESERVE > int(0.8 * BUDGET)
+        assert turn.compacted == crossed, f"t={t}: {would} + {RESERVE} vs {int(0.8 * BUDGET)}"
+        if crossed:
+            seen += 1
+            info = turn.plan.info["compaction"]
+            assert info["before"] == would and info["target"] == int(0.5 * BUDGET)
+            assert turn.prompt.tokens + RESERVE <= int(0.5 * BUDGET)  # compacted to the low watermark
+            (row,) = [r for r in runtime.ledger.audit(sid) if r["t"] == turn.t][-1:]
+            assert row["compaction"]["id"] == turn.boundary.id  # the audit names the boundary and why
+            assert "> 0.8 x 1500" in row["compaction"]["trigger"]
+    assert seen >= 2
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_the_budget_bound_holds_on_every_turn(runtime, policy):
+    sid = _session(runtime)
+    huge = "".join(f"row {i}: {i * 13}\n" for i in range(1500))  # one step far above the budget
+    for t in range(30):
+        if t == 17:
+            runtime.append(sid, step(t, "cat dump.csv", huge))
+        else:
+            _grow(runtime, sid, t)
+        for reserve in (0, RESERVE, 300):
+            turn = runtime.turn(sid, policy, BUDGET, reserve=reserve, record=False)
+            assert turn.prompt.tokens == len(turn.prompt.ids)
+            assert turn.prompt.tokens + reserve <= BUDGET, (t, reserve)
+
+
+def test_two_replicas_build_identical_prompts_after_a_restart(tmp_path):
+    """A second replica (and a restarted one) rebuilds each append-only turn from the boundary in the ledger,
+    byte for byte, with no state of the first; summaries written after the boundary change nothing."""
+    url = str(tmp_path / "ledger.db")
+    a = Runtime(Ledger(url))
+    sid = _session(a)
+    cfg = {"type": "pace", "compaction": {"high": 0.85, "low": 0.55}}
+    for t in range(25):
+        _grow(a, sid, t)
+        first = a.turn(sid, cfg, BUDGET, reserve=RESERVE)
+    assert a.ledger.boundaries(sid), "the session never reached a boundary"
+    a.ledger.close()
+    b = Runtime(Ledger(url))  # a fresh process: no cached boundary, snapshot or prompt
+    c = Runtime(Ledger(url))
+    again_b = b.turn(sid, cfg, BUDGET, reserve=RESERVE)
+    again_c = c.turn(sid, cfg, BUDGET, reserve=RESERVE)
+    assert again_b.prompt.ids == first.prompt.ids == again_c.prompt.ids
+    assert again_b.prompt.text == first.prompt.text and again_b.prompt.messages == first.prompt.messages
+    for t in range(25, 30):  # turns go on on either replica, and they agree on each
+        _grow(b, sid, t)
+        pb = b.turn(sid, cfg, BUDGET, reserve=RESERVE)
+        pc = c.turn(sid, cfg, BUDGET, reserve=RESERVE, record=False)
+        assert pb.prompt.ids == pc.prompt.ids and pb.prompt.prompt_hash == pc.prompt.prompt_hash
+
+
+def test_every_step_stays_glimpseable_and_the_soft_slot_is_the_boundary(runtime):
+    sid = _session(runtime)
+    t = 0
+    while t < 40 or turn.compacted:  # end on an append-only turn after some boundaries
+        _grow(runtime, sid, t)
+        turn = runtime.turn(sid, "pace", BUDGET, reserve=RESERVE)
+        t += 1
+    b = turn.boundary
+    assert b is not None and 0 < b.t < turn.t
+    # the memory's slot sits after the compacted history, before the steps appended since
+    assert turn.prompt.soft_at == b.split
+    assert list(turn.prompt.messages[: b.split]) == list(b.messages)
+    n = runtime.ledger.count(sid)
+    for k in range(n):
+        assert runtime.glimpse(sid, runtime.ledger.step_at(sid, k).id)
+        if k % 3 == 2:
+            runtime.append(sid, step(runtime.ledger.count(sid), "ls", "ok"))  # a new turn resets the glimpse count
+
+
+def test_per_turn_mode_replans_and_a_bad_compaction_config_is_refused(runtime):
+    sid = _session(runtime)
+    for t in range(12):
+        _grow(runtime, sid, t)
+    turn = runtime.turn(sid, {"type": "pace", "compaction": {"mode": "per_turn"}}, BUDGET, reserve=RESERVE)
+    assert turn.boundary is None and not turn.compacted
+    with pytest.raises(ConfigError, match="low"):
+        parse_policy_config({"type": "pace", "compaction": {"high": 0.5, "low": 0.7}})
+    with pytest.raises(ConfigError, match="compaction"):
+        parse_policy_config({"type": "pace", "compaction": {"high": 1.5}})
+    assert Compaction().epochs and not Compaction(mode="per_turn").epochs
+
+
+def test_a_boundary_round_trips_through_its_ledger_form(runtime):
+    sid = _session(runtime)
+    for t in range(30):
+        _grow(runtime, sid, t)
+        turn = runtime.turn(sid, "ace", BUDGET, reserve=RESERVE)
+    b = turn.boundary
+    back = Boundary.decode(b.encode(), b.id)
+    assert back.messages == b.messages and back.t == b.t and back.digest == b.digest
+    assert np.array_equal(back.resolution, b.resolution) and np.array_equal(back.score, b.score)
+    assert [s.messages for s in back.segments] == [s.messages for s in b.segments]
+
+
+def test_turn_cost_counts_whole_blocks_and_never_the_last_id():
+    prev = list(range(100))
+    assert cached_tokens(prev, prev + [7, 8]) == 96  # 100 common ids: six whole blocks
+    assert cached_tokens(prev, prev) == 96  # identical: the last id is computed again
+    assert cached_tokens(prev, [5] + prev) == 0  # a change at the start loses everything
+    assert cached_tokens(None, prev) == 0
+    cost = turn_cost(list(range(64)), list(range(64)) + [1] * 36, 0.1)
+    assert cost["cached"] == 64 and cost["uncached"] == 36 and cost["billed"] == pytest.approx(36 + 6.4)
+    assert cost["prefix_reuse"] == pytest.approx(0.64)
