@@ -200,6 +200,13 @@ def test_an_openai_client_gets_context_management_by_changing_its_base_url(serve
                     {"role": "tool", "content": OBS, "tool_call_id": f"c{i}"}]
     turns = client.get("/v1/sessions/oa-1/audit").json()["turns"]
     assert [t["t"] for t in turns] == [0, 1, 2]  # resending the history recorded each step once
+    # usage as the OpenAI API reports it, with the prefix cache's share; the epoch prompt only grew, so the
+    # actor's own cache held the previous turn's prompt (vLLM's count) and the served record says so too
+    assert reply.usage.prompt_tokens_details is not None
+    served = [r for r in Ledger(server.cfg.ledger).served() if r["session_id"].endswith("oa-1")]
+    assert [r["compaction"] for r in served] == [False] * 3 and "prefix_reuse" not in served[0]
+    assert all(r["prefix_reuse"] > 0.5 and r["uncached"] < r["tokens_context"] for r in served[1:])
+    assert served[-1]["tokens_cached"] > 0 and reply.usage.prompt_tokens_details.cached_tokens > 0
     history[3] = {"role": "tool", "content": "something else", "tool_call_id": "c0"}
     with pytest.raises(openai.ConflictError):
         oc.chat.completions.create(model=model, messages=history, max_tokens=4, user="oa-1")

@@ -25,7 +25,9 @@ Z80 = 0.8416212335729143  # the one-sided normal quantile of 80% power
 METRICS = (("tokens_context", "context tokens"), ("tokens_prompt", "actor input positions"),
            ("tokens_soft", "soft-memory positions"), ("plan_ms", "plan+compile ms"), ("embed_ms", "query-embedding wait ms"),
            ("memory_ms", "memory ms"),
-           ("actor_ms", "actor ms"), ("total_ms", "turn ms"), ("glimpses", "glimpses per turn"))
+           ("actor_ms", "actor ms"), ("total_ms", "turn ms"), ("glimpses", "glimpses per turn"),
+           ("tokens_cached", "cached by vLLM per turn"), ("uncached", "uncached ids per turn (from the ids)"),
+           ("billed", "billed ids per turn (from the ids)"), ("prefix_reuse", "prefix reuse (from the ids)"))
 
 
 #: Student's t 97.5% quantiles for 1..30 degrees of freedom (beyond, the normal's): small samples get wide intervals.
@@ -134,6 +136,9 @@ def ab_summary(served: list[dict], outcomes: list[dict], arms: list[str] | None 
             a["metrics"][key] = {**mean_ci(xs), "p50": percentile(xs, 0.5), "p95": percentile(xs, 0.95)}
         prompt = sum(float(r.get("tokens_prompt", 0)) for r in ok)
         a["prefix_cache_hit_rate"] = sum(float(r.get("tokens_cached", 0)) for r in ok) / prompt if prompt else float("nan")
+        # rebuilds of the prompt: compaction boundaries, or every turn of an arm that plans per turn
+        a["compactions_per_100"] = 100.0 * sum(bool(r.get("rebuilt", r.get("compaction"))) for r in ok) / len(ok) \
+            if ok else float("nan")
         mine = [r for r in shadows if r["arm"] == arm]
         scored = [r for r in mine if r["status"] == "scored"]
         reasons: dict[str, int] = {}
@@ -212,6 +217,7 @@ def summary_markdown(s: dict) -> str:
            if a['fidelity']['skip_reasons'] else "")))
     row("shadow reference", lambda a: ", ".join(f"{k} ×{v}" for k, v in sorted(a["fidelity"]["references"].items())) or "-")
     row("prefix-cache hit rate", lambda a: _fmt(a["prefix_cache_hit_rate"], 3))
+    row("compactions per 100 turns", lambda a: _fmt(a.get("compactions_per_100", float("nan")), 1))
     for key, label in METRICS:
         digits = 2 if key == "glimpses" else 1
         row(f"{label} (mean, 95% CI; p50 / p95)", lambda a, k=key, d=digits: (

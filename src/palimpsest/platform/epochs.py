@@ -194,7 +194,7 @@ def estimate_extension(b: Boundary, snap: "SessionSnapshot", boundary_tokens: in
 def cached_tokens(prev: Sequence[int] | None, ids: Sequence[int], block: int = CACHE_BLOCK) -> int:
     """What a prefix cache holds of ``ids`` after a request of ``prev``: their common prefix in whole blocks,
     never the last token (an engine computes at least one position to produce logits)."""
-    if not prev or not ids:
+    if prev is None or ids is None or not len(prev) or not len(ids):
         return 0
     n = min(len(prev), len(ids))
     a = np.asarray(prev[:n], dtype=np.int64)

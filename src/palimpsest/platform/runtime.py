@@ -17,7 +17,9 @@ from typing import Protocol
 from palimpsest.platform.abstraction import RuleSummarizer, Summaries
 from palimpsest.platform.compiler import ELIDE_SHARE, compile_epoch, compile_plan, validate_budget
 from palimpsest.platform.embedding import Embedder, HashingEmbedder
-from palimpsest.platform.epochs import Boundary, compaction_of, epoch_key
+import numpy as np
+
+from palimpsest.platform.epochs import Boundary, compaction_of, epoch_key, turn_cost
 from palimpsest.platform.ledger import Ledger, SessionSnapshot
 from palimpsest.platform.policies import PolicyConfigBase, PolicyDeps, build_policy
 from palimpsest.platform.policies.base import ContextPolicy
@@ -64,7 +66,7 @@ class Runtime:
 
     def __init__(self, ledger: Ledger, embedder: Embedder | None = None, summarizer: Summarizer | None = None,
                  glimpse_limit: int = 3, chat=None, leases: bool | None = None, lease_s: float = 60.0,
-                 snapshot_cache_bytes: int = 512 << 20):
+                 snapshot_cache_bytes: int = 512 << 20, cached_rate: float = 0.1):
         self.ledger = ledger
         # Each session's snapshot, kept current from what changed (0 reads every turn's snapshot whole)
         self.snapshots = SnapshotCache(ledger, snapshot_cache_bytes)
@@ -76,6 +78,9 @@ class Runtime:
         self.glimpse_limit = glimpse_limit
         self.deps = PolicyDeps(embedder=self.embedder, tokenizer=ledger.tokenizer, chat=chat)
         self._boundaries: OrderedDict[int, Boundary] = OrderedDict()  # decoded boundaries by ledger row
+        # The last audited turn's ids per (session, policy and budget): what a prefix cache holds of the next
+        self._last_ids: OrderedDict[tuple[str, str], np.ndarray] = OrderedDict()
+        self.cached_rate = cached_rate
 
     def policy(self, config: PolicyConfigBase | dict | str) -> ContextPolicy:
         return build_policy(config, self.deps)
@@ -197,6 +202,14 @@ class Runtime:
                 turn.plan.info["compaction"]["id"] = row
             if record:
                 self.ledger.record_turn(turn)
+        if record and at is None:
+            key = (session_id, turn.epoch_key or epoch_key(pol.config_hash, turn.budget))
+            ids = np.asarray(turn.prompt.ids, dtype=np.int64)
+            prev = self._last_ids.pop(key, None)
+            self._last_ids[key] = ids
+            if len(self._last_ids) > 1024:
+                self._last_ids.popitem(last=False)
+            turn = dataclasses.replace(turn, cost=turn_cost(prev, ids, self.cached_rate) if prev is not None else None)
         return turn
 
     def glimpse(self, session_id: str, step_id: int | str) -> str:

@@ -304,3 +304,6 @@ class CompiledTurn:
     boundary: Any = field(default=None, compare=False, repr=False)
     compacted: bool = False
     epoch_key: str | None = None
+    # What this turn's ids cost against the previous turn of the session and policy on this runtime
+    # (platform.epochs.turn_cost: cached, uncached, billed, prefix_reuse); None where it has no previous turn.
+    cost: dict | None = field(default=None, compare=False)

@@ -76,6 +76,8 @@ def _usage(turn: TurnOut) -> dict:
     """Every generation of the turn (a glimpse round is one more), and what the compiled context saved."""
     return {"prompt_tokens": turn.tokens["prompt_total"], "completion_tokens": turn.tokens["completion"],
             "total_tokens": turn.tokens["prompt_total"] + turn.tokens["completion"],
+            # as the OpenAI API reports it: prompt tokens the actor's prefix cache served
+            "prompt_tokens_details": {"cached_tokens": int(turn.tokens.get("cached_total", turn.tokens["cached"]))},
             "context_tokens_saved": max(turn.tokens["full_history_estimate"] - turn.tokens["context"], 0)}
 
 
@@ -356,12 +358,19 @@ class Ingress:
         tokens = {"context": ct.prompt.tokens, "prefix": ct.prompt.prefix_tokens, "soft": res.soft_tokens,
                   "prompt": res.prompt_tokens, "completion": res.completion_tokens, "cached": res.cached_tokens,
                   "reserve": ct.prompt.reserve, "generations": res.generations, "prompt_total": res.prompt_tokens_total,
-                  "full_history_estimate": ct.plan.info.get("full_tokens_estimate", ct.prompt.tokens)}
+                  "full_history_estimate": ct.plan.info.get("full_tokens_estimate", ct.prompt.tokens),
+                  "cached_total": res.cached_tokens_total}
+        # what the prompt's ids should cost against the session's previous turn (platform.epochs.turn_cost),
+        # beside what the actor's cache really held (tokens_cached)
+        cost = ct.cost or {}
         latency = res.latency
         await asyncio.to_thread(self.runtime.ledger.record_served, sid, ct.t, arm, {
             **{f"tokens_{k}": v for k, v in tokens.items()}, **{f"{k}_ms": v for k, v in latency.items()},
             "glimpses": len(res.glimpses), "budget": ct.budget, "memory_cached": bool(res.out.get("memory_cached", False)),
             "elided": len(ct.plan.info.get("elided", [])), "tool_calls": len(res.tool_calls), "streamed": emit is not None,
+            "compaction": bool(ct.compacted), "rebuilt": bool(ct.compacted) or ct.boundary is None,
+            **({"expected_cached": cost["cached"], "uncached": cost["uncached"], "billed": cost["billed"],
+                "prefix_reuse": cost["prefix_reuse"]} if cost else {}),
             **({"fallback": res.fallback} if res.fallback else {})})
         self.metrics.observe_turn(arm, tokens, latency, len(res.glimpses))
         if self.shadow is not None:

@@ -66,6 +66,7 @@ class TurnResult:
     fallback: str | None
     out: dict
     content: str | None = None  # the reply without tool-call markup
+    cached_tokens_total: int = 0  # the actor's prefix-cache hits, summed over every generation of the turn
     tool_calls: list[dict] = field(default_factory=list)  # OpenAI wire shape, each with an id
 
 
@@ -157,7 +158,7 @@ async def run_turn(rt: Runtime, req: TurnRequest, generate: Generate, glimpse_li
     messages = list(ct.prompt.messages)
     context, bridge = list(ct.prompt.context_ids), list(ct.prompt.bridge_ids)
     glimpsed: list[int] = []
-    actor_ms, completion, generations, prompt_total = 0.0, 0, 0, 0
+    actor_ms, completion, generations, prompt_total, cached_total = 0.0, 0, 0, 0, 0
     tok = rt.ledger.tokenizer
     gate = None
     while True:
@@ -171,6 +172,7 @@ async def run_turn(rt: Runtime, req: TurnRequest, generate: Generate, glimpse_li
         actor_ms += out["actor_ms"]
         completion += int(out.get("completion_tokens", len(out["token_ids"])))
         prompt_total += out["prompt_tokens"]
+        cached_total += int(out.get("cached_tokens") or 0)
         step_id = glimpse_call(out["text"])
         if step_id is None or len(glimpsed) >= glimpse_limit:
             break
@@ -191,7 +193,7 @@ async def run_turn(rt: Runtime, req: TurnRequest, generate: Generate, glimpse_li
         compiled=ct, text=out["text"], finish_reason=out.get("finish_reason"), glimpses=glimpsed,
         prompt_tokens=out["prompt_tokens"], prompt_tokens_total=prompt_total, completion_tokens=completion,
         generations=generations,
-        soft_tokens=out["soft_tokens"], cached_tokens=out["cached_tokens"],
+        soft_tokens=out["soft_tokens"], cached_tokens=out["cached_tokens"], cached_tokens_total=cached_total,
         latency={"plan": plan_ms, "embed": embed_ms, "memory": float(out.get("memory_ms", 0.0)), "actor": actor_ms,
                  "total": total_ms},
         fallback=fallback, out=out, content=out.get("content", out["text"]), tool_calls=list(out.get("tool_calls") or []))
