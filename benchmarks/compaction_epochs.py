@@ -33,12 +33,27 @@ POLICIES = ["window", "rolling_summary", "pace", "ace", "pace_plus"]
 REFERENCE = {"full": {"type": "full"}, "last2": {"type": "window", "k": 2}}
 
 
-def configs() -> dict:
+def configs(keeps: list[float] | None = None) -> dict:
+    """The reference rows, then each policy in epochs (the defaults) and per turn; with ``keeps``, each epoch
+    policy again at each share of the kept prefix (``compaction.keep``)."""
     out = {name: parse_policy_config(cfg) for name, cfg in REFERENCE.items()}
     for name in POLICIES:
         out[name] = parse_policy_config({"type": name, "compaction": {"mode": "epochs"}})
         out[f"{name}@per_turn"] = parse_policy_config({"type": name, "compaction": {"mode": "per_turn"}})
+        for k in keeps or []:
+            out[f"{name}@keep{k:g}"] = parse_policy_config({"type": name, "compaction": {"keep": k}})
     return out
+
+
+def halves(data: Path, out: Path) -> dict[str, Path]:
+    """The file's trajectories split in two by position (even: fit, odd: report), written beside ``out``."""
+    lines = [x for x in data.read_text().splitlines() if x.strip()]
+    out.mkdir(parents=True, exist_ok=True)
+    files = {}
+    for name, part in (("fit", lines[0::2]), ("report", lines[1::2])):
+        files[name] = out / f"{name}.jsonl"
+        files[name].write_text("\n".join(part) + "\n")
+    return files
 
 
 COLUMNS = ("need_recall_strong", "need_recall_far", "mean_tokens", "prefix_reuse", "uncached_per_turn",
@@ -57,6 +72,13 @@ def table(summary: dict) -> str:
         billed = f"{cells[5]:,.0f} ({cells[5] / full_billed:.2f})"
         lines.append(f"| {name} | {cells[0]} | {cells[1]} | {cells[2]:,.0f} | {cells[3]} | {cells[4]:,.0f} | "
                      f"{billed} | {cells[6]} |")
+    lines += ["", "Lost far needs by the resolution their source step got (ids spent on those steps):", "",
+              "| policy | far needs | lost | full | detailed | brief | placeholder | hidden | ids on their sources |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for name, m in pols.items():
+        lost = m["far_lost"]
+        lines.append(f"| {name} | {m['far_needs']} | {sum(lost.values())} | {lost['full']} | {lost['detailed']} | "
+                     f"{lost['brief']} | {lost['placeholder']} | {lost['drop']} | {m['far_lost_ids']:,} |")
     return "\n".join(lines) + "\n"
 
 
@@ -89,23 +111,32 @@ def main() -> None:
     ap.add_argument("--cached-rate", type=float, default=0.1)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/epochs"))
     ap.add_argument("--ledger", type=Path, default=Path(".palimpsest/replay-smollm2.db"))
+    ap.add_argument("--keep", default="", help="comma-separated shares of the kept prefix to add as rows "
+                    "(e.g. 0,0.25,0.5); with --halves, measured on each half of the file")
+    ap.add_argument("--halves", action="store_true", help="replay the even (fit) and odd (report) trajectories "
+                    "apart: choose on one, report the other")
     args = ap.parse_args()
     if not args.data.is_file():
         sys.exit(f"no trajectories at {args.data}; pass --data FILE")
     rt, timer = runtime(args.ledger)
+    keeps = [float(k) for k in args.keep.split(",") if k.strip()]
+    parts = halves(args.data, args.out) if args.halves else {"all": args.data}
     summaries, text = [], []
-    for budget in [int(b) for b in args.budgets.split(",")]:
-        t0 = time.perf_counter()
-        res = run_replay(rt, args.data, configs(), budget, timer=timer, reserve=RESERVE, cached_rate=args.cached_rate)
-        write_outputs(res, args.out / f"b{budget}")
-        res.summary["seconds"] = round(time.perf_counter() - t0, 1)
-        summaries.append(res.summary)
-        text.append(table(res.summary))
-        print(text[-1], flush=True)
+    for part, data in parts.items():
+        for budget in [int(b) for b in args.budgets.split(",")]:
+            t0 = time.perf_counter()
+            res = run_replay(rt, data, configs(keeps), budget, timer=timer, reserve=RESERVE,
+                             cached_rate=args.cached_rate)
+            write_outputs(res, args.out / (f"b{budget}" if part == "all" else f"{part}-b{budget}"))
+            res.summary["seconds"] = round(time.perf_counter() - t0, 1)
+            res.summary["part"] = part
+            summaries.append(res.summary)
+            text.append(("" if part == "all" else f"**{part} half** — ") + table(res.summary))
+            print(text[-1], flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "epochs.md").write_text("\n".join(text))
     (args.out / "epochs.json").write_text(json.dumps(summaries, indent=2) + "\n")
-    plot(summaries, args.out / "cost_recall.png")
+    plot([x for x in summaries if x["part"] in ("all", "report")], args.out / "cost_recall.png")
     print(f"written to {args.out}")
 
 

@@ -328,6 +328,8 @@ def _empty_row(needs: Iterable[Need]) -> dict:
            "elided": 0, "action_ids": 0, "action_id_hits": 0, "cached": 0, "uncached": 0, "billed": 0.0,
            "prefix_reuse": 0.0, "compaction": False}
     out.update({f"n_{r.label}": 0 for r in Resolution})
+    out.update({f"far_lost_{r.label}": 0 for r in Resolution})
+    out["far_lost_ids"] = 0
     for key, lo, hi in DISTANCES:
         out[f"needs_{key}"] = 0
         out[f"hits_{key}"] = 0
@@ -364,6 +366,7 @@ def _check(text: str, turn, rs: ReplayStep, snap: SessionSnapshot, prefix_text: 
     for name, n in turn.plan.counts().items():
         out[f"n_{name}"] = n
     placeholders = {s.t for s in turn.prompt.segments if s.resolution is Resolution.PLACEHOLDER}
+    spent = {s.t: s.tokens for s in turn.prompt.segments if s.kind == "step" and s.t is not None}
     near = "\n".join(own_words(snap.steps[i]) for i in range(max(0, snap.t - 2), snap.t))
     for need in rs.needs:
         hit = appears(need.token, text)
@@ -374,6 +377,12 @@ def _check(text: str, turn, rs: ReplayStep, snap: SessionSnapshot, prefix_text: 
         if not (appears(need.token, near) or appears(need.token, prefix_text)):
             out["far_needs"] += 1
             out["far_hits"] += hit
+            if not hit:  # where a lost far need went: its source step's resolution and the ids spent on it
+                src = need.last_obs_step + rs.offset
+                if 0 <= src < len(turn.plan):
+                    label = Resolution(int(turn.plan.resolution[src])).label
+                    out[f"far_lost_{label}"] += 1
+                    out["far_lost_ids"] += int(spent.get(src, 0))
         dist = (rs.t - rs.offset) - need.last_obs_step
         for key, lo, hi in DISTANCES:
             if lo <= dist <= hi:
@@ -401,6 +410,9 @@ def summarize(rows: list[dict], budget: int, concat: bool) -> dict:
         "need_recall_weak": _ratio(sum(r["weak_hits"] for r in done), weak),
         "need_recall_far": _ratio(sum(r["far_hits"] for r in done), sum(r["far_needs"] for r in done)),
         "far_needs": sum(r["far_needs"] for r in done),
+        # each far need the prompt lost, by the resolution its source step got (and the ids spent on those)
+        "far_lost": {r.label: sum(x[f"far_lost_{r.label}"] for x in done) for r in Resolution},
+        "far_lost_ids": sum(r["far_lost_ids"] for r in done),
         "action_id_recall": _ratio(sum(r["action_id_hits"] for r in done), sum(r["action_ids"] for r in done)),
         "recall_by_distance": {k: _ratio(sum(r[f"hits_{k}"] for r in done), sum(r[f"needs_{k}"] for r in done))
                                for k, _, _ in DISTANCES},

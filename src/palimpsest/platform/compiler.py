@@ -207,6 +207,8 @@ def compile_plan(snap: "SessionSnapshot", plan: RenderPlan, budget: int, tokeniz
     pinned = plan.pinned
     pinned_idx = np.flatnonzero(pinned)
     level[pinned] = Resolution.FULL
+    frozen = plan.frozen if plan.frozen is not None and np.any(plan.frozen) else None
+    keep = pinned | frozen if frozen is not None else pinned  # never degraded (frozen: unless nothing else can)
     caps = _initial_caps(snap, costs, pinned_idx, room - prefix_tokens)
     for i in caps:  # the estimate of an elided step: its share of what is left
         costs[i, Resolution.FULL] = min(int(costs[i, Resolution.FULL]),
@@ -221,7 +223,7 @@ def compile_plan(snap: "SessionSnapshot", plan: RenderPlan, budget: int, tokeniz
     order = protected_order(plan.score, bound.recent_window if bound is not None else 0)
     line_cost = overhead + RANGE_LINE_TOKENS
     ranges = plan.fold_ranges
-    folded = fold_old_history(costs, level, order, pinned, bound, room - prefix_tokens - fold_tokens, line_cost,
+    folded = fold_old_history(costs, level, order, keep, bound, room - prefix_tokens - fold_tokens, line_cost,
                               ranges)
     if folded is not None:  # each folded step's reason says so (one audit row per step, not per level)
         changed = np.concatenate(folded[0])[:, 0] if folded[0] else np.zeros(0, dtype=np.int64)
@@ -238,7 +240,10 @@ def compile_plan(snap: "SessionSnapshot", plan: RenderPlan, budget: int, tokeniz
             runs_cost = len(_hidden_runs(level)) * line_cost
         if total + runs_cost <= room:
             break
-        step = _degrade(costs, level, pinned, order, total + runs_cost - room)
+        step = _degrade(costs, level, keep, order, total + runs_cost - room)
+        if step is None and keep is not pinned:
+            keep = _release(plan, pinned)
+            continue
         if step is None:
             break
         degraded.append(step[0])
@@ -253,9 +258,12 @@ def compile_plan(snap: "SessionSnapshot", plan: RenderPlan, budget: int, tokeniz
         over = len(ids) - room
         if over <= 0:
             break
-        step = _degrade(costs, level, pinned, order, over)
+        step = _degrade(costs, level, keep, order, over)
         if step is not None:
             degraded.append(step[0])
+            continue
+        if keep is not pinned:
+            keep = _release(plan, pinned)
             continue
         if fold is not None:
             fold = None
@@ -292,6 +300,12 @@ def compile_plan(snap: "SessionSnapshot", plan: RenderPlan, budget: int, tokeniz
         segments.append(Segment(kind, msgs[first]["role"], text, int(costs[i, lv]), t=step.t, step_id=step.id,
                                 resolution=Resolution(lv), messages=(base + first, base + first + n)))
     return assemble_prompt(tokenizer, prefix, messages, ids, segments, prefix_tokens, reserve)
+
+
+def _release(plan: RenderPlan, pinned: np.ndarray) -> np.ndarray:
+    """The kept region cannot stay as it was within the budget: it may be degraded like the rest."""
+    plan.info.setdefault("kept", {})["released"] = True
+    return pinned
 
 
 def prefix_segments(prefix: list[dict]) -> list[Segment]:
@@ -350,12 +364,27 @@ def compile_epoch(snap: "SessionSnapshot", plan_at: Callable[[int], RenderPlan],
             plan = extended_plan(base, snap, *policy)
             return plan, assemble_prompt(tokenizer, prefix, msgs, ids, segments, prefix_tokens, reserve), base, False
     low = max(int(compaction.low * budget), 1)
+    # The oldest region as the previous boundary rendered it, within `keep` of the room: the cache keeps it.
+    kept = _kept_prefix(base, snap, overhead, int(compaction.keep * max(low - reserve - prefix_tokens, 0)))
+
+    def planned(plan_budget: int) -> RenderPlan:
+        plan = plan_at(plan_budget)
+        if kept:
+            plan.resolution[:kept] = base.resolution[:kept]
+            plan.frozen = np.zeros(len(plan), dtype=bool)
+            plan.frozen[:kept] = True
+            plan.reason_code[:kept] = len(plan.reasons)
+            plan.reasons.append(f"kept as the compaction boundary at t={base.t} rendered it (the prefix cache "
+                                "holds it)")
+            plan.info["kept"] = {"steps": kept, "boundary_t": base.t}
+        return plan
+
     try:
-        plan = plan_at(low - reserve if 0 <= reserve < low else low)
+        plan = planned(low - reserve if 0 <= reserve < low else low)
         prompt = compile_plan(snap, plan, low, tokenizer, reserve, slot="end")
     except BudgetError:
         low = budget
-        plan = plan_at(budget - reserve if 0 <= reserve < budget else budget)
+        plan = planned(budget - reserve if 0 <= reserve < budget else budget)
         prompt = compile_plan(snap, plan, budget, tokenizer, reserve, slot="end")
     kept = np.concatenate([base.resolution, np.full(snap.t - base.t, Resolution.FULL, np.int8)])
     changed = int(np.count_nonzero(kept != plan.resolution)) if kept.size == len(plan) else len(plan)
@@ -382,3 +411,29 @@ def _tighten(snap: "SessionSnapshot", caps: dict[int, int], pinned_idx: np.ndarr
     cut = int((over + 8) * per_token * 1.2 / 2) + 16  # two long fields at most lose it, a margin for markers
     caps[best] = max(best_len - cut, MIN_ELIDE_CHARS)
     return True
+
+
+def _kept_prefix(b: Boundary, snap: "SessionSnapshot", overhead: int, limit: int) -> int:
+    """How many of the oldest steps a compaction keeps as boundary ``b`` rendered them: the longest run from
+    step 0 whose estimated cost (one line per hidden run) is within ``limit``, not ending inside a hidden
+    run (its line would change), and only where each level's text still exists."""
+    n = min(b.t, snap.t)
+    if n <= 0 or limit <= 0:
+        return 0
+    lv = b.resolution[:n].astype(np.int64)
+    costs = _costs(snap.upto(n), overhead)
+    cost = costs[np.arange(n), lv]
+    missing = np.flatnonzero(cost < 0)
+    if missing.size:
+        n = int(missing[0])
+        lv, cost = lv[:n], cost[:n]
+    hidden = lv == _DROP
+    starts = hidden & ~np.concatenate([[False], hidden[:-1]]) if n else hidden
+    cum = np.cumsum(np.where(hidden, 0, cost) + starts * (overhead + RANGE_LINE_TOKENS))
+    j = int(np.searchsorted(cum, limit, side="right"))
+    while j > 0 and j < n and hidden[j - 1] and hidden[j]:
+        j -= 1  # back to the start of that run: a longer run would rewrite its line
+    if 0 < j < n and hidden[j - 1]:
+        while j > 0 and hidden[j - 1]:
+            j -= 1
+    return j

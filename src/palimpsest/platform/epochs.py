@@ -55,6 +55,10 @@ class Compaction(BaseModel):
     low: float = Field(0.6, gt=0.0, le=1.0, description="the low watermark: a boundary compacts the prompt (plus "
                        "reserve) to low x budget")
 
+    keep: float = Field(0.5, ge=0.0, lt=1.0, description="at a boundary, the oldest steps stay as the previous "
+                        "boundary rendered them (a prefix the cache holds) while they cost at most this share of "
+                        "the low watermark's room; 0 re-plans every step")
+
     @model_validator(mode="after")
     def _ordered(self) -> "Compaction":
         if self.low > self.high:

@@ -223,6 +223,10 @@ class RenderPlan:
     history: Any = None
     # (K, 3) int64 rows of (t, before, after), in the order the compiler applied them
     degraded: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), dtype=np.int64))
+    # (M,) bool or None: steps the compiler keeps at their planned level (a compaction boundary keeps the
+    # oldest region as the previous boundary rendered it, so the prefix cache holds it); released if nothing
+    # else can give way
+    frozen: Any = None
     info: dict[str, Any] = field(default_factory=dict)
 
     def __len__(self) -> int:
