@@ -100,9 +100,14 @@ def test_two_replicas_build_identical_prompts_after_a_restart(tmp_path):
     a = Runtime(Ledger(url))
     sid = _session(a)
     cfg = {"type": "pace", "compaction": {"high": 0.85, "low": 0.55}}
+    pol = a.policy(cfg)
+    chain = None  # the same epochs kept in memory only (never stored): what the ledger's copy must reproduce
     for t in range(25):
         _grow(a, sid, t)
+        mem = a.compile(a.snapshot(sid), pol, BUDGET, RESERVE, chain)  # on the snapshot the turn will read
         first = a.turn(sid, cfg, BUDGET, reserve=RESERVE)
+        chain = mem.boundary
+        assert first.prompt.ids == mem.prompt.ids, f"t={t}: the stored boundary rebuilt another prompt"
     assert a.ledger.boundaries(sid), "the session never reached a boundary"
     a.ledger.close()
     b = Runtime(Ledger(url))  # a fresh process: no cached boundary, snapshot or prompt
@@ -171,3 +176,28 @@ def test_turn_cost_counts_whole_blocks_and_never_the_last_id():
     cost = turn_cost(list(range(64)), list(range(64)) + [1] * 36, 0.1)
     assert cost["cached"] == 64 and cost["uncached"] == 36 and cost["billed"] == pytest.approx(36 + 6.4)
     assert cost["prefix_reuse"] == pytest.approx(0.64)
+
+
+def test_a_compaction_keeps_the_oldest_region_so_the_cache_holds_it(runtime):
+    """With `keep`, a boundary renders the oldest steps as the previous boundary did: its ids share a longer
+    prefix with the last turn than a rebuild of every step (keep 0), and the audit says which steps."""
+    cached = {}
+    for keep in (0.5, 0.0):
+        sid = _session(runtime, f"k{keep}")
+        cfg = {"type": "pace", "compaction": {"keep": keep}}
+        prev, hits, kept = None, [], 0
+        for t in range(60):
+            _grow(runtime, sid, t)
+            turn = runtime.turn(sid, cfg, BUDGET, reserve=RESERVE)
+            if turn.compacted and turn.plan.info["compaction"]["previous_t"] > 0:
+                hits.append(cached_tokens(prev, turn.prompt.ids))
+                info = turn.plan.info.get("kept")
+                if info and not info.get("released"):
+                    kept += 1
+                    n = info["steps"]
+                    assert all(e.reason.startswith("kept as the compaction boundary") for e in turn.plan.entries()[:n])
+            prev = turn.prompt.ids
+        assert len(hits) >= 3
+        cached[keep] = (float(np.mean(hits)), kept)
+    assert cached[0.5][1] >= 1 and cached[0.0][1] == 0
+    assert cached[0.5][0] > cached[0.0][0]
