@@ -30,7 +30,8 @@ from palimpsest.pipelines.replay import run_replay, write_outputs  # noqa: E402
 from palimpsest.platform.policies import parse_policy_config  # noqa: E402
 
 POLICIES = ["window", "rolling_summary", "pace", "ace", "pace_plus"]
-REFERENCE = {"full": {"type": "full"}, "last2": {"type": "window", "k": 2}}
+# last2 is the floor by definition: only the two previous steps, on every turn (it never grows between boundaries)
+REFERENCE = {"full": {"type": "full"}, "last2": {"type": "window", "k": 2, "compaction": {"mode": "per_turn"}}}
 
 
 def configs(keeps: list[float] | None = None) -> dict:
@@ -45,10 +46,13 @@ def configs(keeps: list[float] | None = None) -> dict:
     return out
 
 
-def halves(data: Path, out: Path) -> dict[str, Path]:
-    """The file's trajectories split in two by position (even: fit, odd: report), written beside ``out``."""
+def halves(data: Path) -> dict[str, Path]:
+    """The file's trajectories split in two by position (even: fit, odd: report), written to a temporary
+    folder (the data stays where it is published)."""
+    import tempfile
+
     lines = [x for x in data.read_text().splitlines() if x.strip()]
-    out.mkdir(parents=True, exist_ok=True)
+    out = Path(tempfile.mkdtemp(prefix="epochs-halves-"))
     files = {}
     for name, part in (("fit", lines[0::2]), ("report", lines[1::2])):
         files[name] = out / f"{name}.jsonl"
@@ -72,8 +76,14 @@ def table(summary: dict) -> str:
         billed = f"{cells[5]:,.0f} ({cells[5] / full_billed:.2f})"
         lines.append(f"| {name} | {cells[0]} | {cells[1]} | {cells[2]:,.0f} | {cells[3]} | {cells[4]:,.0f} | "
                      f"{billed} | {cells[6]} |")
-    lines += ["", "Lost far needs by the resolution their source step got (ids spent on those steps):", "",
-              "| policy | far needs | lost | full | detailed | brief | placeholder | hidden | ids on their sources |",
+    lines += ["", "Lost far needs by the resolution their source step got (ids spent on those steps)."]
+    if summary.get("concat"):
+        lines += ["", "One session: strong recall per 250-step window; longevity = steps until a window's recall "
+                  "1-4 steps back falls below 0.95:", "", "| policy | windows | longevity |", "|---|---|---|"]
+        for name, m in pols.items():
+            wins = " ".join(str(w["need_recall_strong"]) for w in m["recall_by_window"])
+            lines.append(f"| {name} | {wins} | {m['longevity_steps']} |")
+    lines += ["", "| policy | far needs | lost | full | detailed | brief | placeholder | hidden | ids on their sources |",
               "|---|---|---|---|---|---|---|---|---|"]
     for name, m in pols.items():
         lost = m["far_lost"]
@@ -113,6 +123,8 @@ def main() -> None:
     ap.add_argument("--ledger", type=Path, default=Path(".palimpsest/replay-smollm2.db"))
     ap.add_argument("--keep", default="", help="comma-separated shares of the kept prefix to add as rows "
                     "(e.g. 0,0.25,0.5); with --halves, measured on each half of the file")
+    ap.add_argument("--concat", action="store_true", help="the whole file as one session (per-window recall, "
+                    "longevity: steps until a window's recall 1-4 steps back falls below 0.95)")
     ap.add_argument("--halves", action="store_true", help="replay the even (fit) and odd (report) trajectories "
                     "apart: choose on one, report the other")
     args = ap.parse_args()
@@ -120,22 +132,27 @@ def main() -> None:
         sys.exit(f"no trajectories at {args.data}; pass --data FILE")
     rt, timer = runtime(args.ledger)
     keeps = [float(k) for k in args.keep.split(",") if k.strip()]
-    parts = halves(args.data, args.out) if args.halves else {"all": args.data}
+    parts = halves(args.data) if args.halves else {"all": args.data}
     summaries, text = [], []
     for part, data in parts.items():
         for budget in [int(b) for b in args.budgets.split(",")]:
             t0 = time.perf_counter()
             res = run_replay(rt, data, configs(keeps), budget, timer=timer, reserve=RESERVE,
-                             cached_rate=args.cached_rate)
-            write_outputs(res, args.out / (f"b{budget}" if part == "all" else f"{part}-b{budget}"))
+                             cached_rate=args.cached_rate, concat=args.concat)
+            name = ("concat-" if args.concat else "") + (f"b{budget}" if part == "all" else f"{part}-b{budget}")
+            write_outputs(res, args.out / name)
             res.summary["seconds"] = round(time.perf_counter() - t0, 1)
             res.summary["part"] = part
             summaries.append(res.summary)
             text.append(("" if part == "all" else f"**{part} half** — ") + table(res.summary))
             print(text[-1], flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "epochs.md").write_text("\n".join(text))
-    (args.out / "epochs.json").write_text(json.dumps(summaries, indent=2) + "\n")
+    stem = "epochs-concat" if args.concat else "epochs"
+    (args.out / f"{stem}.md").write_text("\n".join(text))
+    (args.out / f"{stem}.json").write_text(json.dumps(summaries, indent=2) + "\n")
+    if args.concat:
+        print(f"written to {args.out}")
+        return
     plot([x for x in summaries if x["part"] in ("all", "report")], args.out / "cost_recall.png")
     print(f"written to {args.out}")
 

@@ -118,7 +118,7 @@ def main() -> None:
 
     policies = {
         "full": parse_policy_config("full"),
-        "last2": parse_policy_config({"type": "window", "k": 2}),
+        "last2": parse_policy_config({"type": "window", "k": 2, "compaction": {"mode": "per_turn"}}),
         "window": parse_policy_config("window"),
         "pace": parse_policy_config("pace"),
         "pace_plus_previous": parse_policy_config({"type": "pace_plus", **PREVIOUS}),

@@ -25,7 +25,7 @@ from palimpsest.platform.policies import parse_policy_config
 
 POLICIES = ["full", "last2", "window", "rolling_summary", "pace", "pace_task_first", "ace", "pace_plus"]
 # The floor and the paper's query order, beside the defaults (configs/replay/reference.yaml).
-VARIANTS = {"last2": {"type": "window", "k": 2}, "pace_task_first": {"type": "pace", "query": "task_first"}}
+VARIANTS = {"last2": {"type": "window", "k": 2, "compaction": {"mode": "per_turn"}}, "pace_task_first": {"type": "pace", "query": "task_first"}}
 
 
 # Every prompt keeps room for the reply, as serving does (the serve config's default actor.max_tokens).
