@@ -21,7 +21,7 @@ def test_report_writes_markdown_and_three_plots_across_budgets(tmp_path):
     path = write_report(dirs, tmp_path / "report")
     text = path.read_text()
     assert "budget 300" in text and "budget 600" in text and "| pace |" in text
-    for png in ("tokens_per_step.png", "recall_vs_ratio.png", "recall_by_distance.png"):
+    for png in ("tokens_per_step.png", "recall_vs_ratio.png", "recall_vs_billed.png", "recall_by_distance.png"):
         blob = (tmp_path / "report" / png).read_bytes()
         assert blob[:8] == b"\x89PNG\r\n\x1a\n" and len(blob) > 5_000
 

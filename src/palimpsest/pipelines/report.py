@@ -85,7 +85,30 @@ def write_report(dirs: list[Path], out: Path) -> Path:
     fig.savefig(out / "recall_vs_ratio.png", dpi=120)
     plt.close(fig)
 
-    # 3. recall by distance, first replay folder
+    # 3. recall against what a turn is billed (uncached + r x cached against the previous turn's ids)
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    plotted = 0
+    for d, s, _ in runs:
+        for name, m in s["policies"].items():
+            if m.get("billed_per_turn") is None or m["need_recall_strong"] is None:
+                continue
+            plotted += 1
+            ax.scatter(m["billed_per_turn"], m["need_recall_strong"], color=color(name), s=55, edgecolor="black",
+                       linewidth=0.5, marker=markers[budgets.index(s["budget"]) % len(markers)])
+            ax.annotate(name, (m["billed_per_turn"], m["need_recall_strong"]), fontsize=7, xytext=(3, 3),
+                        textcoords="offset points")
+    ax.legend(handles=handles, fontsize=8, loc="lower right")
+    rate = s0.get("cached_rate", 0.1)
+    ax.set_xlabel(f"billed ids per turn (uncached + {rate:g} x cached, 16-token blocks)")
+    ax.set_ylabel("strong need recall")
+    ax.grid(alpha=0.3)
+    ax.set_title("Need recall against what a turn is billed (up and left is better)")
+    fig.tight_layout()
+    if plotted:
+        fig.savefig(out / "recall_vs_billed.png", dpi=120)
+    plt.close(fig)
+
+    # 4. recall by distance, first replay folder
     fig, ax = plt.subplots(figsize=(8, 4.5))
     names = list(s0["policies"])
     width = 0.8 / max(1, len(names))
@@ -108,6 +131,7 @@ def write_report(dirs: list[Path], out: Path) -> Path:
         parts += [summary_markdown(s).replace("# Replay:", "## Replay:"), f"(from `{d}`)", ""]
     parts += ["## Plots", "", "![compiled tokens per step](tokens_per_step.png)", "",
               "![need recall against token ratio](recall_vs_ratio.png)", "",
+              *(["![need recall against billed ids per turn](recall_vs_billed.png)", ""] if plotted else []),
               "![recall by distance](recall_by_distance.png)", ""]
     path = out / "report.md"
     path.write_text("\n".join(parts))
