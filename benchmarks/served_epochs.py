@@ -1,6 +1,6 @@
 """vLLM's own prefix-cache hit rate on the composed app: pace in compaction epochs beside pace planned per turn.
 
-    .venv/bin/python benchmarks/served_epochs.py [--turns 55] [--budget 4096] [--out benchmarks/results/served_epochs.json]
+    .venv/bin/python benchmarks/served_epochs.py [--turns 55] [--budget 4096] [--out benchmarks/results/served_epochs_BUDGET.json]
 
 One long session per arm (the dev trajectories one after another, each opening with its task as a user
 message, as `replay --concat` builds it), driven over HTTP as an agent does: append a step, ask a turn, in
@@ -34,8 +34,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--port", type=int, default=8127)
     ap.add_argument("--work", type=Path, default=ROOT / ".palimpsest" / "bench-epochs")
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "served_epochs.json")
+    ap.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/served_epochs_BUDGET.json")
     args = ap.parse_args()
+    args.out = args.out or ROOT / "benchmarks" / "results" / f"served_epochs_{args.budget}.json"
     if not args.data.is_file():
         sys.exit(f"no trajectories at {args.data}; pass --data FILE")
     from palimpsest.pipelines.replay import _concat_records
