@@ -88,7 +88,7 @@ def test_the_budget_bound_holds_on_every_turn(runtime, policy):
         else:
             _grow(runtime, sid, t)
         for reserve in (0, RESERVE, 300):
-            turn = runtime.turn(sid, policy, BUDGET, reserve=reserve, record=False)
+            turn = runtime.turn(sid, policy, BUDGET, reserve=reserve)  # stored: later turns extend it
             assert turn.prompt.tokens == len(turn.prompt.ids)
             assert turn.prompt.tokens + reserve <= BUDGET, (t, reserve)
 
@@ -201,3 +201,19 @@ def test_a_compaction_keeps_the_oldest_region_so_the_cache_holds_it(runtime):
         cached[keep] = (float(np.mean(hits)), kept)
     assert cached[0.5][1] >= 1 and cached[0.0][1] == 0
     assert cached[0.5][0] > cached[0.0][0]
+
+
+def test_a_preview_stores_no_boundary_and_a_historical_view_uses_the_boundary_of_its_time(runtime):
+    sid = _session(runtime)
+    for t in range(30):
+        _grow(runtime, sid, t)
+        runtime.turn(sid, "pace", BUDGET, reserve=RESERVE)
+    stored = runtime.ledger.boundaries(sid)
+    assert len(stored) >= 2
+    for t in range(30, 45):  # previews (render) compile but never move the session's chain
+        _grow(runtime, sid, t)
+        runtime.turn(sid, "pace", BUDGET, reserve=RESERVE, record=False)
+    assert runtime.ledger.boundaries(sid) == stored
+    first = stored[0]
+    past = runtime.turn(sid, "pace", BUDGET, reserve=RESERVE, at=first["t"] + 1, record=False)
+    assert past.boundary.id == first["id"] and not past.compacted

@@ -379,13 +379,17 @@ def compile_epoch(snap: "SessionSnapshot", plan_at: Callable[[int], RenderPlan],
             plan.info["kept"] = {"steps": kept, "boundary_t": base.t}
         return plan
 
-    try:
-        plan = planned(low - reserve if 0 <= reserve < low else low)
-        prompt = compile_plan(snap, plan, low, tokenizer, reserve, slot="end")
-    except BudgetError:
-        low = budget
-        plan = planned(budget - reserve if 0 <= reserve < budget else budget)
-        prompt = compile_plan(snap, plan, budget, tokenizer, reserve, slot="end")
+    # the low watermark; where it cannot hold the prefix and the latest step, the high one, then the budget
+    targets = [low] + [b for b in (high, budget) if b > low]
+    for target in dict.fromkeys(targets):
+        try:
+            plan = planned(target - reserve if 0 <= reserve < target else target)
+            prompt = compile_plan(snap, plan, target, tokenizer, reserve, slot="end")
+            low = target
+            break
+        except BudgetError:
+            if target == budget:
+                raise
     kept = np.concatenate([base.resolution, np.full(snap.t - base.t, Resolution.FULL, np.int8)])
     changed = int(np.count_nonzero(kept != plan.resolution)) if kept.size == len(plan) else len(plan)
     info = {"t": snap.t, "previous_t": base.t, "previous_id": base.id, "before": int(before), "reserve": int(reserve),

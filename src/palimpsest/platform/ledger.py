@@ -423,12 +423,14 @@ class Ledger:
 
     def last_boundary(self, session_id: str, key: str, at: int | None = None) -> int | None:
         """The row id of the session's last boundary under ``key`` (covering at most ``at`` steps), or None."""
+        # the boundary covering the most steps (of those within `at`), the newest of equals: never one that a
+        # replica which had not seen the latest steps stored after it
         if at is None:
-            row = self._read_one("SELECT id FROM boundaries WHERE session_id=? AND key=? ORDER BY id DESC LIMIT 1",
-                                 (session_id, key))
+            row = self._read_one("SELECT id FROM boundaries WHERE session_id=? AND key=? ORDER BY t DESC, id DESC "
+                                 "LIMIT 1", (session_id, key))
         else:
             row = self._read_one("SELECT id FROM boundaries WHERE session_id=? AND key=? AND t<=? "
-                                 "ORDER BY id DESC LIMIT 1", (session_id, key, int(at)))
+                                 "ORDER BY t DESC, id DESC LIMIT 1", (session_id, key, int(at)))
         return None if row is None else int(row[0])
 
     def boundary_blob(self, session_id: str, row_id: int) -> bytes:

@@ -10,6 +10,7 @@ import dataclasses
 import os
 from collections import OrderedDict
 import socket
+import threading
 import uuid
 from dataclasses import dataclass
 from typing import Protocol
@@ -77,6 +78,7 @@ class Runtime:
         self.summarizer = summarizer or RuleSummarizer()
         self.glimpse_limit = glimpse_limit
         self.deps = PolicyDeps(embedder=self.embedder, tokenizer=ledger.tokenizer, chat=chat)
+        self._lock = threading.Lock()
         self._boundaries: OrderedDict[int, Boundary] = OrderedDict()  # decoded boundaries by ledger row
         # The last audited turn's ids per (session, policy and budget): what a prefix cache holds of the next
         self._last_ids: OrderedDict[tuple[str, str], np.ndarray] = OrderedDict()
@@ -172,14 +174,16 @@ class Runtime:
         row = self.ledger.last_boundary(session_id, key, at)
         if row is None:
             return None
-        cached = self._boundaries.get(row)
-        if cached is None:
-            cached = Boundary.decode(self.ledger.boundary_blob(session_id, row), row)
+        with self._lock:  # turns run in worker threads
+            cached = self._boundaries.get(row)
+            if cached is not None:
+                self._boundaries.move_to_end(row)
+                return cached
+        cached = Boundary.decode(self.ledger.boundary_blob(session_id, row), row)
+        with self._lock:
             self._boundaries[row] = cached
-            if len(self._boundaries) > 1024:
+            while len(self._boundaries) > 1024:
                 self._boundaries.popitem(last=False)
-        else:
-            self._boundaries.move_to_end(row)
         return cached
 
     def turn(self, session_id: str, policy: ContextPolicy | PolicyConfigBase | dict | str, budget: int,
@@ -190,13 +194,14 @@ class Runtime:
         snap = self.snapshot(session_id, at)
         prev = None
         if compaction_of(pol) is not None:
-            prev = self.boundary(session_id, epoch_key(pol.config_hash, validate_budget(budget)), at)
+            prev = self.boundary(session_id, epoch_key(pol.config_hash, validate_budget(budget)),
+                                 snap.t if at is None else at)
         turn = self.compile(snap if keys else snap.without_keys(), pol, budget, reserve, prev)
         # the fold, the boundary and the audit of a turn are stored together or not at all
         with self.ledger.transaction():
             if turn.plan.new_fold and turn.plan.fold is not None:
                 self.ledger.add_fold(session_id, turn.plan.config_hash, turn.plan.fold)
-            if turn.compacted and turn.epoch_key is not None and at is None:
+            if turn.compacted and turn.epoch_key is not None and at is None and record:  # a preview stores nothing
                 row = self.ledger.add_boundary(session_id, turn.epoch_key, turn.boundary)
                 turn = dataclasses.replace(turn, boundary=dataclasses.replace(turn.boundary, id=row))
                 turn.plan.info["compaction"]["id"] = row
@@ -205,10 +210,11 @@ class Runtime:
         if record and at is None:
             key = (session_id, turn.epoch_key or epoch_key(pol.config_hash, turn.budget))
             ids = np.asarray(turn.prompt.ids, dtype=np.int64)
-            prev = self._last_ids.pop(key, None)
-            self._last_ids[key] = ids
-            if len(self._last_ids) > 1024:
-                self._last_ids.popitem(last=False)
+            with self._lock:
+                prev = self._last_ids.pop(key, None)
+                self._last_ids[key] = ids
+                while len(self._last_ids) > 1024:
+                    self._last_ids.popitem(last=False)
             turn = dataclasses.replace(turn, cost=turn_cost(prev, ids, self.cached_rate) if prev is not None else None)
         return turn
 
