@@ -275,6 +275,16 @@ def replay_session(rt: Runtime, sess: ReplaySession, label: str, cfg: PolicyConf
     return rows
 
 
+def cost_summary(rows: list[dict]) -> dict:
+    """Per-turn means of what a prefix cache leaves to pay (rows with ``turn_cost`` fields and ``compaction``)."""
+    if not rows:
+        return {"prefix_reuse": None, "uncached_per_turn": None, "billed_per_turn": None, "compactions_per_100": None}
+    return {"prefix_reuse": round(float(np.mean([r["prefix_reuse"] for r in rows])), 4),
+            "uncached_per_turn": round(float(np.mean([r["uncached"] for r in rows])), 1),
+            "billed_per_turn": round(float(np.mean([r["billed"] for r in rows])), 1),
+            "compactions_per_100": round(100.0 * sum(r["compaction"] for r in rows) / len(rows), 2)}
+
+
 def session_cost(rt: Runtime, session_id: str, cfg: PolicyConfigBase, budget: int, reserve: int, upto: int,
                  cached_rate: float = CACHED_RATE) -> dict:
     """What the turns of one ledger session cost under a policy, replayed from its first step to ``upto``:
@@ -293,12 +303,7 @@ def session_cost(rt: Runtime, session_id: str, cfg: PolicyConfigBase, budget: in
         prev = ids
     if not rows:
         return {"turns": 0}
-    n = len(rows)
-    return {"turns": n, "cached_rate": cached_rate, "cache_block": CACHE_BLOCK,
-            "prefix_reuse": round(float(np.mean([r["prefix_reuse"] for r in rows])), 4),
-            "uncached_per_turn": round(float(np.mean([r["uncached"] for r in rows])), 1),
-            "billed_per_turn": round(float(np.mean([r["billed"] for r in rows])), 1),
-            "compactions_per_100": round(100.0 * sum(r["compaction"] for r in rows) / n, 2),
+    return {"turns": len(rows), "cached_rate": cached_rate, "cache_block": CACHE_BLOCK, **cost_summary(rows),
             "this_turn": rows[-1]}
 
 
@@ -424,10 +429,7 @@ def summarize(rows: list[dict], budget: int, concat: bool) -> dict:
         "recoverable": sum(r["recoverable"] for r in done),
         "ms_per_step": round(float(np.median(ms)), 3) if ms else None,
         # what a prefix cache leaves to pay, per turn (the previous turn's ids, 16-token blocks)
-        "prefix_reuse": round(float(np.mean([r["prefix_reuse"] for r in done])), 4) if done else None,
-        "uncached_per_turn": round(float(np.mean([r["uncached"] for r in done])), 1) if done else None,
-        "billed_per_turn": round(float(np.mean([r["billed"] for r in done])), 1) if done else None,
-        "compactions_per_100": round(100.0 * sum(r["compaction"] for r in done) / len(done), 2) if done else None,
+        **cost_summary(done),
         "steps": len(rows),
         "strong_needs": strong,
         "skipped_steps": len(rows) - len(done),
