@@ -29,9 +29,9 @@ from rich.console import Console
 from rich.table import Table
 
 from palimpsest.platform import Ledger, Runtime
-from palimpsest.platform.compiler import validate_budget
+from palimpsest.platform.budget import Budget
 from palimpsest.platform.policies import default_configs, load_policy_file, parse_policy_config
-from palimpsest.platform.types import PalimpsestError
+from palimpsest.platform.types import BudgetError, PalimpsestError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, help="Palimpsest: compress the view, never the source.")
 out = Console()
@@ -39,6 +39,14 @@ err = Console(stderr=True)
 
 DEFAULT_LEDGER = ".palimpsest/ledger.db"
 
+
+def _budget(budget: int, max_tokens: int = 0) -> Budget:
+    """``--budget`` and ``--max-tokens`` as one Budget, the error naming the flag."""
+    try:
+        return Budget(budget, max_tokens)
+    except BudgetError as e:
+        flag = "--budget" if "token budget" in str(e) else "--max-tokens"
+        raise PalimpsestError(f"{flag}: {e}") from None
 
 def shared_dev_file() -> Path:
     """The dev trajectories of the shared folder beside the project ($PALIMPSEST_SHARED overrides)."""
@@ -159,22 +167,20 @@ def render(
     from palimpsest.pipelines.environment import open_runtime
     from palimpsest.serving.config import ActorConfig
 
-    validate_budget(budget)
     if at is not None and at < 0:
         raise PalimpsestError(f"--at must be >= 0, got {at}")
     reserve = ActorConfig().max_tokens if max_tokens is None else max_tokens
-    if reserve < 0 or reserve >= budget:
-        raise PalimpsestError(f"--max-tokens must be >= 0 and below the budget ({budget}), got {reserve}")
+    limit = _budget(budget, reserve)  # --budget, --max-tokens: checked here, once
     cfg = _policy_config(policy, policy_config)
     rt = open_runtime(_existing(_ledger_path(ledger)), embedder, tokenizer)
     with rt.ledger as led:
         sess = led.session(session)  # unknown session -> a clear error before any work
         rt.enrich(session)
-        turn = rt.turn(session, cfg, budget, at=at, record=False, reserve=reserve)
+        turn = rt.turn(session, cfg, limit, at=at, record=False)
         if as_json:
             from palimpsest.pipelines.replay import session_cost
 
-            cost = session_cost(rt, session, cfg, budget, reserve, turn.t, cached_rate)
+            cost = session_cost(rt, session, cfg, limit, turn.t, cached_rate)
     p = turn.prompt
     if as_json:
         spans = {s.t: s for s in p.segments if s.t is not None and s.kind == "step"}
@@ -315,14 +321,11 @@ def replay(
     from palimpsest.pipelines.environment import open_runtime
     from palimpsest.pipelines.replay import TimedEmbedder, run_replay, summary_markdown, write_outputs
 
-    validate_budget(budget)
     if repeat > 1 and not concat:
         raise PalimpsestError("--repeat needs --concat (it repeats the trajectories inside one session)")
     from palimpsest.serving.config import ActorConfig
 
-    reserve = ActorConfig().max_tokens if max_tokens is None else max_tokens
-    if reserve >= budget:
-        raise PalimpsestError(f"--max-tokens ({reserve}) must be below the budget ({budget})")
+    reserve = _budget(budget, ActorConfig().max_tokens if max_tokens is None else max_tokens).reply
     policies = _policy_set(policy, policy_config)
     if not data.is_file():
         raise PalimpsestError(f"trajectory file not found: {data}")
@@ -400,7 +403,7 @@ def eval_actions(
     """Action fidelity: KL to the actor given the whole history, NLL of the recorded action, top-1 agreement."""
     import json as _json
 
-    validate_budget(budget)
+    Budget(budget)
     if not data.is_file():
         raise PalimpsestError(f"trajectory file not found: {data}")
     names = [n.strip() for n in policy.split(",") if n.strip()]
@@ -532,7 +535,7 @@ def eval_memory(
     import json as _json
 
     if budget is not None:
-        validate_budget(budget)
+        Budget(budget)
     if not data.is_file():
         raise PalimpsestError(f"trajectory file not found: {data}")
     with _json_stdout(as_json):
@@ -598,7 +601,7 @@ def view(
         raise PalimpsestError(f"no trajectories at {path}; pass --data FILE")
     from palimpsest.pipelines.environment import open_runtime
 
-    validate_budget(budget)
+    Budget(budget)
     run_demo(out, path, trajectory, budget, open_runtime(ledger or Path(".palimpsest/demo.db"), embedder, tokenizer))
 
 

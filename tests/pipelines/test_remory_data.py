@@ -5,6 +5,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from palimpsest.pipelines.remory_data import DataConfig, build_datasets, split_of
+from palimpsest.platform.budget import Budget
 from palimpsest.platform.policies import parse_policy_config
 from palimpsest.platform.types import PalimpsestError
 from tests.models.tiny_tokenizer import tiny_tokenizer
@@ -115,8 +116,8 @@ def test_the_data_builder_and_the_served_turn_hand_the_memory_identical_ids(tmp_
         return {"text": "ok", "token_ids": [1], "prompt_tokens": 1, "actor_ms": 0.0, "soft_tokens": 0,
                 "cached_tokens": 0}
 
-    req = TurnRequest(session_id=tr.id, policy=rt.policy(policy), budget=cfg.budget,
-                      max_tokens=cfg.max_target_tokens, soft_positions=cfg.soft_slots)
+    req = TurnRequest(session_id=tr.id, policy=rt.policy(policy),
+                      budget=Budget(cfg.budget, cfg.max_target_tokens, cfg.soft_slots))
     asyncio.run(run_turn(rt, req, generate, 0, memory_for))
     assert seen["memory"] == (row["memory"], row["summary"])
     assert (seen["context"], seen["bridge"]) == (row["context"], row["bridge"])

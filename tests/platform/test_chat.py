@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from palimpsest.platform import Authority, Ledger, Resolution, Runtime, StepRecord
 from palimpsest.platform.chat import chat_ids, glimpse_call, prefix_messages
+from palimpsest.platform.budget import Budget
 from palimpsest.platform.compiler import compile_plan
 from palimpsest.platform.policies.base import Reasons, new_plan
 from tests.helpers import STEPS, TASK, step
@@ -79,7 +80,7 @@ def test_a_degraded_step_keeps_its_place_and_roles(smol_dir, tmp_path):
     res[1], res[2], res[3] = Resolution.DETAILED, Resolution.BRIEF, Resolution.PLACEHOLDER
     reasons = Reasons()
     plan = new_plan("test", "x", snap, res, np.arange(m, dtype=float), np.full(m, reasons("t")), reasons)
-    p = compile_plan(snap, plan, 100_000, led.tokenizer)
+    p = compile_plan(snap, plan, Budget(100_000), led.tokenizer)
     assert plan.resolution[:4].tolist() == [0, 1, 2, 3]
     roles = [m["role"] for m in p.messages[2:]]
     assert roles == ["assistant", "tool"] * m
@@ -147,7 +148,7 @@ def test_random_plans_never_exceed_the_budget_and_decode_to_the_audited_text(smo
                         fold_ranges=data.draw(st.booleans()))
         tok = led.tokenizer
         try:
-            p = compile_plan(snap, plan, budget, tok, reserve)
+            p = compile_plan(snap, plan, Budget(budget, reserve), tok)
         except Exception as e:  # only a budget below the prefix plus a minimal latest step may refuse
             from palimpsest.platform import BudgetError
 

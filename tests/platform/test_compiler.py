@@ -2,6 +2,7 @@ import numpy as np
 import pytest
 
 from palimpsest.platform import BudgetError, Resolution
+from palimpsest.platform.budget import Budget
 from palimpsest.platform.compiler import compile_plan
 from palimpsest.platform.policies import WindowConfig
 from tests.helpers import per_turn, step
@@ -104,14 +105,14 @@ def test_a_plan_for_another_snapshot_is_refused(runtime, session):
     snap = runtime.snapshot(session)
     plan = runtime.policy("full").plan(runtime.snapshot(session, at=3), 1000)
     with pytest.raises(ValueError, match="plan covers 3 steps"):
-        compile_plan(snap, plan, 1000, runtime.ledger.tokenizer)
+        compile_plan(snap, plan, Budget(1000), runtime.ledger.tokenizer)
 
 
 def test_hidden_runs_fold_into_range_lines_within_the_budget(runtime, session):
     snap = runtime.snapshot(session)
     plan = runtime.policy(WindowConfig(k=3)).plan(snap, 100_000)
     plan.fold_ranges = True
-    prompt = compile_plan(snap, plan, 100_000, runtime.ledger.tokenizer)
+    prompt = compile_plan(snap, plan, Budget(100_000), runtime.ledger.tokenizer)
     ranges = [s for s in prompt.segments if s.kind == "range"]
     first, last = snap.steps[0], snap.steps[8]
     assert [s.text for s in ranges] == [f"[t=0..8 hidden (9 steps, ids #{first.id}..#{last.id}): glimpse any]"]
@@ -121,7 +122,7 @@ def test_hidden_runs_fold_into_range_lines_within_the_budget(runtime, session):
     tight_budget = prompt.tokens - 1
     plan = runtime.policy(WindowConfig(k=3)).plan(snap, tight_budget)
     plan.fold_ranges = True
-    tight = compile_plan(snap, plan, tight_budget, runtime.ledger.tokenizer)
+    tight = compile_plan(snap, plan, Budget(tight_budget), runtime.ledger.tokenizer)
     assert tight.tokens <= tight_budget and [s.kind for s in tight.segments].count("range") == 1
 
 

@@ -74,10 +74,11 @@ def policy_record(policy) -> dict[str, Any]:
 def stage2_samples(rt, sess, policy, cfg: DataConfig) -> Iterator[dict[str, Any]]:
     """Stage II rows of one imported session (``pipelines.replay.prepare_sessions``), compiled as served."""
     from palimpsest.pipelines.replay import teacher_boundaries, walk_turns
+    from palimpsest.platform.budget import Budget
     from palimpsest.platform.chat import memory_read
     from palimpsest.platform.types import BudgetError
 
-    reserve = cfg.max_target_tokens + cfg.soft_slots
+    limit = Budget(cfg.budget, cfg.max_target_tokens, cfg.soft_slots)  # what the served memory arm reserves
     teachers = {t: (ids, target) for t, ids, target in
                 teacher_boundaries(rt, sess, cfg.budget, cfg.max_history_tokens, cfg.max_target_tokens,
                                    cfg.min_history_steps, cfg.soft_slots)
@@ -87,7 +88,7 @@ def stage2_samples(rt, sess, policy, cfg: DataConfig) -> Iterator[dict[str, Any]
     split = split_of(sess.session_id, cfg.val_fraction)
     tok = rt.ledger.tokenizer
     last = max(teachers)
-    for rs, _snap, turn, _s in walk_turns(rt, sess, policy, cfg.budget, reserve):
+    for rs, _snap, turn, _s in walk_turns(rt, sess, policy, limit):
         if rs.t > last:
             break
         if rs.t not in teachers or isinstance(turn, BudgetError):

@@ -31,6 +31,7 @@ from palimpsest.pipelines.trajectories import (
     read_trajectories,
     to_record,
 )
+from palimpsest.platform.budget import Budget
 from palimpsest.platform.embedding import Embedder
 from palimpsest.platform.epochs import CACHE_BLOCK, Boundary, compaction_of, turn_cost
 from palimpsest.platform.ledger import SessionSnapshot
@@ -165,20 +166,20 @@ def action_targets(snap: SessionSnapshot) -> list[tuple[str, ...]]:
     return out
 
 
-def walk_turns(rt: Runtime, sess: ReplaySession, cfg: PolicyConfigBase, budget: int, reserve: int = 0):
+def walk_turns(rt: Runtime, sess: ReplaySession, cfg: PolicyConfigBase, limit: Budget):
     """The served turn of every step of a session under one policy, in order (a rolling summary carries its
     fold from turn to turn as a served session does): yields (step, snapshot, turn or BudgetError,
     compile seconds). Replay measures these turns; ``eval-actions`` scores the actor on them."""
     full = rt.snapshot(sess.session_id)
     policy = rt.policy(cfg)
-    bound = UNBOUNDED if cfg.type == "full" else budget
+    bound = Budget(UNBOUNDED) if cfg.type == "full" else limit
     state = _PolicyState()
     for rs in sess.steps:
         snap = full.upto(rs.t, folds={policy.config_hash: state.fold} if state.fold else {},
                          last_context_tokens={policy.name: state.prev_tokens})
         t0 = time.perf_counter()
         try:
-            turn = rt.compile(snap, policy, bound, reserve if bound != UNBOUNDED else 0, state.boundary)
+            turn = rt.compile(snap, policy, bound, boundary=state.boundary)
         except BudgetError as e:
             yield rs, snap, e, time.perf_counter() - t0
             continue
@@ -215,7 +216,7 @@ def teacher_boundaries(rt: Runtime, sess: ReplaySession, budget: int, window: in
     if snap.prefix_tokens + max_target_tokens + room + MIN_HISTORY_ROOM > budget:
         return
     tok = rt.ledger.tokenizer
-    for rs, _snap, turn, _s in walk_turns(rt, sess, parse_policy_config("full"), budget, 0):
+    for rs, _snap, turn, _s in walk_turns(rt, sess, parse_policy_config("full"), Budget(budget)):
         if rs.t < min_t or isinstance(turn, BudgetError) or rs.t >= len(snap.steps):
             continue
         n = len(turn.prompt.ids)
@@ -230,9 +231,9 @@ def teacher_boundaries(rt: Runtime, sess: ReplaySession, budget: int, window: in
 CACHED_RATE = 0.1
 
 
-def replay_session(rt: Runtime, sess: ReplaySession, label: str, cfg: PolicyConfigBase, budget: int,
+def replay_session(rt: Runtime, sess: ReplaySession, label: str, cfg: PolicyConfigBase, limit: Budget,
                    timer: TimedEmbedder | None, on_step: Callable[[], None] | None = None,
-                   reserve: int = 0, targets: list[tuple[str, ...]] | None = None,
+                   targets: list[tuple[str, ...]] | None = None,
                    cached_rate: float = CACHED_RATE) -> list[dict]:
     """Per-step rows for one policy over one session: the served prompt (its exact ids), checked on the
     text the actor receives, and what it costs against the previous turn's ids (a prefix cache holds their
@@ -244,9 +245,9 @@ def replay_session(rt: Runtime, sess: ReplaySession, label: str, cfg: PolicyConf
     embed_before = timer.seconds if timer else 0.0
     prev_ids: list[int] | None = None
     epochs = compaction_of(rt.policy(cfg)) is not None
-    for rs, snap, turn, seconds in walk_turns(rt, sess, cfg, budget, reserve):
+    for rs, snap, turn, seconds in walk_turns(rt, sess, cfg, limit):
         t = rs.t
-        row = {"policy": label, "budget": budget, "trajectory": rs.trajectory, "t": t - rs.offset, "session_t": t,
+        row = {"policy": label, "budget": limit.total, "trajectory": rs.trajectory, "t": t - rs.offset, "session_t": t,
                "full_tokens": int(full_cost[t]), "skipped": None}
         embedded = (timer.seconds - embed_before) if timer else 0.0
         embed_before = timer.seconds if timer else 0.0
@@ -267,7 +268,7 @@ def replay_session(rt: Runtime, sess: ReplaySession, label: str, cfg: PolicyConf
         row["compaction"] = bool(turn.compacted) if epochs else prev_ids is not None
         prev_ids = ids
         row["ms"] = (seconds - embedded) * 1000
-        row["over_budget"] = turn.prompt.tokens + reserve > budget
+        row["over_budget"] = turn.prompt.tokens + limit.reserve > limit.total
         row["elided"] = len(turn.plan.info.get("elided", []))
         rows.append(row)
         if on_step:
@@ -285,7 +286,7 @@ def cost_summary(rows: list[dict]) -> dict:
             "compactions_per_100": round(100.0 * sum(r["compaction"] for r in rows) / len(rows), 2)}
 
 
-def session_cost(rt: Runtime, session_id: str, cfg: PolicyConfigBase, budget: int, reserve: int, upto: int,
+def session_cost(rt: Runtime, session_id: str, cfg: PolicyConfigBase, limit: Budget, upto: int,
                  cached_rate: float = CACHED_RATE) -> dict:
     """What the turns of one ledger session cost under a policy, replayed from its first step to ``upto``:
     the per-turn means of ``summarize`` (prefix reuse, uncached and billed ids, compactions per 100 turns)
@@ -294,7 +295,7 @@ def session_cost(rt: Runtime, session_id: str, cfg: PolicyConfigBase, budget: in
     epochs = compaction_of(rt.policy(cfg)) is not None
     prev: list[int] | None = None
     rows = []
-    for _rs, _snap, turn, _s in walk_turns(rt, sess, cfg, budget, reserve):
+    for _rs, _snap, turn, _s in walk_turns(rt, sess, cfg, limit):
         if isinstance(turn, BudgetError):
             continue
         ids = turn.prompt.ids
@@ -467,6 +468,7 @@ def run_replay(rt: Runtime, data: Path, policies: dict[str, PolicyConfigBase], b
         raise ReplayError(f"the cached-input rate must be within [0, 1], got {cached_rate}")
     if repeat < 1 or (repeat > 1 and not concat):
         raise ReplayError(f"repeat must be >= 1 and needs concat, got repeat={repeat}, concat={concat}")
+    limit = Budget(budget, reserve)
     read = read_trajectories(data)
     skipped = [Skipped(e.split(":")[0], e) for e in read.errors]
     if not read.trajectories:
@@ -494,9 +496,9 @@ def run_replay(rt: Runtime, data: Path, policies: dict[str, PolicyConfigBase], b
         bar = progress.add_task(f"{label}", total=n_steps) if progress else None
         policy_rows = []
         for sess in usable:
-            policy_rows += replay_session(rt, sess, label, cfg, budget, timer,
+            policy_rows += replay_session(rt, sess, label, cfg, limit, timer,
                                           on_step=(lambda: progress.advance(bar)) if progress else None,
-                                          reserve=reserve, targets=targets[sess.session_id],
+                                          targets=targets[sess.session_id],
                                           cached_rate=cached_rate)
         by_policy[label] = summarize(policy_rows, budget, concat)
         rows += policy_rows

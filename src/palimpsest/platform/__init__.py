@@ -4,6 +4,7 @@ Importing this package loads no torch, ray, vllm, deepspeed or mlflow (a test ch
 """
 
 from palimpsest.platform.abstraction import Abstraction, RuleSummarizer, abstract_step
+from palimpsest.platform.budget import Budget
 from palimpsest.platform.compiler import compile_plan
 from palimpsest.platform.embedding import Embedder, HashingEmbedder
 from palimpsest.platform.ledger import Ledger, SessionSnapshot
@@ -30,7 +31,7 @@ from palimpsest.platform.types import (
 )
 
 __all__ = [
-    "Abstraction", "ApproxTokenizer", "Authority", "BudgetError", "CompiledTurn", "ConfigError", "Embedder",
+    "Abstraction", "ApproxTokenizer", "Authority", "Budget", "BudgetError", "CompiledTurn", "ConfigError", "Embedder",
     "GlimpseLimitError", "HFTokenizer", "HashingEmbedder", "Ledger", "LedgerError", "LedgerUnavailableError", "PalimpsestError", "Prompt",
     "RenderPlan", "Resolution", "RuleSummarizer", "Runtime", "Session", "SessionSnapshot", "Step", "StepRecord",
     "Tokenizer", "UnknownSessionError", "UnknownStepError", "abstract_step", "build_policy", "compile_plan",

@@ -40,7 +40,7 @@ from palimpsest.platform.tokens import ChatTokenizer
 from palimpsest.platform.types import Fold, Resolution, Session, Step, StepRecord
 
 if TYPE_CHECKING:
-    from palimpsest.platform.ledger import SessionSnapshot
+    from palimpsest.platform.ledger.snapshot import SessionSnapshot
     from palimpsest.platform.types import CompiledTurn
 
 GLIMPSE_TOOL = ("## Memory tool\nOlder steps may be shown summarised or as one-line placeholders `[#ID ...]`. "

@@ -3,8 +3,9 @@
 The layout belongs to :mod:`palimpsest.platform.chat` (stable prefix, then the history in its own
 roles, then the assistant prompt); this module decides how much of it fits.
 
-Budget: the prompt's exact ids (chat template, tool declarations, every message) plus ``reserve`` (the
-reply's ``max_tokens`` and the soft-memory positions) must be at most the budget. Planning uses the
+Budget (:class:`palimpsest.platform.budget.Budget`): the prompt's exact ids (chat template, tool
+declarations, every message) plus its reserve (the reply's ``max_tokens`` and the soft-memory positions)
+must be at most its total. Planning uses the
 per-step counts stored in the ledger plus a per-message overhead (an estimate, O(M) numpy): while the
 estimate overflows, the lowest-scored unpinned steps are degraded one level at a time (full -> detailed
 -> brief -> placeholder -> drop), lowest score first, every step older than the policy's recent window
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
+from palimpsest.platform.budget import Budget
 from palimpsest.platform.chat import (
     ChatIds,
     chat_ids,
@@ -62,12 +64,6 @@ MIN_ELIDE_CHARS = 120
 #: history still has the other half.
 ELIDE_SHARE = 0.5
 _MAX_ROUNDS = 64
-
-
-def validate_budget(budget: object) -> int:
-    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or budget <= 0:
-        raise BudgetError(f"the token budget must be a positive integer, got {budget!r}")
-    return int(budget)
 
 
 def _messages_per_step(snap: "SessionSnapshot") -> np.ndarray:
@@ -176,21 +172,21 @@ def _initial_caps(snap: "SessionSnapshot", costs: np.ndarray, pinned_idx: np.nda
     return caps
 
 
-def compile_plan(snap: "SessionSnapshot", plan: RenderPlan, budget: int, tokenizer: ChatTokenizer,
-                 reserve: int = 0, slot: str = "recent") -> Prompt:
-    """Render ``plan`` so that its exact ids plus ``reserve`` fit ``budget``; mutates ``plan`` (final
+def compile_plan(snap: "SessionSnapshot", plan: RenderPlan, limit: Budget, tokenizer: ChatTokenizer,
+                 slot: str = "recent") -> Prompt:
+    """Render ``plan`` so that its exact ids plus the reserve fit ``limit``; mutates ``plan`` (final
     resolutions, degradations, and ``info["elided"]`` for oversized steps shown head and tail). ``slot``:
     the soft-memory slot before the trailing run of raw steps (``recent``, per-turn planning) or after the
     whole history (``end``, a compaction boundary: the steps appended since follow it)."""
-    budget = validate_budget(budget)
-    if isinstance(reserve, bool) or not isinstance(reserve, (int, np.integer)) or reserve < 0:
-        raise BudgetError(f"the reserve (max_tokens + soft positions) must be a non-negative integer, got {reserve!r}")
+    if not isinstance(limit, Budget):
+        raise TypeError(f"limit must be a Budget, got {type(limit).__name__}")
+    budget, reserve = limit.total, limit.reserve
     if len(plan) != snap.t:
         raise ValueError(f"plan covers {len(plan)} steps but the snapshot has {snap.t}")
     if slot not in ("recent", "end"):
         raise ValueError(f"slot must be 'recent' or 'end', got {slot!r}")
     slot_at_end = slot == "end"
-    room = budget - int(reserve)
+    room = limit.prompt
     prefix = prefix_messages(snap.session)
     prefix_tokens = prefix_size(tokenizer, prefix)
     if prefix_tokens > room:
@@ -335,18 +331,18 @@ def assemble_prompt(tokenizer: ChatTokenizer, prefix: list[dict], messages: list
     )
 
 
-def compile_epoch(snap: "SessionSnapshot", plan_at: Callable[[int], RenderPlan], budget: int,
-                  tokenizer: ChatTokenizer, reserve: int, prev: Boundary | None, compaction: Compaction,
+def compile_epoch(snap: "SessionSnapshot", plan_at: Callable[[int], RenderPlan], limit: Budget,
+                  tokenizer: ChatTokenizer, prev: Boundary | None, compaction: Compaction,
                   policy: tuple[str, str] = ("", "")) -> tuple[RenderPlan, Prompt, Boundary, bool]:
     """One turn of a compaction epoch (:mod:`palimpsest.platform.epochs`): the previous boundary's prompt plus
-    the steps appended since, raw, unless those ids plus ``reserve`` would pass ``compaction.high`` x budget;
+    the steps appended since, raw, unless those ids plus the reserve would pass ``compaction.high`` x the total;
     then a boundary: ``plan_at(plan budget)`` plans anew and the prompt is compacted to ``compaction.low`` x
     budget (the whole budget where the low watermark cannot hold the prefix and the latest step). Returns
     (plan, prompt, the boundary in effect, whether this turn is a new boundary). ``policy``: the policy's
     (name, config hash), named by the plan of an append-only turn."""
-    budget = validate_budget(budget)
-    if isinstance(reserve, bool) or not isinstance(reserve, (int, np.integer)) or reserve < 0:
-        raise BudgetError(f"the reserve (max_tokens + soft positions) must be a non-negative integer, got {reserve!r}")
+    if not isinstance(limit, Budget):
+        raise TypeError(f"limit must be a Budget, got {type(limit).__name__}")
+    budget, reserve = limit.total, limit.reserve
     prefix = prefix_messages(snap.session)
     prefix_tokens = prefix_size(tokenizer, prefix)
     overhead = message_overhead(tokenizer)
@@ -383,8 +379,11 @@ def compile_epoch(snap: "SessionSnapshot", plan_at: Callable[[int], RenderPlan],
     targets = [low] + [b for b in (high, budget) if b > low]
     for target in dict.fromkeys(targets):
         try:
-            plan = planned(target - reserve if 0 <= reserve < target else target)
-            prompt = compile_plan(snap, plan, target, tokenizer, reserve, slot="end")
+            if reserve >= target:
+                continue  # this watermark cannot hold even the reserve
+            at = limit.of_total(target)
+            plan = planned(at.prompt)
+            prompt = compile_plan(snap, plan, at, tokenizer, slot="end")
             low = target
             break
         except BudgetError:

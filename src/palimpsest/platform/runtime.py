@@ -7,19 +7,22 @@ this class, so what replay measures is what production serves.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
-from collections import OrderedDict
 import socket
 import threading
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
 
-from palimpsest.platform.abstraction import RuleSummarizer, Summaries
-from palimpsest.platform.compiler import ELIDE_SHARE, compile_epoch, compile_plan, validate_budget
-from palimpsest.platform.embedding import Embedder, HashingEmbedder
 import numpy as np
 
+from palimpsest.platform.abstraction import RuleSummarizer, Summaries
+from palimpsest.platform.budget import Budget
+from palimpsest.platform.chat import prefix_tokens
+from palimpsest.platform.compiler import ELIDE_SHARE, compile_epoch, compile_plan
+from palimpsest.platform.embedding import Embedder, HashingEmbedder
 from palimpsest.platform.epochs import Boundary, compaction_of, epoch_key, turn_cost
 from palimpsest.platform.ledger import Ledger, SessionSnapshot
 from palimpsest.platform.policies import PolicyConfigBase, PolicyDeps, build_policy
@@ -69,6 +72,8 @@ class Runtime:
                  glimpse_limit: int = 3, chat=None, leases: bool | None = None, lease_s: float = 60.0,
                  snapshot_cache_bytes: int = 512 << 20, cached_rate: float = 0.1):
         self.ledger = ledger
+        if ledger.prefix_cost is None:  # the ledger prices a session's fixed prefix as this prompt renders it
+            ledger.prefix_cost = functools.partial(prefix_tokens, ledger.tokenizer)
         # Each session's snapshot, kept current from what changed (0 reads every turn's snapshot whole)
         self.snapshots = SnapshotCache(ledger, snapshot_cache_bytes)
         self.leases = ledger.backend == "postgresql" if leases is None else leases
@@ -145,28 +150,28 @@ class Runtime:
             return self.snapshots.get(session_id, self.embedder.name)
         return self.ledger.snapshot(session_id, upto=at, key_model=self.embedder.name)
 
-    def compile(self, snap: SessionSnapshot, policy: ContextPolicy, budget: int, reserve: int = 0,
+    def compile(self, snap: SessionSnapshot, policy: ContextPolicy, budget: Budget | int, reserve: int = 0,
                 boundary: Boundary | None = None) -> CompiledTurn:
         """Plan and compile over a snapshot, with no side effect (the pure part of a turn). The prompt's ids
-        plus ``reserve`` (the reply's max_tokens and any soft positions) fit ``budget``.
+        plus the reserve (the reply's max_tokens and any soft positions) fit the budget: a
+        :class:`~palimpsest.platform.budget.Budget`, or a plain total with ``reserve`` as its reply.
 
         A policy in compaction epochs (``compaction.mode: epochs``, platform.epochs) extends ``boundary``, the
         session's last one (None: the session's start), and plans anew only when the extension would pass
         the high watermark; the turn then carries the new boundary (``compacted``)."""
-        budget = validate_budget(budget)
+        limit = Budget.of(budget, reserve)
         epochs = compaction_of(policy)
         if epochs is None:
-            plan_budget = budget - reserve if 0 <= reserve < budget else budget
-            plan = policy.plan(_as_planned(snap, plan_budget), plan_budget)
-            prompt = compile_plan(snap, plan, budget, self.ledger.tokenizer, reserve)
-            return CompiledTurn(session_id=snap.session.id, t=snap.t, budget=budget, plan=plan, prompt=prompt,
+            plan = policy.plan(_as_planned(snap, limit.prompt), limit.prompt)
+            prompt = compile_plan(snap, plan, limit, self.ledger.tokenizer)
+            return CompiledTurn(session_id=snap.session.id, t=snap.t, budget=limit.total, plan=plan, prompt=prompt,
                                 snapshot=snap)
         plan, prompt, now, compacted = compile_epoch(
-            snap, lambda b: policy.plan(_as_planned(snap, b), b), budget, self.ledger.tokenizer, reserve, boundary,
+            snap, lambda b: policy.plan(_as_planned(snap, b), b), limit, self.ledger.tokenizer, boundary,
             epochs, (policy.name, policy.config_hash))
-        return CompiledTurn(session_id=snap.session.id, t=snap.t, budget=budget, plan=plan, prompt=prompt,
+        return CompiledTurn(session_id=snap.session.id, t=snap.t, budget=limit.total, plan=plan, prompt=prompt,
                             snapshot=snap, boundary=now, compacted=compacted,
-                            epoch_key=epoch_key(policy.config_hash, budget))
+                            epoch_key=epoch_key(policy.config_hash, limit.total))
 
     def boundary(self, session_id: str, key: str, at: int | None = None) -> Boundary | None:
         """The session's last compaction boundary under ``key`` (at or before step ``at``), from the ledger;
@@ -186,17 +191,17 @@ class Runtime:
                 self._boundaries.popitem(last=False)
         return cached
 
-    def turn(self, session_id: str, policy: ContextPolicy | PolicyConfigBase | dict | str, budget: int,
+    def turn(self, session_id: str, policy: ContextPolicy | PolicyConfigBase | dict | str, budget: Budget | int,
              at: int | None = None, record: bool = True, keys: bool = True, reserve: int = 0) -> CompiledTurn:
         """Compile the context for the next step (or for step ``at``) and audit it. ``keys=False`` plans as if
         no key embedding existed (the fallback when the embedder is unavailable)."""
+        limit = Budget.of(budget, reserve)
         pol = policy if hasattr(policy, "plan") else self.policy(policy)  # type: ignore[arg-type]
         snap = self.snapshot(session_id, at)
         prev = None
         if compaction_of(pol) is not None:
-            prev = self.boundary(session_id, epoch_key(pol.config_hash, validate_budget(budget)),
-                                 snap.t if at is None else at)
-        turn = self.compile(snap if keys else snap.without_keys(), pol, budget, reserve, prev)
+            prev = self.boundary(session_id, epoch_key(pol.config_hash, limit.total), snap.t if at is None else at)
+        turn = self.compile(snap if keys else snap.without_keys(), pol, limit, boundary=prev)
         # the fold, the boundary and the audit of a turn are stored together or not at all
         with self.ledger.transaction():
             if turn.plan.new_fold and turn.plan.fold is not None:

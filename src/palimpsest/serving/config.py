@@ -14,9 +14,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from palimpsest.platform.budget import Budget
 from palimpsest.platform.config import problems, read_yaml
 from palimpsest.platform.policies import parse_policy_config
-from palimpsest.platform.types import ConfigError
+from palimpsest.platform.types import BudgetError, ConfigError
 
 _ARM = re.compile(r"^[A-Za-z0-9][\w.+-]{0,63}$")
 
@@ -260,9 +261,11 @@ class ServeConfig(_Strict):
             if budget is not None and uses_memory and budget > self.actor.max_embeds_len:
                 raise ValueError(f"{name}: {budget} tokens exceeds actor.max_embeds_len={self.actor.max_embeds_len}; "
                                  "an arm with soft memory sends its whole prompt as embeddings")
-            if budget is not None and budget <= self.actor.max_tokens:
-                raise ValueError(f"{name}: {budget} tokens leaves no room for the prompt after actor.max_tokens="
-                                 f"{self.actor.max_tokens}")
+            if budget is not None:
+                try:
+                    Budget(budget, self.actor.max_tokens)
+                except BudgetError as e:
+                    raise ValueError(f"{name}: {e} (actor.max_tokens={self.actor.max_tokens})") from None
         return self
 
     def check_exposure(self, host: str) -> None:

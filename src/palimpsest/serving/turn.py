@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
+from palimpsest.platform.budget import Budget
 from palimpsest.platform.chat import glimpse_call, memory_read, with_glimpse
 from palimpsest.platform.embedding import EmbedderUnavailable
 from palimpsest.platform.runtime import Runtime
@@ -39,11 +40,9 @@ class WaitClock(Protocol):
 class TurnRequest:
     session_id: str
     policy: Any
-    budget: int
-    max_tokens: int
+    budget: Budget  # total, the reply's max_tokens, the soft positions reserved when the arm has memory
     temperature: float | None = None
     seed: int | None = None
-    soft_positions: int = 0  # reserved for the soft span when the arm has memory
     sampling: dict = field(default_factory=dict)  # further sampling fields passed to the actor as they are
     tools: list[dict] | None = None  # the session's declared function tools, for the actor's tool parser
     tool_choice: Any = None  # auto, none, required or a named function
@@ -73,12 +72,10 @@ class TurnResult:
 async def compile_turn(rt: Runtime, req: TurnRequest, clock: WaitClock | None) -> tuple[CompiledTurn, float, str | None]:
     """Plan and compile in a worker thread (policies may block on the embedder); when the embedder is down
     the turn is planned as if no step had a key yet. Returns (turn, ms waited for the embedder, fallback)."""
-    reserve = req.max_tokens + req.soft_positions
-
     def plan(keys: bool):
         if clock is not None:
             clock.reset_wait()
-        ct = rt.turn(req.session_id, req.policy, req.budget, None, True, keys, reserve=reserve)
+        ct = rt.turn(req.session_id, req.policy, req.budget, None, True, keys)
         return ct, (clock.waited_ms if clock is not None else 0.0)
 
     try:
@@ -149,12 +146,12 @@ async def run_turn(rt: Runtime, req: TurnRequest, generate: Generate, glimpse_li
     t_start = time.perf_counter()
     ct, embed_ms, fallback = await compile_turn(rt, req, clock)
     plan_ms = (time.perf_counter() - t_start) * 1000
-    memory = await memory_for(ct) if (memory_for is not None and req.soft_positions) else None
-    request: dict[str, Any] = {**req.sampling, "max_tokens": req.max_tokens, "temperature": req.temperature,
+    memory = await memory_for(ct) if (memory_for is not None and req.budget.soft) else None
+    request: dict[str, Any] = {**req.sampling, "max_tokens": req.budget.reply, "temperature": req.temperature,
                                "seed": req.seed}
     if req.tools:
         request.update(tools=req.tools, tool_choice=req.tool_choice, parallel_tool_calls=req.parallel_tool_calls)
-    room = req.budget - req.max_tokens - req.soft_positions
+    room = req.budget.prompt
     messages = list(ct.prompt.messages)
     context, bridge = list(ct.prompt.context_ids), list(ct.prompt.bridge_ids)
     glimpsed: list[int] = []

@@ -30,6 +30,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from palimpsest.platform.budget import Budget
 from palimpsest.platform.types import BudgetError, PalimpsestError
 from palimpsest.training.teachers import TOP_K, Teacher, TeacherCache, compute_teacher, score, teacher_of
 
@@ -116,7 +117,6 @@ def evaluate_actions(rt, sessions, arms: list[Arm], budget: int, actor, *, data_
         teacher_ids[(sess.session_id, t)] = ids
     by_id = {s.session_id: s for s in sessions}
     rows: list[dict] = []
-    reserve = max_target_tokens
     for sid, ts in wanted.items():
         sess = by_id[sid]
         # 2. The teacher at each boundary (cached).
@@ -132,7 +132,7 @@ def evaluate_actions(rt, sessions, arms: list[Arm], budget: int, actor, *, data_
         for arm in arms:
             soft = arm.memory.slots if arm.memory else 0
             last = max(ts)
-            for rs, _snap, turn, _s in walk_turns(rt, sess, arm.config, budget, reserve + soft):
+            for rs, _snap, turn, _s in walk_turns(rt, sess, arm.config, Budget(budget, max_target_tokens, soft)):
                 if rs.t > last:
                     break
                 if rs.t not in ts:

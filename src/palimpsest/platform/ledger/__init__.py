@@ -1,0 +1,44 @@
+"""The step ledger: an append-only store of every step, its representations, keys and audits.
+
+The backend is chosen by URL (:mod:`palimpsest.platform.stores`): SQLite in WAL mode with
+``synchronous=FULL`` is the embedded default, PostgreSQL (``postgresql://...``) serves several
+replicas and machines. Either way a step is committed before :meth:`Ledger.append` returns, and
+triggers make every table append-only, so raw text can never be updated or deleted by any code
+path, this package's included. The schema lives in ``platform/migrations/``.
+
+Reads go through :meth:`Ledger.snapshot`, one read transaction that returns an immutable
+:class:`SessionSnapshot` (columns as numpy arrays), the only input a policy ever sees. Every
+read and every write names its session; a step id of another session is "unknown" here.
+
+One module per concern, one class over them:
+
+- ``store``: sessions, steps, summaries, keys, folds, compaction boundaries, work leases;
+- ``audit``: each compiled turn's plan, and the glimpses a turn used;
+- ``experiments``: served turns, outcomes and shadow fidelity (the A/B record);
+- ``snapshot``: the snapshot a policy plans on, and the delta a cached snapshot catches up with.
+
+The ledger does not know the prompt: what a session's fixed prefix costs is handed to it
+(``prefix_cost``; :class:`palimpsest.platform.runtime.Runtime` hands it the prompt's own).
+"""
+
+from __future__ import annotations
+
+from palimpsest.platform.ledger.audit import Audit
+from palimpsest.platform.ledger.experiments import Experiments
+from palimpsest.platform.ledger.snapshot import SalientIndex, SessionSnapshot, SnapshotDelta, SnapshotReads
+from palimpsest.platform.ledger.store import PrefixCost, Store
+
+
+class Ledger(Store, Audit, Experiments, SnapshotReads):
+    """Append-only step ledger. Thread-safe; several processes (SQLite) or machines (PostgreSQL) may
+    share one.
+
+    ``url``: a file path or ``sqlite:///path`` (the default backend), ``:memory:``, or
+    ``postgresql://user:password@host:port/db`` (``?options=-csearch_path%3Dname`` picks a schema).
+    An unreachable database raises :class:`LedgerUnavailableError` naming it (password hidden).
+    ``prefix_cost``: what a session's fixed prefix costs in the actor's ids (a Runtime over this ledger
+    hands it the prompt's own when none is given).
+    """
+
+
+__all__ = ["Ledger", "PrefixCost", "SalientIndex", "SessionSnapshot", "SnapshotDelta"]

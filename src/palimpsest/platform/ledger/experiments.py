@@ -1,0 +1,55 @@
+"""Experiments: what each served turn cost under its arm, the sessions' outcomes, and the shadow lane's fidelity
+records: what ``palimpsest ab`` and the A/B report read."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Mapping
+
+from palimpsest.platform.types import LedgerError
+
+
+class Experiments:
+    """The ledger's A/B record (mixed into :class:`palimpsest.platform.ledger.Ledger`)."""
+
+    def record_served(self, session_id: str, t: int, arm: str, metrics: Mapping[str, float | int]) -> None:
+        """What a served turn cost (tokens, latency per stage, glimpses, error) under its arm."""
+        with self._tx() as db:
+            db.execute("INSERT INTO served (session_id, t, arm, metrics, created) VALUES (?,?,?,?,?)",
+                       (session_id, int(t), arm, json.dumps(dict(metrics)), time.time()))
+
+    def record_outcome(self, session_id: str, arm: str, value: float, note: str = "") -> None:
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:
+            raise LedgerError(f"an outcome must be a finite number, got {value!r}")
+        self.session(session_id)
+        with self._tx() as db:
+            db.execute("INSERT INTO outcomes (session_id, arm, value, note, created) VALUES (?,?,?,?,?)",
+                       (session_id, arm, float(value), note, time.time()))
+
+    def served(self, since: float = 0.0) -> list[dict]:
+        """Every served turn since ``since`` (unix time), oldest first."""
+        return [{"session_id": r[0], "t": r[1], "arm": r[2], **json.loads(r[3]), "created": r[4]}
+                for r in self._read("SELECT session_id, t, arm, metrics, created FROM served WHERE created>=?"
+                                    " ORDER BY id", (since,))]
+
+    def record_shadow(self, session_id: str, t: int, arm: str, status: str, reason: str = "", reference: str = "",
+                      kl: float | None = None, top1: float | None = None, tokens: int = 0) -> None:
+        """A sampled served turn's shadow fidelity (``scored``) or why it has none (``skipped``)."""
+        if status not in ("scored", "skipped"):
+            raise LedgerError(f"shadow status must be 'scored' or 'skipped', got {status!r}")
+        with self._tx() as db:
+            db.execute("INSERT INTO shadow (session_id, t, arm, status, reason, reference, kl, top1, tokens, created)"
+                       " VALUES (?,?,?,?,?,?,?,?,?,?)",
+                       (session_id, int(t), arm, status, reason, reference, kl, top1, int(tokens), time.time()))
+
+    def shadows(self, since: float = 0.0) -> list[dict]:
+        """Every shadow-fidelity record since ``since`` (unix time), oldest first."""
+        cols = ("session_id", "t", "arm", "status", "reason", "reference", "kl", "top1", "tokens", "created")
+        return [dict(zip(cols, r)) for r in self._read(
+            f"SELECT {', '.join(cols)} FROM shadow WHERE created>=? ORDER BY id", (since,))]
+
+    def outcomes(self, since: float = 0.0) -> list[dict]:
+        return [{"session_id": r[0], "arm": r[1], "value": r[2], "note": r[3], "created": r[4]}
+                for r in self._read("SELECT session_id, arm, value, note, created FROM outcomes WHERE created>=?"
+                                    " ORDER BY id", (since,))]
