@@ -58,8 +58,7 @@ def main() -> None:
     trajs = read_trajectories(args.data).trajectories
     ledger = ROOT / ".palimpsest" / f"proxy-bench-{int(time.time())}.db"
     cfg = {"ledger": str(ledger), "embedder": "minilm", "budget": 6000,
-           "actor": {"model": "smollm2", "max_model_len": 8192, "max_tokens": args.max_tokens,
-                     "chat_template": str(ROOT / "configs" / "templates" / "hermes_tools.jinja"), "tool_parser": "hermes"},
+           "actor": {"model": "smollm2", "max_model_len": 8192, "max_tokens": args.max_tokens},  # tools by default
            "summarizer": {"mode": "rule"}, "memory": {"model": None},
            "arms": [{"name": "pace", "policy": {"type": "pace"}}]}
     rows = []
@@ -76,7 +75,7 @@ def main() -> None:
                 t0 = time.perf_counter()
                 if stream:
                     first, tail = None, None
-                    for chunk in oc.chat.completions.create(model="actor", messages=msgs, user=sid, stream=True,
+                    for chunk in oc.chat.completions.create(model="smollm2", messages=msgs, user=sid, stream=True,
                                                             max_tokens=args.max_tokens, temperature=0):
                         if first is None and chunk.choices and chunk.choices[0].delta.content:
                             first = time.perf_counter()
@@ -86,7 +85,7 @@ def main() -> None:
                     ext = tail
                     ttft = ((first or time.perf_counter()) - t0) * 1000
                 else:
-                    r = oc.chat.completions.create(model="actor", messages=msgs, user=sid, max_tokens=args.max_tokens,
+                    r = oc.chat.completions.create(model="smollm2", messages=msgs, user=sid, max_tokens=args.max_tokens,
                                                    temperature=0)
                     wall = time.perf_counter() - t0
                     ext = (r.model_extra or {}).get("palimpsest")

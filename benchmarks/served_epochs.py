@@ -1,6 +1,6 @@
 """vLLM's own prefix-cache hit rate on the composed app: pace in compaction epochs beside pace planned per turn.
 
-    .venv/bin/python benchmarks/served_epochs.py [--turns 55] [--budget 4096] [--out benchmarks/results/served_epochs_BUDGET.json]
+    .venv/bin/python benchmarks/served_epochs.py [--turns 55] [--budget 4096] [--memory] [--out FILE]
 
 One long session per arm (the dev trajectories one after another, each opening with its task as a user
 message, as `replay --concat` builds it), driven over HTTP as an agent does: append a step, ask a turn, in
@@ -9,6 +9,11 @@ rule summaries so that the turns alone use the actor). The hit rate is vLLM's: t
 per request (`num_cached_tokens`) over the prompt tokens, summed over each arm's turns, beside the prefix
 reuse the ingress predicts from the ids (`platform/epochs.py:turn_cost`) and the compactions per 100 turns.
 The budget is sized for CPU prefill on 2 cores.
+
+``--memory``: both arms inject the soft memory (the registered memory model; the demo's is trained first when
+none is). The whole prompt then goes to vLLM as input embeddings, and its prefix cache hashes an embeds block
+by its bytes: the hit rate shows whether the soft span, computed once per boundary and placed after the
+compacted history, leaves the prefix cacheable (results: ``served_epochs_memory_BUDGET.json``).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-ARMS = {"pace": {"type": "pace"}, "pace-per-turn": {"type": "pace", "compaction": {"mode": "per_turn"}}}
+POLICIES = {"pace": {"type": "pace"}, "pace-per-turn": {"type": "pace", "compaction": {"mode": "per_turn"}}}
 
 
 def main() -> None:
@@ -34,9 +39,12 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--port", type=int, default=8127)
     ap.add_argument("--work", type=Path, default=ROOT / ".palimpsest" / "bench-epochs")
+    ap.add_argument("--memory", action="store_true", help="both arms with soft memory (prompt embeds)")
     ap.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/served_epochs_BUDGET.json")
     args = ap.parse_args()
-    args.out = args.out or ROOT / "benchmarks" / "results" / f"served_epochs_{args.budget}.json"
+    kind = "memory_" if args.memory else ""
+    args.out = args.out or ROOT / "benchmarks" / "results" / f"served_epochs_{kind}{args.budget}.json"
+    arms = {f"{name.replace('pace', 'pace+memory')}" if args.memory else name: pol for name, pol in POLICIES.items()}
     if not args.data.is_file():
         sys.exit(f"no trajectories at {args.data}; pass --data FILE")
     from palimpsest.pipelines.replay import _concat_records
@@ -50,15 +58,25 @@ def main() -> None:
     cfg = {"ledger": str(ledger), "embedder": "minilm", "budget": args.budget,
            "actor": {"model": "smollm2", "max_tokens": args.max_tokens},
            "summarizer": {"mode": "rule"},
-           "arms": [{"name": name, "policy": pol, "weight": 1.0} for name, pol in ARMS.items()]}
+           "arms": [{"name": name, "policy": pol, "weight": 1.0, "memory": args.memory} for name, pol in arms.items()]}
+    if args.memory:
+        from rich.console import Console
+
+        from palimpsest.demo import DEMO_TRAIN, ensure_memory
+
+        ref = ensure_memory(Console(stderr=True), DEMO_TRAIN, args.data)
+        if ref is None:
+            sys.exit("no memory model is registered and none could be trained")
+        # what the memory reads, as the demo memory was trained (configs/serve/demo.yaml)
+        cfg["memory"] = {"model": ref, "max_history_tokens": 1024, "max_field_chars": 300}
     t0 = time.perf_counter()
     with LocalServer(cfg, port=args.port) as srv, httpx.Client(base_url=srv.url, timeout=1800) as client:
         ready_s = time.perf_counter() - t0
-        sids = {arm: f"epochs-{arm}" for arm in ARMS}
+        sids = {arm: f"epochs-{arm}" for arm in arms}
         for arm, sid in sids.items():
             client.post("/v1/sessions", json={"session_id": sid, "arm": arm, "task": "Work through the tasks that "
                                               "arrive as user messages, one after another."}).raise_for_status()
-        turns = {arm: 0 for arm in ARMS}
+        turns = {arm: 0 for arm in arms}
         for rec in records:
             for arm, sid in sids.items():
                 client.post(f"/v1/sessions/{sid}/steps", json={
@@ -70,14 +88,14 @@ def main() -> None:
                 r = client.post(f"/v1/sessions/{sid}/turn", json={"max_tokens": args.max_tokens})
                 r.raise_for_status()
                 turns[arm] += 1
-            print(f"turn {turns['pace']}/{args.turns} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+            print(f"turn {min(turns.values())}/{args.turns} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
             if min(turns.values()) >= args.turns:
                 break
         metrics = client.get("/metrics").text
     served = [r for r in Ledger(ledger).served() if not r.get("error")]
-    out = {"budget": args.budget, "max_tokens": args.max_tokens, "ready_s": round(ready_s, 1),
+    out = {"budget": args.budget, "max_tokens": args.max_tokens, "memory": cfg.get("memory"), "ready_s": round(ready_s, 1),
            "wall_s": round(time.perf_counter() - t0, 1), "arms": {}}
-    for arm in ARMS:
+    for arm in arms:
         rows = [r for r in served if r["arm"] == arm]
         prompt = sum(r["tokens_prompt"] for r in rows)
         cached = sum(r["tokens_cached"] for r in rows)
@@ -88,6 +106,8 @@ def main() -> None:
             "uncached_per_turn": round((prompt - cached) / len(rows), 1),
             "predicted_prefix_reuse": round(statistics.mean(reuse), 4) if reuse else None,
             "compactions_per_100": round(100 * sum(bool(r.get("rebuilt")) for r in rows) / len(rows), 1),
+            "soft_per_turn": round(statistics.mean(r.get("tokens_soft", 0) for r in rows), 1),
+            "memory_cached_share": round(statistics.mean(bool(r.get("memory_cached")) for r in rows), 4),
             "actor_ms_p50": round(statistics.median(r["actor_ms"] for r in rows), 1),
             "total_ms_p50": round(statistics.median(r["total_ms"] for r in rows), 1)}
     out["metrics_cached_lines"] = [x for x in metrics.splitlines() if x.startswith("palimpsest_prefix_cached_tokens")]

@@ -102,3 +102,17 @@ def test_a_budget_beyond_the_actors_window_is_a_config_error(patch, field):
 
     with pytest.raises(ConfigError, match=field):
         parse_serve_config({"actor": {"max_model_len": 8192}, **patch})
+
+
+def test_the_embedded_serve_default_is_the_complete_local_configuration(monkeypatch):
+    """`palimpsest serve` with no config is what configs/serve/local.yaml spells out, tools and all."""
+    from palimpsest.serving.config import ActorConfig, ServeConfig, load_serve_config
+
+    monkeypatch.chdir(CONFIGS.parent)  # the file names its template relative to the checkout
+    embedded = ServeConfig()
+    assert embedded == load_serve_config(CONFIGS / "serve" / "local.yaml")
+    assert embedded.actor.tool_parser == "hermes" and Path(embedded.actor.chat_template).is_file()
+    assert "tools" in Path(embedded.actor.chat_template).read_text()
+    # a template or parser named in a config, or another model, is taken as it is
+    assert ActorConfig(chat_template=None).tool_parser is None
+    assert ActorConfig(model="/models/other").chat_template is None

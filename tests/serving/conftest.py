@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from palimpsest.serving.config import HERMES_TEMPLATE as HERMES
 from tests.models.tiny import tiny_actor
 from tests.models.tiny_tokenizer import tiny_tokenizer
 
-HERMES = Path(__file__).resolve().parents[2] / "configs" / "templates" / "hermes_tools.jinja"
 HIDDEN = 128  # vLLM's CPU attention needs head_dim >= 32: 2 heads of 64
 KEYS = {"alice": "alice-secret-key", "bob": "bob-secret-key"}
 

@@ -243,10 +243,20 @@ def test_the_chat_endpoint_records_every_message_and_refuses_what_it_cannot_hono
            ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
            ({"tool_choice": "required"}, "tool_choice"), ({"foo": 1}, "foo"),
            ({"messages": msgs[:1] + [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-            "messages[1].content[0]")]
+            "messages[1].content[0]"),
+           ({"messages": msgs + [{"role": "assistant", "content": "The fix is"}]}, "messages[6]: a trailing assistant"),
+           ({"messages": msgs[:2] + [{"role": "assistant", "content": None, "function_call": {
+               "name": "ls", "arguments": "{}"}}, {"role": "function", "name": "ls", "content": "a.py"}]},
+            "messages[2].function_call")]
     for patch, field in bad:
         r = client.post("/v1/chat/completions", json={"messages": msgs, "user": "all-2", **patch})
         assert r.status_code in (400, 422) and field in r.json()["error"], (patch, r.text)
+    assert client.get("/v1/sessions/all-2/steps").status_code == 404  # refused before anything was recorded
+    served = client.get("/v1/models").json()["data"][0]["id"]
+    r = client.post("/v1/chat/completions", json={"messages": msgs, "user": "all-3", "model": "gpt-4o"})
+    assert r.status_code == 404 and repr(served) in r.json()["error"] and "'gpt-4o'" in r.json()["error"]
+    r = client.post("/v1/chat/completions", json={"messages": msgs, "user": "all-3", "model": served, "max_tokens": 2})
+    assert r.status_code == 200, r.text
 
 
 TOOLS = [{"type": "function", "function": {
@@ -310,7 +320,8 @@ def test_a_langchain_agent_drives_its_own_tool_loop_through_the_proxy(server, cl
     lc = pytest.importorskip("langchain_openai")
     from langchain_core.messages import HumanMessage, SystemMessage, ToolMessage
 
-    llm = lc.ChatOpenAI(base_url=f"{server.url}/v1", api_key=KEYS["alice"], model="actor", max_tokens=400, seed=7,
+    model = client.get("/v1/models").json()["data"][0]["id"]  # an unknown model name is a 404
+    llm = lc.ChatOpenAI(base_url=f"{server.url}/v1", api_key=KEYS["alice"], model=model, max_tokens=400, seed=7,
                         default_headers={ARM_HEADER: "wide", "x-palimpsest-session": "lc-1"}, max_retries=0)
     agent = llm.bind_tools(TOOLS, tool_choice="run_shell")
     messages = [SystemMessage("You are a careful agent."), HumanMessage("Fix the failing test in settings")]
@@ -353,7 +364,8 @@ def test_an_openai_agents_sdk_agent_runs_its_tool_loop_through_the_proxy(server,
     oc = AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEYS["alice"], max_retries=0,
                      default_headers={ARM_HEADER: "wide", "x-palimpsest-session": "ag-1"})
     agent = Agent(name="fixer", instructions="You are a careful agent.", tools=[run_shell],
-                  model=OpenAIChatCompletionsModel(model="actor", openai_client=oc),
+                  model=OpenAIChatCompletionsModel(model=client.get("/v1/models").json()["data"][0]["id"],
+                                                   openai_client=oc),
                   model_settings=ModelSettings(tool_choice="required", max_tokens=400, temperature=1.0))
     try:
         Runner.run_sync(agent, "Fix the failing test in settings", max_turns=3)

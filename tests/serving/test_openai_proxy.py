@@ -31,9 +31,22 @@ def test_authority_comes_from_the_source_not_the_role():
     assert p.steps[0].authority is Authority.USER and p.steps[1].authority is Authority.TOOL
 
 
-def test_a_trailing_action_without_observation_waits():
-    p = parse_messages(CHAT + msgs(("assistant", "pytest")))
-    assert len(p.steps) == 2
+def test_a_trailing_assistant_prefill_is_refused_by_position_not_dropped():
+    assert len(parse_messages(CHAT).steps) == 2
+    with pytest.raises(PalimpsestError, match=rf"messages\[{len(CHAT)}\]: a trailing assistant message"):
+        parse_messages(CHAT + msgs(("assistant", "pytest")))
+
+
+def test_a_legacy_function_call_or_an_unread_field_is_refused_by_name():
+    call = ChatMessage(role="assistant", content=None, function_call={"name": "ls", "arguments": "{}"})
+    with pytest.raises(PalimpsestError, match=r"messages\[2\].function_call: the legacy"):
+        parse_messages(CHAT[:2] + [call] + msgs(("function", "a.py")))
+    odd = ChatMessage(role="assistant", content="ls", reasoning_content="I should list the files")
+    with pytest.raises(PalimpsestError, match=r"messages\[2\].reasoning_content"):
+        parse_messages(CHAT[:2] + [odd] + CHAT[3:])
+    # what a client echoes back empty on an assistant message is nothing to record
+    echoed = ChatMessage(role="assistant", content="ls", refusal=None, function_call=None, annotations=[])
+    assert parse_messages(CHAT[:2] + [echoed] + CHAT[3:]).steps == parse_messages(CHAT).steps
 
 
 def test_resending_history_is_idempotent_and_rewriting_it_is_a_conflict():
@@ -62,16 +75,16 @@ def test_no_message_is_dropped_whatever_the_sequence_of_roles():
     chat = msgs(("system", "be careful"), ("user", "fix the bug"), ("assistant", "I will look first."),
                 ("assistant", "ls"), ("tool", "a.py"), ("tool", "b.py"), ("system", "budget: 3 more steps"),
                 ("assistant", "cat a.py"), ("system", "the sandbox restarted"), ("assistant", "cat a.py"),
-                ("user", "def f(): ..."), ("user", "also check b.py"), ("assistant", "cat b.py"))
+                ("user", "def f(): ..."), ("user", "also check b.py"), ("assistant", "cat b.py"), ("tool", "x = 1"))
     p = parse_messages(chat)
     got = [(s.action, s.observation, s.authority) for s in p.steps]
     assert got == [("I will look first.", None, Authority.MODEL),
                    ("ls", "a.py\nb.py\nbudget: 3 more steps", Authority.TOOL),
                    ("cat a.py", "the sandbox restarted", Authority.SYSTEM),
-                   ("cat a.py", "def f(): ...\nalso check b.py", Authority.TOOL)]
-    # only the trailing action waits for its result; every earlier message's text is in a step
-    texts = "\n".join(f"{a}\n{o}" for a, o, _ in got)
-    assert all(m.content in texts for m in chat[2:-1])
+                   ("cat a.py", "def f(): ...\nalso check b.py", Authority.TOOL),
+                   ("cat b.py", "x = 1", Authority.TOOL)]
+    texts = "\n".join(f"{a}\n{o}" for a, o, _ in got)  # every message's text is in a step
+    assert all(m.content in texts for m in chat[2:])
 
 
 def test_content_the_text_actor_cannot_read_is_refused_by_position():

@@ -20,6 +20,8 @@ from palimpsest.platform.policies import parse_policy_config
 from palimpsest.platform.types import BudgetError, ConfigError
 
 _ARM = re.compile(r"^[A-Za-z0-9][\w.+-]{0,63}$")
+#: Tool calling for SmolLM2 (whose own template declares no tools), in the hermes format vLLM's parser reads
+HERMES_TEMPLATE = Path(__file__).resolve().parent / "templates" / "hermes_tools.jinja"
 
 
 class _Strict(BaseModel):
@@ -51,12 +53,21 @@ class ActorConfig(_Strict):
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
     tensor_parallel_size: int = Field(1, ge=1)
     chat_template: str | None = Field(None, description="a Jinja chat template file that replaces the model's own "
-                                      "(configs/templates/hermes_tools.jinja gives SmolLM2 tool calling)")
+                                      "(the default for smollm2: the packaged hermes_tools.jinja, which gives it tool calling)")
     tool_parser: str | None = Field(None, description="vLLM tool parser that reads tool calls out of the actor's "
-                                    "replies (e.g. hermes); requests with tools are refused without one")
+                                    "replies (e.g. hermes; the default for smollm2); requests with tools are refused without one")
     remote: RemoteActorConfig | None = Field(None, description="serve through an upstream OpenAI-compatible server "
                                              "instead of the in-process vLLM engine; `model` then names the local "
                                              "folder of the same model (tokenizer and embeddings)")
+
+    @model_validator(mode="after")
+    def _tools_by_default(self) -> "ActorConfig":
+        """The default actor serves tool calls: SmolLM2's own template declares no tools, so unless the config
+        names a template or a parser, the packaged hermes template and vLLM's hermes parser are used."""
+        if self.model == "smollm2" and self.remote is None and not {"chat_template", "tool_parser"} & self.model_fields_set:
+            object.__setattr__(self, "chat_template", str(HERMES_TEMPLATE))
+            object.__setattr__(self, "tool_parser", "hermes")
+        return self
 
     @field_validator("chat_template")
     @classmethod
@@ -84,7 +95,7 @@ class MemoryConfigServe(_Strict):
                                                   "an MLflow model URI, a bundle directory, or null (off)")
     max_history_tokens: int = Field(1024, ge=16, description="the memory reads at most this many tokens of the "
                                     "steps the compiled prompt left out (data.memory_tokens of its training)")
-    max_field_chars: int = Field(4000, ge=100, description="each field of a step the memory reads is cut to this "
+    max_field_chars: int = Field(400, ge=100, description="each field of a step the memory reads is cut to this "
                                  "(head and tail), as the training data builder cuts it (data.max_observation_chars)")
 
 
@@ -216,7 +227,8 @@ class ServeConfig(_Strict):
                         description="a SQLite path (one ingress replica) or a postgresql:// URL (any number)")
     ledger_pool_size: int = Field(8, ge=1, le=512, description="database connections per ingress replica (PostgreSQL)")
     embedder: Literal["minilm", "hashing"] = "minilm"
-    budget: int = Field(8000, ge=64, description="default per-turn context budget (tokens)")
+    budget: int = Field(6000, ge=64, description="default per-turn context budget (tokens): every dev trajectory's "
+                        "prefix and latest step fit, and a SmolLM2 turn on CPU takes seconds")
     device: str = Field("cpu", description="torch device of the embedder and memory encoder")
     actor: ActorConfig = ActorConfig()
     proxy: ProxyConfig = ProxyConfig()

@@ -162,12 +162,13 @@ class Enrichment:
         if texts:
             self.runtime.embedder.prime(texts)
 
-    async def prime_after_append(self, sid: str, step, timeout_s: float = 2.0) -> bool:
+    async def prime_after_append(self, sid: str, steps, timeout_s: float = 2.0) -> bool:
         """What the next turn's plan needs, computed before the append returns: the query embeddings of every
-        arm and the new step's key, in one embedder request. Never fails the append (the step is already
+        arm and the new steps' keys, in one embedder request. Never fails the append (the steps are already
         durable): on an error the turn falls back as before. Returns whether it finished."""
+        keys = [key_text(s) for s in steps]
         try:
-            await asyncio.wait_for(asyncio.shield(asyncio.to_thread(self._prime_queries, sid, [key_text(step)])),
+            await asyncio.wait_for(asyncio.shield(asyncio.to_thread(self._prime_queries, sid, keys)),
                                    timeout_s)  # past it the priming goes on in the background
             return True
         except Exception as e:

@@ -24,6 +24,7 @@ from ray import serve
 
 from palimpsest.platform import Ledger, Runtime
 from palimpsest.platform.abstraction import RuleSummarizer
+from palimpsest.platform.budget import Budget
 from palimpsest.platform.chat import declared_tools
 from palimpsest.platform.tokens import get_tokenizer
 from palimpsest.platform.types import (
@@ -242,7 +243,7 @@ class Ingress:
         step = await asyncio.to_thread(ledger.append if body.t is not None else ledger.append_next, session_id, rec)
         if self.cfg.turns.prime_on_append and self.enrichment is not None:
             # the next turn's query and the step's key, before we return
-            await self.enrichment.prime_after_append(session_id, step, self.cfg.turns.prime_timeout_s)
+            await self.enrichment.prime_after_append(session_id, [step], self.cfg.turns.prime_timeout_s)
         self._enqueue(session_id)
         return StepOut(session_id=ext, step_id=step.id, t=step.t)
 
@@ -317,27 +318,25 @@ class Ingress:
         session = await asyncio.to_thread(self.runtime.ledger.session, sid)
         self._turn_size(self.cfg.arm(self._arm_of(session)), body)
 
-    def _turn_size(self, armcfg, body: TurnIn) -> tuple[int, str | None, int, int]:
-        """(budget, memory key, soft positions, max_tokens) of a turn on this arm; 422 when the budget exceeds the
-        actor's window or leaves no room for the reply and the soft span."""
+    def _turn_size(self, armcfg, body: TurnIn) -> tuple[Budget, str | None]:
+        """(budget, memory key) of a turn on this arm; 422 when the budget exceeds the actor's window or leaves
+        no room for the reply and the soft span."""
         budget = body.budget or armcfg.budget or self.cfg.budget
         window = self.actor_info["max_model_len"]
         if budget > window:
             raise HTTPProblem(422, f"budget: {budget} tokens exceeds the actor's window of {window}")
         mem = self._memory_of(armcfg)
         soft = self.memory_info["models"][mem]["max_slots"] if mem is not None else 0
-        max_tokens = body.max_tokens or self.cfg.actor.max_tokens
-        if max_tokens + soft >= budget:
-            raise HTTPProblem(422, f"max_tokens: {max_tokens} (+ {soft} soft positions) leaves no room in the "
-                                   f"budget of {budget}")
-        return budget, mem, soft, max_tokens
+        try:
+            return Budget(budget, body.max_tokens or self.cfg.actor.max_tokens, soft), mem
+        except BudgetError as e:
+            raise HTTPProblem(422, str(e)) from None
 
     async def _turn_inner(self, sid, session, arm, armcfg, body: TurnIn, t_start: float, tool_choice=None,
                           parallel_tool_calls=None, emit=None) -> TurnOut:
-        budget, mem, soft, max_tokens = self._turn_size(armcfg, body)
-        req = TurnRequest(session_id=sid, policy=self.policies[arm], budget=budget,
-                          max_tokens=max_tokens, temperature=body.temperature,
-                          seed=body.seed, soft_positions=soft,
+        budget, mem = self._turn_size(armcfg, body)
+        req = TurnRequest(session_id=sid, policy=self.policies[arm], budget=budget, temperature=body.temperature,
+                          seed=body.seed,
                           sampling={k: v for k, v in (("top_p", body.top_p), ("stop", body.stop)) if v is not None},
                           tools=declared_tools(session.tools) if self.actor_info.get("tool_parser") else None,
                           tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls)
@@ -397,6 +396,14 @@ class Ingress:
 
     # -- OpenAI-compatible --------------------------------------------------------------------
 
+    def _check_model(self, model: str | None) -> None:
+        """A request naming a model this app does not serve is a 404, as the OpenAI API and vLLM answer it.
+        Served: the actor's id (``GET /v1/models``) and its configured name (``actor.model``)."""
+        served = {self.actor_info["model"], self.cfg.actor.model}
+        if model is not None and model not in served:
+            raise HTTPProblem(404, f"model: {model!r} is not served here; the served model is "
+                                   f"{self.actor_info['model']!r}")
+
     @app.get("/v1/models", summary="The served actor (OpenAI-compatible)")
     async def models(self, request: Request) -> dict:
         await self._ensure()
@@ -410,6 +417,7 @@ class Ingress:
         if len(body.messages) > self.cfg.limits.max_messages:
             raise HTTPProblem(413, f"{len(body.messages)} messages; at most {self.cfg.limits.max_messages} are accepted")
         tenant = self._tenant(request)
+        self._check_model(body.model)
         ext = request.headers.get(SESSION_HEADER) or body.user
         if not ext:
             raise HTTPProblem(400, f"name the session: the {SESSION_HEADER!r} header or the 'user' field")
@@ -429,13 +437,15 @@ class Ingress:
         tools = json.dumps(body.tools, sort_keys=True, ensure_ascii=False) if body.tools else None
         await asyncio.to_thread(ledger.create_session, sid, parsed.task, parsed.system, tools, {"arm": arm})
 
-        def record() -> int:
+        def record() -> list:
             fresh = new_steps(ledger.hashes(sid), parsed.steps, parsed.alternates)
-            if fresh:
-                ledger.append_many(sid, fresh)
-            return len(fresh)
+            return ledger.append_many(sid, fresh) if fresh else []
 
-        if await asyncio.to_thread(record):
+        appended = await asyncio.to_thread(record)
+        if appended:
+            if self.cfg.turns.prime_on_append and self.enrichment is not None:
+                # the turn's query embeddings and the new steps' keys, before the turn plans (as POST /steps does)
+                await self.enrichment.prime_after_append(sid, appended, self.cfg.turns.prime_timeout_s)
             self._enqueue(sid)
         stop = [body.stop] if isinstance(body.stop, str) else body.stop
         turn_in = TurnIn(max_tokens=body.max_completion_tokens or body.max_tokens, seed=body.seed, top_p=body.top_p,
@@ -502,6 +512,7 @@ class Ingress:
     async def completions(self, body: CompletionIn, request: Request) -> dict:
         await self._ensure()
         tenant = self._tenant(request)
+        self._check_model(body.model)
         if (body.prompt is None) == (body.prompt_embeds is None):
             raise HTTPProblem(400, "give exactly one of prompt or prompt_embeds")
         if body.prompt_embeds is not None and not tenant.allow_prompt_embeds:

@@ -6,9 +6,9 @@ assistant message with the user/tool/system messages that follow it = one step (
 assistant message followed directly by another is a step without an observation. Messages that come
 before any action (a user or system speaking twice) are a step of their own. An assistant's tool calls and
 the tool messages answering them (by ``tool_call_id``, each checked against the calls) are recorded
-structurally with their step (``palimpsest.platform.toolcalls``). A step is recorded once its
-observation has arrived; only a trailing assistant message (the latest action, whose result is yet to
-come) waits. Matching is by position and content hash: steps already in the ledger must hash the same
+structurally with their step (``palimpsest.platform.toolcalls``). A request ends with what the reply
+answers (a user, tool or system message): a trailing assistant message (a prefill to continue) is refused,
+as is the legacy ``function_call`` format and any other field of a message that would be ignored. Matching is by position and content hash: steps already in the ledger must hash the same
 (resending history is a no-op), a changed one is a conflict, new ones are appended. Content the text
 actor cannot read (images, audio, files) is refused with an error naming the message and part.
 """
@@ -56,6 +56,22 @@ def _tool_calls(m) -> list[dict]:
 _ROLE = {"function": "tool", "developer": "system"}
 
 
+#: Fields an OpenAI client echoes back on an assistant message, empty: nothing to record
+_EMPTY_OK = (None, "", [], {})
+
+
+def _check_fields(m, i: int) -> None:
+    """Every field of a message is read: one that would be ignored, non-empty, is refused by name."""
+    for name, value in (getattr(m, "model_extra", None) or {}).items():
+        if value in _EMPTY_OK:
+            continue
+        if name == "function_call":
+            raise PalimpsestError(f"messages[{i}].function_call: the legacy function-call format is not served; "
+                                  "send tool_calls (each with an id) and tool messages with tool_call_id")
+        raise PalimpsestError(f"messages[{i}].{name}: not read by this endpoint (nothing is ignored silently; "
+                              "remove the field)")
+
+
 def _action(m, i: int) -> tuple[str, list[dict]]:
     calls = _tool_calls(m)
     return toolcalls.action_text(_text(m.content, f"messages[{i}].content"), calls), calls
@@ -93,6 +109,11 @@ def parse_messages(messages, user_after_action: str = "tool") -> ParsedChat:
     such as mini-swe-agent send command output as user messages; ``user``: they are the principal's words).
     A ``tool`` message is always TOOL output, a system message mid-conversation SYSTEM."""
     i, n = 0, len(messages)
+    for k, m in enumerate(messages):
+        _check_fields(m, k)
+    if messages[-1].role == "assistant":
+        raise PalimpsestError(f"messages[{n - 1}]: a trailing assistant message (a prefill to continue) is not "
+                              "served; end the list with the user, tool or system message the reply answers")
     system = []
     while i < n and messages[i].role in ("system", "developer"):
         system.append(_text(messages[i].content, f"messages[{i}].content"))
@@ -128,10 +149,7 @@ def parse_messages(messages, user_after_action: str = "tool") -> ParsedChat:
         while j < n and messages[j].role != "assistant":
             j += 1
         obs_msgs = messages[i + 1: j]
-        if not obs_msgs:
-            if j >= n:
-                break  # the latest action has no observation yet: recorded with it next time
-            # another assistant message follows: this one has no observation, ever
+        if not obs_msgs:  # another assistant message follows (the list never ends with one): no observation, ever
             rec = StepRecord(t=len(steps), kind="respond", action=action, observation=None,
                              authority=Authority.MODEL, calls=toolcalls.encode(calls, []))
             steps.append(rec)

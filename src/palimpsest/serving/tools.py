@@ -35,9 +35,14 @@ class ToolTurn:
         return out
 
     def parse(self, text: str, token_ids: list[int]) -> tuple[str | None, list[dict]]:
-        """The whole reply as (content, tool calls in OpenAI's wire shape, each with an id)."""
+        """The whole reply as (content, tool calls in OpenAI's wire shape, each with an id). With
+        ``parallel_tool_calls: false`` at most the first call (vLLM's own filter, which its serving layer
+        applies and this path must apply itself)."""
+        from vllm.entrypoints.serve.utils.tool_calls_utils import maybe_filter_parallel_tool_calls
+
         _reasoning, content, calls = self.parser.parse(text, self.request, enable_auto_tools=True,
                                                        model_output_token_ids=token_ids)
+        calls = maybe_filter_parallel_tool_calls(list(calls or []), self.request)
         wire = [{"id": getattr(c, "id", None) or call_id(), "type": "function",
                  "function": {"name": c.name, "arguments": c.arguments if c.arguments is not None else "{}"}}
                 for c in (calls or [])]
