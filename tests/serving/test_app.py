@@ -499,3 +499,58 @@ def test_tenants_are_isolated_and_keys_are_required(client, bob, server):
     r = bob.post("/v1/completions", json={"prompt_embeds": encode_embeds(torch.randn(3, 128))})
     assert r.status_code == 403 and "prompt_embeds" in r.json()["error"]
     assert client.post("/v1/completions", json={"prompt_embeds": encode_embeds(torch.randn(3, 128)), "max_tokens": 2}).status_code == 200
+
+
+CLAUDE_TOOLS = [{"name": "run_shell", "description": "Run a shell command",
+                 "input_schema": {"type": "object", "properties": {}}}]
+
+
+def test_the_anthropic_client_runs_a_tool_loop_streams_and_counts_and_every_block_is_recorded(server, client):
+    anthropic = pytest.importorskip("anthropic")
+    ac = anthropic.Anthropic(base_url=server.url, api_key=KEYS["alice"], max_retries=0,
+                             default_headers={ARM_HEADER: "wide"})
+    model = client.get("/v1/models").json()["data"][0]["id"]
+    system = [{"type": "text", "text": "You are a careful agent.", "cache_control": {"type": "ephemeral"}}]
+    messages = [{"role": "user", "content": "Fix the failing test in settings"}]
+    calls = []
+    for k in range(2):  # the tool loop: each call goes back with its result, and the next request records both
+        reply = ac.messages.create(model=model, max_tokens=400, system=system, messages=messages, tools=CLAUDE_TOOLS,
+                                   tool_choice={"type": "tool", "name": "run_shell"}, metadata={"user_id": "cc-1"})
+        assert reply.stop_reason == "tool_use" and reply.usage.input_tokens > 0, reply
+        use = next(b for b in reply.content if b.type == "tool_use")
+        assert use.name == "run_shell" and isinstance(use.input, dict) and use.id
+        calls.append(use.id)
+        messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in reply.content]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                                   "content": [{"type": "text", "text": f"output {k}"}]}]}]
+    events = []
+    with ac.messages.stream(model=model, max_tokens=5, system=system, messages=messages, tools=CLAUDE_TOOLS,
+                            metadata={"user_id": "cc-1"}) as stream:
+        for ev in stream:
+            events.append(ev.type)
+        final = stream.get_final_message()
+    assert events[0] == "message_start" and events[-1] == "message_stop" and "message_delta" in events
+    assert final.stop_reason in ("end_turn", "max_tokens", "tool_use") and final.usage.output_tokens >= 1
+    counted = ac.messages.count_tokens(model=model, system=system, messages=messages, tools=CLAUDE_TOOLS)
+    bare = ac.messages.count_tokens(model=model, system=system, messages=messages)
+    assert counted.input_tokens > bare.input_tokens > 0  # the tool declarations count
+    steps = client.get("/v1/sessions/cc-1/steps").json()["steps"]
+    assert [s["tool_calls"][0]["id"] for s in steps] == calls  # one step per call, each answered by its result
+    assert [(r["tool_call_id"], r["content"]) for s in steps for r in s["results"]] == [
+        (calls[0], "output 0"), (calls[1], "output 1")]
+    audit = client.get("/v1/sessions/cc-1/audit").json()["turns"]
+    assert len(audit) == 3  # two turns and the streamed one, audited alike
+    # nothing the text actor cannot read is dropped: each is a 400 naming its field
+    bad = [({"messages": [{"role": "user", "content": [{"type": "image", "source": {
+        "type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]}, "messages[0].content[0]"),
+           ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+           ({"top_k": 5}, "top_k"), ({"container": "x"}, "container"),
+           ({"messages": messages[:1] + [{"role": "assistant", "content": [
+               {"type": "thinking", "thinking": "hmm", "signature": "s"}]}]}, "messages[1].content[0]")]
+    for patch, field in bad:
+        r = client.post("/v1/messages", json={"model": model, "max_tokens": 4, "messages": messages[:1],
+                                              "metadata": {"user_id": "cc-bad"}, **patch})
+        assert r.status_code == 400 and field in r.json()["error"], (patch, r.text)
+    r = client.post("/v1/messages", json={"model": "claude-sonnet-4-5", "max_tokens": 4, "messages": messages[:1]})
+    assert r.status_code == 404 and model in r.json()["error"]
+    assert client.get("/v1/sessions/cc-bad/steps").status_code == 404  # refused before anything was recorded

@@ -25,7 +25,7 @@ from ray import serve
 from palimpsest.platform import Ledger, Runtime
 from palimpsest.platform.abstraction import RuleSummarizer
 from palimpsest.platform.budget import Budget
-from palimpsest.platform.chat import declared_tools
+from palimpsest.platform.chat import chat_ids, declared_tools
 from palimpsest.platform.tokens import get_tokenizer
 from palimpsest.platform.types import (
     BudgetError,
@@ -49,6 +49,7 @@ from palimpsest.serving.http import (
     status_of,
 )
 from palimpsest.serving.metrics import Metrics
+from palimpsest.serving import anthropic_proxy
 from palimpsest.serving.openai_proxy import new_steps, parse_messages, step_view
 from palimpsest.serving.schemas import (
     ChatIn,
@@ -80,6 +81,13 @@ def _usage(turn: TurnOut) -> dict:
             # as the OpenAI API reports it: prompt tokens the actor's prefix cache served
             "prompt_tokens_details": {"cached_tokens": int(turn.tokens.get("cached_total", turn.tokens["cached"]))},
             "context_tokens_saved": max(turn.tokens["full_history_estimate"] - turn.tokens["context"], 0)}
+
+
+def _plain(content) -> str:
+    """A message's content as text (its text parts joined), as the template renders it."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "\n".join(p.get("text", "") for p in content if isinstance(p, dict))
 
 
 def _extension(ext: str, turn: TurnOut) -> dict:
@@ -396,31 +404,12 @@ class Ingress:
 
     # -- OpenAI-compatible --------------------------------------------------------------------
 
-    def _check_model(self, model: str | None) -> None:
-        """A request naming a model this app does not serve is a 404, as the OpenAI API and vLLM answer it.
-        Served: the actor's id (``GET /v1/models``) and its configured name (``actor.model``)."""
-        served = {self.actor_info["model"], self.cfg.actor.model}
-        if model is not None and model not in served:
-            raise HTTPProblem(404, f"model: {model!r} is not served here; the served model is "
-                                   f"{self.actor_info['model']!r}")
-
-    @app.get("/v1/models", summary="The served actor (OpenAI-compatible)")
-    async def models(self, request: Request) -> dict:
-        await self._ensure()
-        self._tenant(request)
-        return {"object": "list", "data": [{"id": self.actor_info["model"], "object": "model", "created": 0,
-                                            "owned_by": "palimpsest"}]}
-
-    @app.post("/v1/chat/completions", summary="OpenAI-compatible chat: the history is recorded and the context compiled")
-    async def chat_completions(self, body: ChatIn, request: Request):
-        await self._ensure()
+    async def _record_chat(self, body: ChatIn, tenant, ext: str, request: Request) -> str:
+        """Record a chat request's message list in its session (the chat proxy and the Messages endpoint alike):
+        the session is created on first sight, new steps are appended (resent ones must hash the same), and the
+        next turn's embeddings are primed. Returns the session's internal id."""
         if len(body.messages) > self.cfg.limits.max_messages:
             raise HTTPProblem(413, f"{len(body.messages)} messages; at most {self.cfg.limits.max_messages} are accepted")
-        tenant = self._tenant(request)
-        self._check_model(body.model)
-        ext = request.headers.get(SESSION_HEADER) or body.user
-        if not ext:
-            raise HTTPProblem(400, f"name the session: the {SESSION_HEADER!r} header or the 'user' field")
         if body.tools and body.tool_choice != "none" and not self.actor_info.get("tool_parser"):
             raise HTTPProblem(422, "tools: this actor reads no tool calls (configure actor.tool_parser and a "
                                    "tool-capable actor.chat_template), or send tool_choice \"none\"")
@@ -447,6 +436,32 @@ class Ingress:
                 # the turn's query embeddings and the new steps' keys, before the turn plans (as POST /steps does)
                 await self.enrichment.prime_after_append(sid, appended, self.cfg.turns.prime_timeout_s)
             self._enqueue(sid)
+        return sid
+
+    def _check_model(self, model: str | None) -> None:
+        """A request naming a model this app does not serve is a 404, as the OpenAI API and vLLM answer it.
+        Served: the actor's id (``GET /v1/models``) and its configured name (``actor.model``)."""
+        served = {self.actor_info["model"], self.cfg.actor.model}
+        if model is not None and model not in served:
+            raise HTTPProblem(404, f"model: {model!r} is not served here; the served model is "
+                                   f"{self.actor_info['model']!r}")
+
+    @app.get("/v1/models", summary="The served actor (OpenAI-compatible)")
+    async def models(self, request: Request) -> dict:
+        await self._ensure()
+        self._tenant(request)
+        return {"object": "list", "data": [{"id": self.actor_info["model"], "object": "model", "created": 0,
+                                            "owned_by": "palimpsest"}]}
+
+    @app.post("/v1/chat/completions", summary="OpenAI-compatible chat: the history is recorded and the context compiled")
+    async def chat_completions(self, body: ChatIn, request: Request):
+        await self._ensure()
+        tenant = self._tenant(request)
+        self._check_model(body.model)
+        ext = request.headers.get(SESSION_HEADER) or body.user
+        if not ext:
+            raise HTTPProblem(400, f"name the session: the {SESSION_HEADER!r} header or the 'user' field")
+        sid = await self._record_chat(body, tenant, ext, request)
         stop = [body.stop] if isinstance(body.stop, str) else body.stop
         turn_in = TurnIn(max_tokens=body.max_completion_tokens or body.max_tokens, seed=body.seed, top_p=body.top_p,
                          stop=stop, temperature=1.0 if body.temperature is None else body.temperature)
@@ -507,6 +522,104 @@ class Ingress:
             if not task.done():  # the client went away: stop generating
                 task.cancel()
                 self.metrics.errors.labels(arm="-", kind="ClientDisconnected").inc()
+
+    # -- Anthropic Messages (serving/anthropic_proxy.py) ---------------------------------------
+
+    async def _read_messages(self, request: Request, counting: bool = False):
+        from pydantic import ValidationError
+
+        try:
+            raw = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise HTTPProblem(400, "the body is not JSON") from None
+        if counting and isinstance(raw, dict):
+            raw = {**raw, "max_tokens": raw.get("max_tokens", 1)}  # count_tokens takes no max_tokens
+        try:
+            req = await asyncio.to_thread(anthropic_proxy.read_request, raw)
+        except anthropic_proxy.AnthropicInputError as e:
+            raise HTTPProblem(400, str(e)) from None
+        self._check_model(req.model)
+        try:
+            chat = ChatIn.model_validate(req.chat)
+        except ValidationError as e:
+            err = e.errors()[0]
+            raise HTTPProblem(400, f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}") from None
+        return req, chat
+
+    @app.post("/v1/messages", summary="Anthropic Messages API: the history is recorded and the context compiled")
+    async def messages(self, request: Request):
+        await self._ensure()
+        tenant = self._tenant(request)
+        req, chat = await self._read_messages(request)
+        ext = request.headers.get(SESSION_HEADER) or req.user_id or anthropic_proxy.history_session(req.chat["messages"])
+        sid = await self._record_chat(chat, tenant, ext, request)
+        turn_in = TurnIn(max_tokens=req.max_tokens, top_p=chat.top_p, stop=chat.stop,
+                         temperature=1.0 if chat.temperature is None else chat.temperature)
+        choice = chat.tool_choice if chat.tools else None
+        model = self.actor_info["model"]
+        if req.stream:  # what can be refused is refused before the 200 status line is sent
+            await self._check_turn(sid, turn_in)
+            return StreamingResponse(self._messages_stream(sid, ext, turn_in, choice, chat.parallel_tool_calls, model),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        turn = await self._turn(sid, turn_in, choice, chat.parallel_tool_calls)
+        return anthropic_proxy.message(turn, model, _extension(ext, turn))
+
+    async def _messages_stream(self, sid: str, ext: str, turn_in: TurnIn, choice, parallel, model: str):
+        """Anthropic's server-sent events: ``message_start``, the answer's text as ``content_block_delta`` events
+        (a glimpse round inside the turn is not streamed), each tool call as a ``tool_use`` block, the
+        ``message_delta`` with the stop reason and usage, ``message_stop``. Recorded as a non-streamed turn is."""
+        queue: asyncio.Queue = asyncio.Queue()
+        opened = []
+
+        async def emit(text: str) -> None:
+            if not opened:
+                opened.append(True)
+                await queue.put(anthropic_proxy.event("content_block_start", {
+                    "index": 0, "content_block": {"type": "text", "text": ""}}))
+            await queue.put(anthropic_proxy.event("content_block_delta", {
+                "index": 0, "delta": {"type": "text_delta", "text": text}}))
+
+        async def run() -> None:
+            try:
+                turn = await self._turn(sid, turn_in, choice, parallel, emit=emit)
+                for item in anthropic_proxy.closing_events(turn, bool(opened), 0, _extension(ext, turn)):
+                    await queue.put(item)
+            except Exception as e:  # the status line is sent: the error travels as an event
+                code = status_of(e)
+                if code >= 500 and code != 503:
+                    log.exception("streamed turn failed")
+                text = e.message if isinstance(e, HTTPProblem) else (str(e) if code < 500 or code == 503 else
+                                                                     f"{type(e).__name__}: {e}")
+                await queue.put(anthropic_proxy.event("error", {"error": {
+                    "type": "invalid_request_error" if code < 500 else "api_error", "message": text}}))
+            finally:
+                await queue.put(None)
+
+        task = asyncio.ensure_future(run())
+        try:
+            yield anthropic_proxy.message_start(model, f"msg_{uuid.uuid4().hex}")
+            while (item := await queue.get()) is not None:
+                yield item
+        finally:
+            if not task.done():  # the client went away: stop generating
+                task.cancel()
+                self.metrics.errors.labels(arm="-", kind="ClientDisconnected").inc()
+
+    @app.post("/v1/messages/count_tokens", summary="Anthropic count_tokens: the messages' ids as the actor's template "
+                                                    "renders them, tools included (nothing is recorded)")
+    async def count_tokens(self, request: Request) -> dict:
+        await self._ensure()
+        self._tenant(request)
+        req, chat = await self._read_messages(request, counting=True)
+        msgs = [{"role": m.role, "content": _plain(m.content),
+                 **({"tool_calls": [c.model_dump() for c in m.tool_calls]} if m.tool_calls else {}),
+                 **({"tool_call_id": m.tool_call_id} if m.tool_call_id else {})} for m in chat.messages]
+        if chat.tools:
+            if msgs[0]["role"] != "system":
+                msgs.insert(0, {"role": "system", "content": ""})
+            msgs[0]["tools"] = chat.tools
+        ids = await asyncio.to_thread(chat_ids, self.runtime.ledger.tokenizer, msgs)
+        return {"input_tokens": len(ids.all)}
 
     @app.post("/v1/completions", summary="Raw completion from a prompt or from prompt_embeds (base64 of torch.save)")
     async def completions(self, body: CompletionIn, request: Request) -> dict:

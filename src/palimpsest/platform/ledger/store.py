@@ -96,7 +96,7 @@ class Store:
     def close(self) -> None:
         self._store.close()
 
-    def __enter__(self) -> "Ledger":
+    def __enter__(self) -> "Store":
         return self
 
     def __exit__(self, *exc) -> None:
