@@ -139,7 +139,7 @@ def read_request(raw: Any) -> MessagesRequest:
 def history_session(messages: list[dict]) -> str:
     """A session named by the history itself (no ``metadata.user_id``): the system prompt and the task, hashed.
     Every resend of one conversation names the same session; the resend validation refuses a rewrite."""
-    head = [m for m in messages if m.get("role") == "system"] + [next(m for m in messages if m.get("role") == "user")]
+    head = [m for m in messages if m.get("role") == "system"] + [m for m in messages if m.get("role") == "user"][:1]
     digest = hashlib.sha256(json.dumps(head, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
     return f"anthropic-{digest[:24]}"
 
