@@ -208,3 +208,14 @@ def test_the_llm_elasticizer_needs_a_served_model():
 
     with pytest.raises(ConfigError, match="served actor"):
         build_policy({"type": "ace", "elasticizer": "llm"})
+
+
+def test_pace_caps_the_length_term_of_pressure(runtime, session):
+    """Past T_max the length term t/T_max adds at most length_pressure_max; the budget term is not capped."""
+    snap = runtime.snapshot(session)  # t steps, no audited turn yet: pressure is the length term alone
+    long_ago = snap.t / 4  # a session four times as long as T_max
+    capped = build_policy(PaceConfig(t_max=long_ago, length_pressure_max=1.5), runtime.deps)
+    unbounded = build_policy(PaceConfig(t_max=long_ago, length_pressure_max=None), runtime.deps)
+    assert capped.pressure(snap, BUDGET) == 1.5 and unbounded.pressure(snap, BUDGET) == pytest.approx(4.0)
+    last = snap.upto(snap.t, last_context_tokens={capped.name: 3 * BUDGET})
+    assert capped.pressure(last, BUDGET) == pytest.approx(3.0)  # |C_{t-1}| / B_max still counts in full

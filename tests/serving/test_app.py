@@ -505,7 +505,7 @@ CLAUDE_TOOLS = [{"name": "run_shell", "description": "Run a shell command",
                  "input_schema": {"type": "object", "properties": {}}}]
 
 
-def test_the_anthropic_client_runs_a_tool_loop_streams_and_counts_and_every_block_is_recorded(server, client):
+def test_the_anthropic_client_runs_a_tool_loop_streams_and_counts_and_every_block_is_recorded(server, client, bob):
     anthropic = pytest.importorskip("anthropic")
     ac = anthropic.Anthropic(base_url=server.url, api_key=KEYS["alice"], max_retries=0,
                              default_headers={ARM_HEADER: "wide"})
@@ -554,3 +554,10 @@ def test_the_anthropic_client_runs_a_tool_loop_streams_and_counts_and_every_bloc
     r = client.post("/v1/messages", json={"model": "claude-sonnet-4-5", "max_tokens": 4, "messages": messages[:1]})
     assert r.status_code == 404 and model in r.json()["error"]
     assert client.get("/v1/sessions/cc-bad/steps").status_code == 404  # refused before anything was recorded
+    # another tenant naming the same session sees none of it, and records into its own
+    assert bob.get("/v1/sessions/cc-1/steps").status_code == 404
+    r = bob.post("/v1/messages", json={"model": model, "max_tokens": 2, "messages": messages[:1],
+                                       "metadata": {"user_id": "cc-1"}})
+    assert r.status_code == 200, r.text
+    assert bob.get("/v1/sessions/cc-1/steps").json()["total"] == 0
+    assert len(client.get("/v1/sessions/cc-1/audit").json()["turns"]) == 3
