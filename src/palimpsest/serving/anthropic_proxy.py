@@ -44,7 +44,7 @@ def _check_blocks(blocks: Any, where: str, allowed: set[str]) -> None:
     for j, b in enumerate(blocks):
         at = f"{where}[{j}]"
         kind = b.get("type") if isinstance(b, dict) else None
-        if kind not in allowed:
+        if not isinstance(kind, str) or kind not in allowed:
             raise AnthropicInputError(f"{at}: a {kind!r} block cannot be read or produced by the text actor "
                                       f"(served: {', '.join(sorted(allowed))})")
         # what a client echoes back empty, or a tool call the model made itself, is nothing to record
@@ -124,7 +124,14 @@ def read_request(raw: Any) -> MessagesRequest:
     choice = chat.tool_choice
     if choice is not None and not isinstance(choice, str):
         choice = choice.model_dump(exclude_none=True)
-    body: dict[str, Any] = {"messages": [dict(m) for m in chat.messages], "max_tokens": req.max_tokens,
+    # vLLM's conversion drops a tool result's is_error: it is written into the result's text instead
+    failed = {b.tool_use_id for m in req.messages if not isinstance(m.content, str) for b in m.content
+              if b.type == "tool_result" and b.is_error}
+    messages = [dict(m) for m in chat.messages]
+    for m in messages:
+        if m.get("role") == "tool" and m.get("tool_call_id") in failed and isinstance(m.get("content"), str):
+            m["content"] = "(the tool reported an error)\n" + m["content"]
+    body: dict[str, Any] = {"messages": messages, "max_tokens": req.max_tokens,
                             "temperature": req.temperature, "top_p": req.top_p,
                             "stop": list(req.stop_sequences) if req.stop_sequences else None}
     if tools:
