@@ -117,8 +117,6 @@ def read_request(raw: Any) -> MessagesRequest:
     except ValidationError as e:
         err = e.errors()[0]
         raise AnthropicInputError(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}") from None
-    if req.top_k is not None:
-        raise AnthropicInputError("top_k: not served (top_p and temperature are)")
     chat = AnthropicServingMessages.to_chat_completion_request(req)
     tools = [t.model_dump(exclude_none=True) for t in (chat.tools or [])] or None
     choice = chat.tool_choice
