@@ -613,15 +613,23 @@ def demo(
                                       help="memory training config used when no memory model is registered"),
     port: int = typer.Option(8000, min=1, max=65535),
     every: int = typer.Option(8, min=1, help="a turn every N steps of each trajectory"),
-    max_turns: int = typer.Option(2, min=1, help="turns per session (each trajectory runs once per arm)"),
-    concurrency: int = typer.Option(4, min=1, max=64, help="sessions driven at once"),
-    limit: Optional[int] = typer.Option(None, min=1, help="only the first N trajectories"),
+    first: int = typer.Option(4, min=1, help="the first turn comes after this many steps"),
+    max_turns: int = typer.Option(1, min=1, help="turns per session (each trajectory runs once per arm)"),
+    concurrency: Optional[int] = typer.Option(None, min=1, max=64, help="sessions driven at once (default: all, "
+                                                                       "at most 16)"),
+    limit: Optional[int] = typer.Option(None, min=1, help="only the first N trajectories (default: 3; every one "
+                                                         "with --control or --full)"),
+    control: bool = typer.Option(False, "--control", help="the positive control: `pace` against the weak `last2` "
+                                                         "(the report must show a significant difference)"),
+    full: bool = typer.Option(False, "--full", help="the larger run: LLM summaries of every step, every trajectory "
+                                                   "to its end, two turns per session from step 4 (BENCHMARKS.md: "
+                                                   "its time)"),
 ) -> None:
     """The main job: models, memory training if needed, the composed app, live A/B traffic, the report."""
     from palimpsest.demo import run_main_demo
 
     run_main_demo(out, data or shared_dev_file(), config, train_config, port=port, every=every, max_turns=max_turns,
-                  concurrency=concurrency, limit=limit)
+                  concurrency=concurrency, limit=limit, control=control, full=full, first=first)
 
 
 @app.command()

@@ -1,20 +1,28 @@
-"""`make demo`, the main job end to end on embedded defaults (top layer, beside the command line):
+"""`make demo`, the main job end to end on embedded defaults (top layer, beside the command line), sized for the
+machine it runs on (2 CPU cores: about ten minutes after the install, BENCHMARKS.md):
 
 1. prepare the offline models (SmolLM2-135M actor folder and tokenizer, all-MiniLM-L6-v2);
 2. train a small REMORY memory network with Ray Train + DeepSpeed if none fitting the actor is registered;
 3. start the composed Serve app on 127.0.0.1 (actor on vLLM with prompt embeds, embedder, summarizer,
    memory encoder, ingress);
-4. replay the dev trajectories through the HTTP endpoint as live A/B traffic on two arms (`pace` and
-   `pace` + soft memory), each trajectory once per arm (paired), posting each session's outcome; every
-   served turn is scored for shadow fidelity against the full-history reference off the turn path;
-5. print the per-arm comparison with confidence intervals (outcome, shadow fidelity, tokens, latency,
-   prefix-cache hit rate), the power statement, the paired comparison, and the MLflow run that holds it;
+4. replay the dev trajectories through the HTTP endpoint as live A/B traffic, each trajectory once per arm
+   (paired), posting each session's outcome: `pace` against `window`, two policies that differ at the demo's
+   budget, plus `pace+memory` when the registered memory was trained at that budget; every served turn is
+   scored for shadow fidelity (the exact KL against the full-history reference) off the turn path;
+5. print the per-arm comparison (fidelity over the turns each arm changed, identical turns counted apart,
+   bounded intervals, the paired comparison and what it could detect), where the models' time went, and the
+   MLflow run that holds it;
 6. shut everything down.
+
+``--control`` runs the positive control instead: `pace` against `last2`, a deliberately weak arm, so that the
+report must show a significant difference (if it cannot, it cannot see anything). ``--full`` is the larger run:
+LLM summaries of every step, every trajectory to its end, two turns per session from step 4.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.console import Console
@@ -24,6 +32,44 @@ from palimpsest.platform.types import PalimpsestError
 
 DEMO_SERVE = Path("configs/serve/demo.yaml")
 DEMO_TRAIN = Path("configs/train/remory_demo.yaml")
+MEMORY_ARM = "pace+memory"
+DEMO_TRAJECTORIES = 3  # the default run's share of the dev file (``--control`` and ``--full`` take every one)
+CONTROL_ARMS = ({"name": "pace", "policy": {"type": "pace"}, "weight": 1.0},
+                {"name": "last2", "policy": {"type": "window", "k": 2, "compaction": {"mode": "per_turn"}},
+                 "weight": 1.0})
+
+
+@dataclass
+class Progress:
+    """One line per stage and per step inside it, with the elapsed time and an ETA from the rate so far."""
+
+    out: Console
+    stages: int
+    t0: float = field(default_factory=time.perf_counter)
+    stage_t0: float = 0.0
+    n: int = 0
+    title: str = ""
+    seconds: dict = field(default_factory=dict)  # wall seconds per finished stage
+
+    def stage(self, title: str, expect_s: float | None = None) -> None:
+        self.close()
+        self.n += 1
+        self.title = title.split(":")[0]
+        self.stage_t0 = time.perf_counter()
+        hint = f" (about {expect_s:.0f} s on 2 CPU cores)" if expect_s else ""
+        self.out.rule(f"{self.n}/{self.stages}. {title}{hint}")
+
+    def close(self) -> None:
+        if self.title:
+            self.seconds[self.title] = time.perf_counter() - self.stage_t0
+            self.title = ""
+
+    def step(self, done: int, total: int, what: str) -> None:
+        el = time.perf_counter() - self.stage_t0
+        eta = el / done * (total - done) if done else float("nan")
+        self.out.print(f"  [{self.n}/{self.stages}] {done}/{total} {what}; {el:.0f} s elapsed, "
+                       f"ETA {'?' if eta != eta else f'{eta:.0f} s'} (demo at {time.perf_counter() - self.t0:.0f} s)",
+                       highlight=False)
 
 
 def ensure_memory(out: Console, train_config: Path, data: Path) -> str | None:
@@ -49,11 +95,24 @@ def ensure_memory(out: Console, train_config: Path, data: Path) -> str | None:
               f"({cfg.optim.stage1_steps}+{cfg.optim.stage2_steps} steps, {cfg.distributed.num_workers} workers) ...")
     t0 = time.perf_counter()
     summary = launch(cfg)
-    out.print(f"trained in {time.perf_counter() - t0:.0f} s; registered {summary.get('registered')}")
+    parts = ", ".join(f"{k.removesuffix('_s')} {v:.0f} s" for k, v in (summary.get("timings") or {}).items())
+    out.print(f"trained in {time.perf_counter() - t0:.0f} s ({parts}); registered {summary.get('registered')}")
     return summary.get("registered")
 
 
-def wait_shadow(url: str, timeout_s: float) -> dict:
+def memory_fits(ref: str | None, budget: int) -> tuple[bool, str]:
+    """Whether the registered memory was trained on prompts at this budget (it learned what they leave out)."""
+    from palimpsest.models.registry import memory_meta
+
+    if ref is None:
+        return False, "no memory model"
+    trained = (memory_meta(ref).get("data") or {}).get("budget")
+    if trained != budget:
+        return False, f"{ref} was trained at budget {trained}, the demo serves {budget}"
+    return True, f"{ref}, trained at budget {trained}"
+
+
+def wait_shadow(url: str, timeout_s: float, progress: Progress | None = None) -> dict:
     """Wait until the ingress has scored (or skipped) every turn it sampled for shadow fidelity."""
     import httpx
 
@@ -61,76 +120,174 @@ def wait_shadow(url: str, timeout_s: float) -> dict:
     state: dict = {}
     with httpx.Client(base_url=url, timeout=120) as client:
         while time.monotonic() < deadline:
-            state = client.get("/v1/ab/shadow", params={"wait_s": 60}).json()
+            state = client.get("/v1/ab/shadow", params={"wait_s": 20}).json()
+            if progress is not None:
+                done = state.get("scored", 0) + state.get("identical", 0) + state.get("skipped", 0)
+                progress.step(done, state.get("sampled", 0), "sampled turns scored, identical or skipped")
             if state.get("drained"):
                 break
     return state
 
 
+def busy_markdown(busy: dict, timings: dict) -> str:
+    """Where the models' time went (``GET /v1/busy``), and the demo's stages by wall time."""
+    lines = ["| load | calls | input positions (cached) | generated tokens | seconds to first token | seconds after |",
+             "|---|---|---|---|---|---|"]
+    for kind, b in sorted((busy.get("actor") or {}).items()):
+        lines.append(f"| actor: {kind} | {b['requests']} | {b['prompt_tokens']:,} ({b['cached_tokens']:,}) | "
+                     f"{b['completion_tokens']:,} | {b['prefill_s']:.1f} | {b['decode_s']:.1f} |")
+    labels = {"shadow": "shadow scoring (HF forwards)", "memory": "memory encoding"}
+    for kind, b in sorted((busy.get("memory") or {}).items()):
+        lines.append(f"| {labels.get(kind, kind)} | {b['calls']} | {b['tokens']:,} | - | {b['seconds']:.1f} | - |")
+    lines += ["", "Actor seconds are request-seconds: requests run batched, so concurrent ones overlap. Seconds to "
+              "the first token are queueing plus the prefill of what the prefix cache did not hold.", "",
+              "| stage | seconds |", "|---|---|"]
+    lines += [f"| {k} | {v:.0f} |" for k, v in timings.items()]
+    return "\n".join(lines) + "\n"
+
+
+def fitting(data: Path, limit: int | None, budget: int, reply: int) -> tuple[list, list[str]]:
+    """The first ``limit`` trajectories whose prompt prefix (system prompt, task, tools under the actor's template)
+    leaves room for history in the budget; the others are named with why (the server would refuse their turns)."""
+    from palimpsest.models.assets import smollm2_tokenizer_dir
+    from palimpsest.pipelines.trajectories import read_trajectories
+    from palimpsest.platform.chat import chat_ids
+    from palimpsest.platform.tokens import get_tokenizer
+
+    tok = get_tokenizer(str(smollm2_tokenizer_dir()), None)
+    keep, left = [], []
+    for tr in read_trajectories(data).trajectories:
+        if limit is not None and len(keep) >= limit:
+            break
+        prefix = len(chat_ids(tok, [{"role": "system", "content": (tr.system or "") + (tr.tools or "")},
+                                    {"role": "user", "content": tr.task}]).all)
+        if prefix + reply + 256 > budget:
+            left.append(f"{tr.id}: its system prompt, tools and task take {prefix} tokens of the {budget} budget")
+        else:
+            keep.append(tr)
+    if not keep:
+        raise PalimpsestError(f"no trajectory of {data} fits the budget of {budget} tokens")
+    return keep, left
+
+
+def demo_config(serve_config: Path, control: bool, full: bool):
+    """The serve config of the run: the demo's arms, or the positive control's; LLM summaries with ``--full``."""
+    from palimpsest.serving.config import ArmConfig, load_serve_config
+
+    cfg = load_serve_config(serve_config)
+    update: dict = {}
+    if control:
+        update["arms"] = [ArmConfig.model_validate(a) for a in CONTROL_ARMS]
+    if full:
+        update["summarizer"] = cfg.summarizer.model_copy(update={"mode": "llm"})
+    return cfg.model_copy(update=update) if update else cfg
+
+
 def run_main_demo(out: Console, data: Path, serve_config: Path = DEMO_SERVE, train_config: Path = DEMO_TRAIN,
-                  port: int = 8000, every: int = 8, max_turns: int = 2, concurrency: int = 4,
-                  limit: int | None = None, track: bool = True) -> dict:
+                  port: int = 8000, every: int = 8, max_turns: int = 1, concurrency: int | None = None,
+                  limit: int | None = None, track: bool = True, control: bool = False, full: bool = False,
+                  first: int = 4) -> dict:
+    import httpx
+
     from palimpsest.models.assets import minilm_dir, smollm2_dir, smollm2_tokenizer_dir
     from palimpsest.pipelines.ab import ab_summary, log_ab, summary_markdown
     from palimpsest.pipelines.live_ab import drive
     from palimpsest.platform import Ledger
-    from palimpsest.serving.config import load_serve_config
+    from palimpsest.serving.config import ArmConfig
     from palimpsest.serving.local import LocalServer
 
-    t_all = time.perf_counter()
     if not data.is_file():
         raise PalimpsestError(f"no trajectories at {data}; pass --data FILE")
-    cfg = load_serve_config(serve_config)
-    out.rule("1. models")
+    if full:  # the previous default's shape: a turn every 8 steps from step 4, two per session
+        first, max_turns = min(first, 4), max(max_turns, 2)
+    if limit is None and not (control or full):
+        limit = DEMO_TRAJECTORIES
+    cfg = demo_config(serve_config, control, full)
+    progress = Progress(out, stages=6)
+    timings: dict[str, float] = {}
+    progress.stage("models")
     out.print(f"actor: {smollm2_dir()}\ntokenizer: {smollm2_tokenizer_dir()}\nembedder: {minilm_dir()}")
-    out.rule("2. memory")
-    ensure_memory(out, train_config, data)
-    out.rule("3. serve")
+    progress.stage("memory", expect_s=None if control else 200)
+    t0 = time.perf_counter()
+    if not control:
+        ref = ensure_memory(out, train_config, data)
+        fits, why = memory_fits(ref, cfg.budget)
+        if fits and MEMORY_ARM not in [a.name for a in cfg.arms]:
+            cfg = cfg.model_copy(update={"arms": [*cfg.arms, ArmConfig(name=MEMORY_ARM, policy={"type": "pace"},
+                                                                         memory=True)]})
+        out.print(f"memory arm {'added' if fits else 'left out'}: {why}")
+    else:
+        out.print("positive control: `pace` against `last2`, no memory arm")
+    timings["memory_s"] = time.perf_counter() - t0
+    if not any(a.memory for a in cfg.arms):
+        cfg = cfg.model_copy(update={"memory": cfg.memory.model_copy(update={"model": None})})
+    arms = [a.name for a in cfg.arms]
+    progress.stage("serve", expect_s=60)
     t0 = time.perf_counter()
     server = LocalServer(cfg, port=port).start()
-    timings = {"serve_start_s": time.perf_counter() - t0}
+    timings["serve_start_s"] = time.perf_counter() - t0
     info = server.info
     out.print(f"composed app ready at {server.url} in {timings['serve_start_s']:.0f} s: actor {info['actor']}, "
               f"embedder {info['embedder']}, summarizer {info['summarizer']['name']}, "
-              f"memory {info['memory']['models']['default']['model'] or 'off'}; arms {info['arms']}")
+              f"memory {info['memory']['models']['default']['model'] or 'off'}; arms {info['arms']}; "
+              f"budget {cfg.budget}")
     try:
-        out.rule("4. live A/B traffic")
+        trajs, left_out = fitting(data, limit, cfg.budget, cfg.actor.max_tokens)
+        for why in left_out:
+            out.print(f"  left out: {why}", highlight=False)
+        total = len(trajs) * len(arms)
+        progress.stage(f"live A/B traffic: {len(trajs)} trajectories x {len(arms)} arms, up to {max_turns} turns each")
         prefix = f"demo-{time.strftime('%Y%m%d-%H%M%S')}/"
+        finished: list[str] = []
 
-        def progress(sid, res):
-            out.print(f"  {sid}: arm {res.sessions.get(sid, '?')}, next-action F1 {res.f1.get(sid, float('nan')):.3f}",
-                      highlight=False)
+        def on_session(sid, res):
+            finished.append(sid)
+            progress.step(len(finished), total, f"sessions ({res.turns} turns, {len(res.errors)} errors; "
+                                                f"{sid.removeprefix(prefix)}: next-action F1 "
+                                                f"{res.f1.get(sid, float('nan')):.3f})")
 
-        arms = [a.name for a in cfg.arms]
-        res = drive(server.url, data, prefix=prefix, every=every, max_turns=max_turns, concurrency=concurrency,
-                    limit=limit, on_session=progress, arms=arms)
+        # every session at once by default: vLLM batches their prefills and no core waits for a session's appends
+        res = drive(server.url, trajs, prefix=prefix, every=every, first=first, max_turns=max_turns,
+                    concurrency=concurrency or min(total, 16), on_session=on_session, arms=arms, tail=full)
         timings["traffic_s"] = res.wall_s
         out.print(f"{len(res.sessions)} sessions (each trajectory once per arm), {res.turns} turns in {res.wall_s:.0f} s; "
                   f"{len(res.errors)} errors")
         for e in res.errors[:5]:
             out.print(f"  [red]{e}[/]", highlight=False)
+        progress.stage("shadow fidelity (exact KL against the reference, off the turn path)")
         t0 = time.perf_counter()
-        shadow = wait_shadow(server.url, timeout_s=1800)
+        shadow = wait_shadow(server.url, timeout_s=1800, progress=progress)
         timings["shadow_s"] = time.perf_counter() - t0
-        out.print(f"shadow fidelity: {shadow.get('scored', 0)} turns scored, {shadow.get('skipped', 0)} skipped "
-                  f"({timings['shadow_s']:.0f} s after the traffic)")
+        out.print(f"shadow fidelity: {shadow.get('scored', 0)} turns scored, {shadow.get('identical', 0)} identical "
+                  f"to their reference, {shadow.get('skipped', 0)} skipped ({timings['shadow_s']:.0f} s after the traffic)")
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            busy = client.get("/v1/busy").json()
     finally:
         server.stop()
     if res.turns == 0:
         raise PalimpsestError(f"no turn was served ({len(res.errors)} errors; first: {res.errors[:1]})")
-    out.rule("5. per-arm report")
+    progress.stage("report")
     ledger = Ledger(cfg.ledger)
     served = [r for r in ledger.served(res.started) if r["session_id"].startswith(prefix)]
     outcomes = [o for o in ledger.outcomes(res.started) if o["session_id"].startswith(prefix)]
     shadows = [r for r in ledger.shadows(res.started) if r["session_id"].startswith(prefix)]
-    summary = ab_summary(served, outcomes, [a.name for a in cfg.arms], shadows)
+    summary = ab_summary(served, outcomes, arms, shadows)
     md = summary_markdown(summary)
     out.print(Markdown(md))
+    progress.close()
+    stages = {f"{k} (stage)": v for k, v in progress.seconds.items()}
+    breakdown = busy_markdown(busy, {**stages, "demo to the report": time.perf_counter() - progress.t0})
+    out.print(Markdown("**Where the time went**\n\n" + breakdown))
+    run_id = None
     if track:
-        run_id, uri = log_ab(summary, cfg.tracking.experiment, {"serve_config": str(serve_config), "data": str(data),
-                                                              "every": every, "max_turns": max_turns}, md)
+        run_id, uri = log_ab(summary, cfg.tracking.experiment,
+                             {"serve_config": str(serve_config), "data": str(data), "every": every, "first": first,
+                              "max_turns": max_turns, "control": control, "full": full, "budget": cfg.budget,
+                              "summarizer": cfg.summarizer.mode}, md + "\n" + breakdown)
         out.print(f"MLflow: experiment {cfg.tracking.experiment!r}, run {run_id} at {uri}")
-    timings["total_s"] = time.perf_counter() - t_all
-    out.print(f"demo finished in {timings['total_s']:.0f} s (serve start {timings['serve_start_s']:.0f} s, "
-              f"traffic {timings['traffic_s']:.0f} s); everything is shut down")
-    return {"summary": summary, "timings": timings, "errors": res.errors}
+    out.print(f"demo finished in {time.perf_counter() - progress.t0:.0f} s (memory {timings['memory_s']:.0f} s, serve "
+              f"start {timings['serve_start_s']:.0f} s, traffic {timings['traffic_s']:.0f} s, shadow "
+              f"{timings['shadow_s']:.0f} s); everything is shut down")
+    timings["total_s"] = time.perf_counter() - progress.t0
+    return {"summary": summary, "timings": {**timings, "stages": progress.seconds}, "errors": res.errors, "busy": busy, "run_id": run_id,
+            "markdown": md, "breakdown": breakdown}

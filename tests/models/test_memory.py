@@ -119,3 +119,16 @@ def test_idle_merge_passes_change_nothing():
     feats = torch.randn(20, 64)  # 2 blocks -> 8 slots: no merge needed
     assert m.merge_passes(20) == 0 and m.merge_passes(64) == 1
     assert torch.allclose(m(feats, None, min_passes=2), m(feats), atol=1e-6)
+
+
+def test_a_shared_prefill_gives_the_logits_of_a_whole_forward_and_is_left_as_it_was():
+    """The shadow lane prefills a reference once and continues several replies from it: the logits must be those
+    of one forward over reference + reply, and the cache must be cut back after each continuation."""
+    actor = tiny_actor(seed=5)
+    ref = torch.randint(0, 256, (40,))
+    past, last = actor.prefill(ref)
+    for reply in (torch.randint(0, 256, (6,)), torch.randint(0, 256, (3,))):
+        whole = actor(input_ids=torch.cat([ref, reply])[None], last=len(reply) + 1)[0, :len(reply)]
+        shared = torch.cat([last[None], actor.continue_from(past, len(ref), reply[:-1])])
+        assert torch.allclose(shared, whole, atol=1e-4), (shared - whole).abs().max()
+        assert past.get_seq_length() == len(ref)

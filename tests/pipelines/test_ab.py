@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from palimpsest.pipelines.ab import ab_summary, diff_ci, mean_ci, summary_markdown
+from palimpsest.pipelines.ab import ab_summary, diff_ci, mean_ci, summary_markdown, wilson
 from palimpsest.platform import Ledger
 from palimpsest.platform.types import LedgerError
 
@@ -14,13 +14,68 @@ def served(arm, sid, tokens, ms):
             "tokens_soft": 0, "plan_ms": 2.0, "memory_ms": 0.0, "actor_ms": ms, "total_ms": ms + 5, "glimpses": 0}
 
 
-def test_mean_ci_and_welch_difference():
+def test_bootstrap_means_and_differences():
     a = mean_ci([1.0, 2.0, 3.0, 4.0])
-    assert a["mean"] == 2.5 and a["lo"] < 2.5 < a["hi"]
-    assert math.isclose(a["hi"] - a["mean"], 3.182 * a["sd"] / 2)  # Student's t, 3 degrees of freedom
-    d = diff_ci(a, mean_ci([11.0, 12.0, 13.0, 14.0]))
+    assert a["mean"] == 2.5 and 1.0 <= a["lo"] < 2.5 < a["hi"] <= 4.0
+    assert mean_ci([1.0, 2.0, 3.0, 4.0]) == a  # seeded: a report is reproducible
+    d = diff_ci([1.0, 2.0, 3.0, 4.0], [11.0, 12.0, 13.0, 14.0])
     assert d["diff"] == 10.0 and d["lo"] > 0  # clearly different
-    assert math.isnan(mean_ci([])["mean"])
+    assert math.isnan(mean_ci([])["mean"]) and math.isnan(mean_ci([3.0])["lo"])  # no interval from one value
+
+
+def test_intervals_stay_within_the_range_of_what_they_bound():
+    """Top-1 agreement 0.948 over 2-3 sessions got [0.551, 1.345] from Student's t; a proportion's interval
+    must stay in [0, 1] (and a KL's above 0) however few and skewed the values are."""
+    for xs in ([1.0, 1.0, 0.844], [1.0, 0.5], [0.0, 0.0, 0.0, 1.0], [0.999, 1.0, 1.0, 1.0, 0.2]):
+        ci = mean_ci(xs)
+        assert 0.0 <= ci["lo"] <= ci["mean"] <= ci["hi"] <= 1.0, (xs, ci)
+    kl = mean_ci([0.001, 0.002, 0.9])
+    assert kl["lo"] >= 0.0
+    d = diff_ci([1.0, 1.0, 0.9], [0.0, 0.1, 0.05])
+    assert -1.0 <= d["lo"] <= d["hi"] <= 1.0
+    for k, n in ((0, 3), (3, 3), (1, 2), (0, 1), (40, 41)):
+        w = wilson(k, n)
+        assert 0.0 <= w["lo"] <= w["p"] <= w["hi"] <= 1.0, (k, n, w)
+    assert wilson(0, 3)["hi"] > 0.0 and wilson(3, 3)["lo"] < 1.0  # no degenerate [0, 0] or [1, 1]
+
+
+def test_identical_turns_are_counted_apart_and_references_are_never_pooled():
+    """Arm `b` serves the reference itself on some turns (KL 0 by construction): the arm's fidelity mean is over
+    the turns it changed, the identical ones are counted; `full` and `policy@window` references are reported
+    apart; in the paired comparison a turn where both arms served the reference is left out (counted) and one
+    side's skip leaves the pair unpaired, with the reason."""
+    shadows = []
+
+    def rec(arm, traj, t, status, kl=None, top1=None, reference="full", reason=""):
+        shadows.append({"session_id": f"d/{traj}@{arm}", "t": t, "arm": arm, "status": status, "reason": reason,
+                        "reference": reference, "kl": kl, "top1": top1, "tokens": 4})
+
+    for i in range(6):
+        traj = f"tr{i}"
+        rec("a", traj, 4, "identical")
+        rec("b", traj, 4, "identical")  # both served the reference: difference 0 by construction
+        rec("a", traj, 12, "scored", 0.2 + 0.01 * i, 0.5)
+        rec("b", traj, 12, "identical")  # b changed nothing here: an exact 0, and not in b's mean
+        rec("a", traj, 20, "scored", 0.3, 0.5, reference="pace@8167")
+        rec("b", traj, 20, "scored", 0.9, 0.25, reference="pace@8167")
+        rec("a", traj, 28, "scored", 0.4, 0.5)
+        rec("b", traj, 28, "skipped", reason="load: stale")
+    s = ab_summary([served("a", "d/tr0@a", 100, 1.0)], [], ["a", "b"], shadows)
+    fa, fb = s["arms"]["a"]["fidelity"], s["arms"]["b"]["fidelity"]
+    assert (fb["scored"], fb["identical"], fb["skipped"]) == (6, 12, 6)
+    assert fb["identical_share"]["k"] == 12 and fb["identical_share"]["n"] == 18
+    full_b, window_b = fb["by_reference"]["full"], fb["by_reference"]["policy@window"]
+    assert full_b["scored"] == 0 and full_b["identical"] == 12 and full_b["kl"]["n"] == 0  # no zeros averaged in
+    assert window_b["kl"]["mean"] == pytest.approx(0.9) and window_b["references"] == {"pace@8167": 6}
+    # a's session means over its scored turns (t=12, t=28); its identical t=4 would pull them to ~0.21
+    assert fa["by_reference"]["full"]["kl"]["mean"] == pytest.approx((0.225 + 0.4) / 2)
+    paired = s["paired"]["b"]
+    assert paired["kl:full"]["both_identical"] == 6 and paired["kl:full"]["pairs"] == 6  # t=12 only
+    assert paired["kl:full"]["mean"] == pytest.approx(-(0.2 + 0.025), abs=1e-9)  # b's exact 0 minus a's KL
+    assert paired["kl:policy@window"]["pairs"] == 6 and paired["kl:policy@window"]["mean"] == pytest.approx(0.6)
+    assert paired["unpaired"] == {"b: load: stale": 6}
+    md = summary_markdown(s)
+    assert "vs `policy@window`" in md and "6 turn pairs where both arms served the `full` reference" in md
 
 
 def test_paired_trajectories_detect_a_difference_the_unpaired_comparison_cannot():
@@ -45,16 +100,18 @@ def test_paired_trajectories_detect_a_difference_the_unpaired_comparison_cannot(
     s = ab_summary(rows, outcomes, ["a", "b"], shadows)
     b = s["arms"]["b"]
     assert b["fidelity"]["scored"] == 20 and b["fidelity"]["skipped"] == 10
-    assert b["fidelity"]["skip_reasons"] == {"load: queue full": 10} and b["fidelity"]["references"] == {"full": 20}
-    unpaired = b["vs_control"]["fidelity_kl"]
+    assert b["fidelity"]["skip_reasons"] == {"load: queue full": 10}
+    assert b["fidelity"]["by_reference"]["full"]["references"] == {"full": 20}
+    unpaired = b["vs_control"]["fidelity_kl_full"]
     assert unpaired["lo"] < 0 < unpaired["hi"]  # lost in the between-trajectory spread
-    assert b["power"]["fidelity_kl_mde"] > 0.3
-    paired = s["paired"]["b"]["kl"]
-    assert paired["n"] == 10 and paired["significant"] and paired["hi"] < 0
-    assert paired["mde"] < 0.05 < b["power"]["fidelity_kl_mde"]
+    assert b["power"]["fidelity_kl_full_mde"] > 0.3
+    paired = s["paired"]["b"]["kl:full"]
+    assert paired["n"] == 10 and paired["pairs"] == 20 and paired["significant"] and paired["hi"] < 0
+    assert paired["mde"] < 0.05 < b["power"]["fidelity_kl_full_mde"]
+    assert paired["sessions_needed"] is not None and 2 <= paired["sessions_needed"] <= 10
     assert not s["paired"]["b"]["outcome"]["significant"]  # identical outcomes: no difference
     md = summary_markdown(s)
-    assert "Paired by trajectory" in md and "| shadow fidelity KL | 10 |" in md and "80% power" in md
+    assert "Paired by trajectory" in md and "| fidelity KL vs `full` | 10 (20) |" in md and "80% power" in md
 
 
 def test_summary_separates_arms_and_counts_outcomes_per_session():

@@ -38,21 +38,79 @@ def test_bad_weights_are_refused():
         Router(("a", "b"), (1.0,))
 
 
-def test_shadow_fidelity_is_zero_for_the_same_distribution_and_grows_with_the_difference():
+def test_shadow_fidelity_is_the_exact_kl_over_the_whole_vocabulary():
+    """Two distributions that differ where a top-k list cannot see: each puts its mass on its own 20 tokens, so
+    a KL over {both top-20 lists, the rest} collapses towards 0. The measure must be the exact KL(q || p)."""
     import math
+
+    import torch
 
     from palimpsest.serving.shadow import fidelity, sampled
 
-    p = [{1: math.log(0.7), 2: math.log(0.2), 3: math.log(0.05)}, {4: math.log(0.9), 5: math.log(0.05)}]
-    assert fidelity(p, p) == (0.0, 1.0)
-    near = [{1: math.log(0.6), 2: math.log(0.3), 3: math.log(0.05)}, {4: math.log(0.9), 5: math.log(0.05)}]
-    far = [{2: math.log(0.7), 1: math.log(0.2), 3: math.log(0.05)}, {5: math.log(0.9), 4: math.log(0.05)}]
-    kl_near, top1_near = fidelity(near, p)
-    kl_far, top1_far = fidelity(far, p)
-    assert 0 < kl_near < kl_far and top1_near == 1.0 and top1_far == 0.0
+    V = 500
+    q = torch.full((2, V), -6.0, dtype=torch.float64)
+    p = torch.full((2, V), -6.0, dtype=torch.float64)
+    q[:, :20] = 4.0  # the student's mass on tokens 0-19
+    p[:, 20:40] = 4.0  # the teacher's on tokens 20-39
+    p[1, :20] = 1.0  # at the second position the teacher gives the student's tokens some mass too
+
+    def exact(a, b):  # by hand, in plain floats
+        total = 0.0
+        for j in range(a.shape[0]):
+            za = math.log(sum(math.exp(x) for x in a[j].tolist()))
+            zb = math.log(sum(math.exp(x) for x in b[j].tolist()))
+            total += sum(math.exp(x - za) * ((x - za) - (y - zb)) for x, y in zip(a[j].tolist(), b[j].tolist()))
+        return total / a.shape[0]
+
+    kl, top1 = fidelity(q.float(), p.float())
+    assert kl == pytest.approx(exact(q, p), rel=1e-4) and kl > 5.0
+    assert top1 == 0.0  # tokens 0 and 20 lead
+    assert fidelity(q, q) == (pytest.approx(0.0, abs=1e-12), 1.0)
+    near = q.clone()
+    near[:, 0] += 0.5
+    assert 0 < fidelity(near, q)[0] < fidelity(p, q)[0]
     with pytest.raises(ValueError):
-        fidelity(p[:1], p)
+        fidelity(q[:1], q)
     # sampling is a deterministic draw per (session, t) at the configured rate
     draws = [sampled(f"s{i}", i % 7, 0.25) for i in range(4000)]
     assert draws == [sampled(f"s{i}", i % 7, 0.25) for i in range(4000)] and 0.22 < sum(draws) / 4000 < 0.28
     assert not any(sampled(f"s{i}", 0, 0.0) for i in range(100))
+
+
+def test_a_turn_that_served_its_reference_is_recorded_identical_and_never_scored(tmp_path):
+    """The lane compares the served ids with the reference's: the `full` arm (and any policy while everything
+    fits) serves the reference itself, a KL of 0 by construction; that turn is recorded `identical`, the
+    scorer is not called, and a turn that changed something is scored."""
+    import asyncio
+
+    from palimpsest.platform import Ledger, Runtime
+    from palimpsest.platform.budget import Budget
+    from palimpsest.serving.config import ABConfig
+    from palimpsest.serving.shadow import ShadowLane
+    from tests.helpers import STEPS, TASK, per_turn, step
+
+    rt = Runtime(Ledger(str(tmp_path / "l.db")))
+    for sid in ("s@full", "s@last2"):
+        rt.ledger.create_session(sid, TASK)
+        for t, (action, obs) in enumerate(STEPS):
+            rt.append(sid, step(t, action, obs))
+    calls = []
+
+    async def scorer(reference, reply, threads=None):
+        calls.append(len(reference))
+        return 0.25, 0.5
+
+    async def run():
+        lane = ShadowLane(rt, ABConfig(shadow_rate=1.0, shadow_queue=8), window=4096, busy=lambda: False)
+        for sid, policy in (("s@full", rt.policy("full")), ("s@last2", rt.policy(per_turn("window", k=2)))):
+            ct = rt.turn(sid, policy, Budget(4000, 8))
+            lane.offer(sid, sid.split("@")[1], ct, [1, 2, 3], 1, False, policy, scorer)
+        assert await lane.drained(60)
+        return lane.state()
+
+    state = asyncio.run(run())
+    rows = {r["session_id"]: r for r in rt.ledger.shadows()}
+    assert rows["s@full"]["status"] == "identical" and rows["s@full"]["kl"] is None
+    assert rows["s@full"]["reference"] == "full"
+    assert rows["s@last2"]["status"] == "scored" and rows["s@last2"]["kl"] == 0.25
+    assert len(calls) == 1 and state["identical"] == 1 and state["scored"] == 1

@@ -70,6 +70,22 @@ class FrozenActor(nn.Module):
         return self.model(input_ids=input_ids, inputs_embeds=inputs_embeds, use_cache=False, logits_to_keep=last).logits
 
     @torch.no_grad()
+    def prefill(self, ids: torch.Tensor):
+        """(T,) ids -> (their KV cache, the logits (V,) after the last one): a prefix that several continuations
+        share (the shadow lane's reference, scored once for every arm of a paired trajectory)."""
+        out = self.model(input_ids=ids[None], use_cache=True, logits_to_keep=1)
+        return out.past_key_values, out.logits[0, -1]
+
+    @torch.no_grad()
+    def continue_from(self, past, n_prefix: int, ids: torch.Tensor) -> torch.Tensor:
+        """Logits (T, V) at each of ``ids`` (T,) after a prefilled prefix of ``n_prefix`` positions; the cache is cut
+        back to the prefix afterwards, so the next continuation starts from it again."""
+        try:
+            return self.model(input_ids=ids[None], past_key_values=past, use_cache=True).logits[0]
+        finally:
+            past.crop(n_prefix)
+
+    @torch.no_grad()
     def hidden_states(self, ids: torch.Tensor, layer: int = -1) -> torch.Tensor:
         """(T,) ids -> (T, d) hidden states of ``layer`` (what the memory network reads)."""
         out = self.model(input_ids=ids[None], output_hidden_states=True, use_cache=False)

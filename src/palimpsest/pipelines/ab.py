@@ -1,33 +1,48 @@
-"""A/B analysis: per-arm comparison of served turns and posted outcomes, with confidence intervals.
+"""A/B analysis: per-arm comparison of served turns, posted outcomes and shadow fidelity, with intervals that
+stay within their range.
 
 Reads the ledger's record of served turns (tokens, latency by stage, glimpses, errors, under the arm that
-served them) and the outcomes clients posted. Means come with 95% intervals (Student's t on the per-turn
-values; per-session outcomes likewise), and every arm is compared with the first (control)
-arm by the difference of means with a Welch interval. Turns of one session are correlated, so the
-per-turn intervals are optimistic; outcomes and shadow fidelity are taken per session (the independent units)
-and are the figures to decide on.
+served them), the outcomes clients posted, and the shadow lane's fidelity records (serving/shadow.py).
 
-Shadow fidelity (serving/shadow.py) is the action-fidelity KL of a served prompt against the full-history
-reference, and needs no task outcome. Each comparison states the smallest difference its data could detect
-at 80% power (two-sided, alpha = 0.05). When every trajectory ran once per arm (sessions named ``ID@ARM``),
-arms are also compared pairwise, trajectory by trajectory, which removes the between-trajectory variance.
+- **Intervals.** Means come with 95% percentile-bootstrap intervals (a bootstrap mean lies between the
+  smallest and the largest value, so a bounded quantity keeps its range: top-1 agreement stays in [0, 1], a
+  KL stays >= 0); proportions (the share of identical turns) with Wilson's interval. Outcomes and shadow
+  fidelity are taken per session (the independent units: turns of one session are correlated); per-turn
+  cost metrics are per turn and so optimistic.
+- **Shadow fidelity** is the exact KL(q || p) of a served prompt's next-token distributions against a
+  reference's, over the reply positions. A turn whose served ids equal the reference's is ``identical``: its
+  KL is 0 by construction, so it is counted and left out of the per-arm mean, which covers the turns where
+  the arm changed something. References of different kinds (``full``; ``policy@window`` when the whole
+  history does not fit the actor) measure different things and are reported apart, never pooled.
+- **Paired comparison.** When every trajectory ran once per arm (sessions ``ID@ARM``), arms are compared turn
+  by turn on the same (trajectory, t): a pair needs both arms recorded (scored or identical) against the same
+  reference (``full``, or one policy at the window: ``pace`` and ``pace+memory`` share ``pace@W``, ``pace`` and
+  ``window`` do not); an identical turn's KL is exactly 0 (top-1 exactly 1); pairs where both arms served the
+  reference itself (difference 0 by construction) are counted and left out; pairs with one side skipped or
+  missing are counted with the reason. Per-trajectory mean differences are the units: their bootstrap
+  interval, whether it excludes 0, the smallest difference detectable at 80% power, and the number of
+  trajectories (in the order driven) after which the difference first came out significant.
 """
 
 from __future__ import annotations
 
 import math
+import random
 from typing import Any
 
 from palimpsest.platform.types import PalimpsestError
+from palimpsest.serving.shadow import reference_kind
 
 Z95 = 1.959963984540054
 Z80 = 0.8416212335729143  # the one-sided normal quantile of 80% power
+BOOTSTRAP = 2000  # resamples per interval (seeded: a report is reproducible)
 METRICS = (("tokens_context", "context tokens"), ("tokens_prompt", "actor input positions"),
            ("tokens_soft", "soft-memory positions"), ("plan_ms", "plan+compile ms"), ("embed_ms", "query-embedding wait ms"),
            ("memory_ms", "memory ms"),
            ("actor_ms", "actor ms"), ("total_ms", "turn ms"), ("glimpses", "glimpses per turn"),
            ("tokens_cached", "cached by vLLM per turn"), ("uncached", "uncached ids per turn (from the ids)"),
            ("billed", "billed ids per turn (from the ids)"), ("prefix_reuse", "prefix reuse (from the ids)"))
+KINDS = ("full", "policy@window")
 
 
 #: Student's t 97.5% quantiles for 1..30 degrees of freedom (beyond, the normal's): small samples get wide intervals.
@@ -40,58 +55,81 @@ def t975(df: float) -> float:
     if df != df or df < 1:
         return float("nan")
     if df <= len(_T975):
-        return _T975[int(df) - 1]  # a fractional (Welch) df rounds down: the wider interval
+        return _T975[int(df) - 1]  # a fractional df rounds down: the wider quantile
     return Z95 + (Z95 ** 3 + Z95) / (4 * df) + (5 * Z95 ** 5 + 16 * Z95 ** 3 + 3 * Z95) / (96 * df ** 2)
 
 
-def welch_df(a: dict, b: dict) -> float:
-    va, vb = a["sd"] ** 2 / a["n"], b["sd"] ** 2 / b["n"]
-    den = (va ** 2 / (a["n"] - 1) if a["n"] > 1 else 0) + (vb ** 2 / (b["n"] - 1) if b["n"] > 1 else 0)
-    return (va + vb) ** 2 / den if den > 0 else float(a["n"] + b["n"] - 2)
-
-
-def mean_ci(xs: list[float]) -> dict[str, float]:
-    """Mean with a 95% interval (Student's t on n - 1 degrees of freedom)."""
-    n = len(xs)
-    if n == 0:
-        return {"n": 0, "mean": float("nan"), "lo": float("nan"), "hi": float("nan"), "sd": float("nan")}
-    m = sum(xs) / n
-    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1)) if n > 1 else 0.0
-    half = t975(n - 1) * sd / math.sqrt(n) if n > 1 else float("nan")
-    return {"n": n, "mean": m, "lo": m - half, "hi": m + half, "sd": sd}
-
-
-def diff_ci(a: dict, b: dict) -> dict[str, float]:
-    """b - a with a Welch 95% interval (Student's t on the Welch-Satterthwaite degrees of freedom)."""
-    if a["n"] < 2 or b["n"] < 2:
-        return {"diff": b["mean"] - a["mean"], "lo": float("nan"), "hi": float("nan")}
-    se = math.sqrt(a["sd"] ** 2 / a["n"] + b["sd"] ** 2 / b["n"])
-    d = b["mean"] - a["mean"]
-    q = t975(welch_df(a, b))
-    return {"diff": d, "lo": d - q * se, "hi": d + q * se}
-
-
-def percentile(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
+def _quantile(s: list[float], q: float) -> float:
     k = (len(s) - 1) * q
     f, c = math.floor(k), math.ceil(k)
     return s[f] + (s[c] - s[f]) * (k - f)
 
 
-def mde(se: float, df: float = float("inf")) -> float:
-    """The smallest true difference a comparison with standard error ``se`` (and ``df`` degrees of freedom)
-    detects at 80% power, two-sided 5% (the t quantile for the test, the normal one for the power: approximate)."""
-    if se != se or se == 0:  # no spread (e.g. identical outcomes): nothing to say about power
-        return float("nan")
-    return ((Z95 if df == float("inf") else t975(df)) + Z80) * se
+def mean_ci(xs: list[float], seed: int = 0) -> dict[str, float]:
+    """Mean with a 95% percentile-bootstrap interval (no interval below two values). Every resampled mean lies
+    within [min, max] of the values, so the interval never leaves the quantity's range."""
+    n = len(xs)
+    nan = float("nan")
+    if n == 0:
+        return {"n": 0, "mean": nan, "lo": nan, "hi": nan, "sd": nan}
+    m = sum(xs) / n
+    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1)) if n > 1 else 0.0
+    if n < 2:
+        return {"n": n, "mean": m, "lo": nan, "hi": nan, "sd": sd}
+    rng = random.Random(seed)
+    means = sorted(sum(rng.choices(xs, k=n)) / n for _ in range(BOOTSTRAP))
+    lo, hi = _quantile(means, 0.025), _quantile(means, 0.975)
+    return {"n": n, "mean": m, "lo": min(lo, m), "hi": max(hi, m), "sd": sd}
 
 
-def _se(a: dict, b: dict) -> float:
-    if a["n"] < 2 or b["n"] < 2:
+def diff_ci(xs: list[float], ys: list[float], seed: int = 0) -> dict[str, float]:
+    """mean(ys) - mean(xs) of two independent samples, with a 95% bootstrap interval (each resampled apart)."""
+    nan = float("nan")
+    if not xs or not ys:
+        return {"diff": nan, "lo": nan, "hi": nan}
+    d = sum(ys) / len(ys) - sum(xs) / len(xs)
+    if len(xs) < 2 or len(ys) < 2:
+        return {"diff": d, "lo": nan, "hi": nan}
+    rng = random.Random(seed)
+    ds = sorted(sum(rng.choices(ys, k=len(ys))) / len(ys) - sum(rng.choices(xs, k=len(xs))) / len(xs)
+                for _ in range(BOOTSTRAP))
+    return {"diff": d, "lo": min(_quantile(ds, 0.025), d), "hi": max(_quantile(ds, 0.975), d)}
+
+
+def wilson(k: int, n: int) -> dict[str, float]:
+    """A proportion k/n with Wilson's 95% score interval (within [0, 1], sensible at 0 and n)."""
+    if n == 0:
+        return {"k": 0, "n": 0, "p": float("nan"), "lo": float("nan"), "hi": float("nan")}
+    p = k / n
+    z2 = Z95 * Z95
+    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
+    half = Z95 * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
+    return {"k": k, "n": n, "p": p, "lo": min(p, max(0.0, centre - half)), "hi": max(p, min(1.0, centre + half))}
+
+
+def percentile(xs: list[float], q: float) -> float:
+    return _quantile(sorted(xs), q) if xs else float("nan")
+
+
+def mde(sd: float, n: int) -> float:
+    """The smallest true mean difference a paired comparison of ``n`` units with spread ``sd`` detects at 80%
+    power, two-sided 5% (the t quantile for the test, the normal one for the power: approximate)."""
+    if n < 2 or sd != sd or sd == 0:  # no spread (e.g. identical outcomes): nothing to say about power
         return float("nan")
-    return math.sqrt(a["sd"] ** 2 / a["n"] + b["sd"] ** 2 / b["n"])
+    return (t975(n - 1) + Z80) * sd / math.sqrt(n)
+
+
+def unpaired_mde(a: list[float], b: list[float]) -> float:
+    """As :func:`mde` for two independent samples (Welch's standard error)."""
+    if len(a) < 2 or len(b) < 2:
+        return float("nan")
+    va, vb = (mean_ci(a)["sd"] ** 2 / len(a)), (mean_ci(b)["sd"] ** 2 / len(b))
+    se = math.sqrt(va + vb)
+    if se == 0:
+        return float("nan")
+    den = va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1)
+    df = (va + vb) ** 2 / den if den > 0 else len(a) + len(b) - 2
+    return (t975(df) + Z80) * se
 
 
 def pair_key(session_id: str, arms: list[str]) -> tuple[str, str] | None:
@@ -110,16 +148,43 @@ def _per_session(rows: list[dict], key: str) -> dict[str, float]:
     return {sid: sum(v) / len(v) for sid, v in by.items()}
 
 
+def _fidelity(mine: list[dict]) -> dict[str, Any]:
+    """An arm's shadow records: counts by status and skip reason, the identical share, and per reference kind the
+    session means of KL and top-1 over the scored (non-identical) turns."""
+    scored = [r for r in mine if r["status"] == "scored"]
+    identical = [r for r in mine if r["status"] == "identical"]
+    reasons: dict[str, int] = {}
+    for r in mine:
+        if r["status"] == "skipped":
+            reasons[r["reason"]] = reasons.get(r["reason"], 0) + 1
+    by_kind = {}
+    for kind in KINDS:
+        sc = [r for r in scored if reference_kind(r["reference"]) == kind]
+        ident = [r for r in identical if reference_kind(r["reference"]) == kind]
+        refs: dict[str, int] = {}
+        for r in sc + ident:
+            refs[r["reference"]] = refs.get(r["reference"], 0) + 1
+        by_kind[kind] = {"scored": len(sc), "identical": len(ident), "references": refs,
+                         "kl": mean_ci(list(_per_session(sc, "kl").values())),
+                         "top1": mean_ci(list(_per_session(sc, "top1").values())),
+                         "_kl": _per_session(sc, "kl")}
+    return {"sampled": len(mine), "scored": len(scored), "identical": len(identical),
+            "skipped": len(mine) - len(scored) - len(identical), "skip_reasons": reasons,
+            "identical_share": wilson(len(identical), len(scored) + len(identical)), "by_reference": by_kind}
+
+
 def ab_summary(served: list[dict], outcomes: list[dict], arms: list[str] | None = None,
                shadows: list[dict] | None = None) -> dict[str, Any]:
-    """Per arm: turns, sessions, errors, every metric's mean/CI and p50/p95, outcome and shadow fidelity
-    mean/CI per session, prefix-cache hit rate; each arm's difference from the first (control) arm with the
-    smallest difference detectable at 80% power; and the paired comparison when sessions are named ID@ARM."""
+    """Per arm: turns, sessions, errors, every metric's mean/CI and p50/p95, outcome per session, shadow fidelity
+    per reference kind over the non-identical turns, prefix-cache hit rate; each arm's difference from the first
+    (control) arm with the smallest difference detectable at 80% power; and the paired comparison when sessions
+    are named ID@ARM."""
     shadows = shadows or []
     names = arms or sorted({r["arm"] for r in served} | {o["arm"] for o in outcomes})
     if not names:
         raise PalimpsestError("no served turns and no outcomes recorded yet: nothing to compare")
     out: dict[str, Any] = {"arms": {}, "control": names[0]}
+    values: dict[str, dict[str, list[float]]] = {}
     for arm in names:
         rows = [r for r in served if r["arm"] == arm]
         ok = [r for r in rows if not r.get("error")]
@@ -131,70 +196,115 @@ def ab_summary(served: list[dict], outcomes: list[dict], arms: list[str] | None 
         a: dict[str, Any] = {"turns": len(ok), "errors": len(rows) - len(ok),
                              "sessions": len({r["session_id"] for r in rows} | set(last)),
                              "outcome": mean_ci(list(last.values())), "metrics": {}}
+        values[arm] = {"outcome": list(last.values())}
         for key, _ in METRICS:
-            xs = [float(r[key]) for r in ok if key in r]
+            xs = [float(r[key]) for r in ok if r.get(key) is not None]
+            values[arm][key] = xs
             a["metrics"][key] = {**mean_ci(xs), "p50": percentile(xs, 0.5), "p95": percentile(xs, 0.95)}
         prompt = sum(float(r.get("tokens_prompt", 0)) for r in ok)
         a["prefix_cache_hit_rate"] = sum(float(r.get("tokens_cached", 0)) for r in ok) / prompt if prompt else float("nan")
         # rebuilds of the prompt: compaction boundaries, or every turn of an arm that plans per turn
         a["compactions_per_100"] = 100.0 * sum(bool(r.get("rebuilt", r.get("compaction"))) for r in ok) / len(ok) \
             if ok else float("nan")
-        mine = [r for r in shadows if r["arm"] == arm]
-        scored = [r for r in mine if r["status"] == "scored"]
-        reasons: dict[str, int] = {}
-        for r in mine:
-            if r["status"] != "scored":
-                reasons[r["reason"]] = reasons.get(r["reason"], 0) + 1
-        refs: dict[str, int] = {}
-        for r in scored:
-            refs[r["reference"]] = refs.get(r["reference"], 0) + 1
-        a["fidelity"] = {"kl": mean_ci(list(_per_session(scored, "kl").values())),
-                         "top1": mean_ci(list(_per_session(scored, "top1").values())),
-                         "scored": len(scored), "skipped": len(mine) - len(scored), "skip_reasons": reasons,
-                         "references": refs}
-        a["_sessions"] = {"outcome": last, "kl": _per_session(scored, "kl"), "top1": _per_session(scored, "top1"),
-                          "tokens_context": _per_session(ok, "tokens_context")}
+        a["fidelity"] = _fidelity([r for r in shadows if r["arm"] == arm])
+        for kind in KINDS:
+            values[arm][f"kl:{kind}"] = list(a["fidelity"]["by_reference"][kind].pop("_kl").values())
+        a["_sessions"] = {"outcome": last, "tokens_context": _per_session(ok, "tokens_context")}
         out["arms"][arm] = a
-    control = out["arms"][names[0]]
+    control = names[0]
     for arm in names[1:]:
-        a = out["arms"][arm]
-        a["vs_control"] = {"outcome": diff_ci(control["outcome"], a["outcome"]),
-                           "fidelity_kl": diff_ci(control["fidelity"]["kl"], a["fidelity"]["kl"]),
-                           "fidelity_top1": diff_ci(control["fidelity"]["top1"], a["fidelity"]["top1"]),
-                           **{k: diff_ci(control["metrics"][k], a["metrics"][k]) for k, _ in METRICS}}
-        co, ao = control["outcome"], a["outcome"]
-        ck, ak = control["fidelity"]["kl"], a["fidelity"]["kl"]
-        a["power"] = {"outcome_mde": mde(_se(co, ao), welch_df(co, ao) if min(co["n"], ao["n"]) > 1 else float("nan")),
-                      "fidelity_kl_mde": mde(_se(ck, ak), welch_df(ck, ak) if min(ck["n"], ak["n"]) > 1 else float("nan"))}
-    out["paired"] = _paired(out, names)
+        a, va, vc = out["arms"][arm], values[arm], values[control]
+        a["vs_control"] = {"outcome": diff_ci(vc["outcome"], va["outcome"]),
+                           "fidelity_kl_full": diff_ci(vc["kl:full"], va["kl:full"]),
+                           **{k: diff_ci(vc[k], va[k]) for k, _ in METRICS}}
+        a["power"] = {"outcome_mde": unpaired_mde(vc["outcome"], va["outcome"]),
+                      "fidelity_kl_full_mde": unpaired_mde(vc["kl:full"], va["kl:full"])}
+    out["paired"] = _paired(out, names, shadows)
     for a in out["arms"].values():
         a.pop("_sessions")
     return out
 
 
-def _paired(out: dict, names: list[str]) -> dict[str, Any]:
-    """Trajectory-by-trajectory differences (arm − control) for sessions named ID@ARM."""
+def _paired_stat(by_traj: dict[str, list[float]], order: list[str]) -> dict[str, Any]:
+    """Per-trajectory mean differences -> mean, bootstrap CI, significance, detectable difference, and after how
+    many trajectories (in ``order``) the difference first came out significant."""
+    keys = [k for k in order if by_traj.get(k)]
+    d = [sum(by_traj[k]) / len(by_traj[k]) for k in keys]
+    ci = mean_ci(d)
+    significant = ci["n"] >= 2 and (ci["lo"] > 0 or ci["hi"] < 0)
+    needed = None
+    for n in range(2, len(d) + 1):
+        c = mean_ci(d[:n])
+        if c["lo"] > 0 or c["hi"] < 0:
+            needed = n
+            break
+    return {**ci, "pairs": sum(len(by_traj[k]) for k in keys), "significant": bool(significant),
+            "mde": mde(ci["sd"], ci["n"]), "sessions_needed": needed}
+
+
+def _paired(out: dict, names: list[str], shadows: list[dict]) -> dict[str, Any]:
+    """Turn-by-turn differences (arm − control) on the same (trajectory, t) for sessions named ID@ARM."""
     result: dict[str, Any] = {}
     control = names[0]
+    recs: dict[str, dict[tuple[str, int], dict]] = {arm: {} for arm in names}
+    order: list[str] = []
+    for r in shadows:
+        pk = pair_key(r["session_id"], names)
+        if pk is None or pk[1] not in recs:
+            continue
+        recs[pk[1]][(pk[0], int(r["t"]))] = r
+        if pk[0] not in order:
+            order.append(pk[0])
     for arm in names[1:]:
         per: dict[str, Any] = {}
-        for metric in ("outcome", "kl", "top1", "tokens_context"):
+        for metric in ("outcome", "tokens_context"):
             a_by = {pair_key(s, names)[0]: v for s, v in out["arms"][control]["_sessions"][metric].items()
                     if pair_key(s, names) is not None}
             b_by = {pair_key(s, names)[0]: v for s, v in out["arms"][arm]["_sessions"][metric].items()
                     if pair_key(s, names) is not None}
-            d = [b_by[k] - a_by[k] for k in sorted(a_by.keys() & b_by.keys())]
-            ci = mean_ci(d)
-            significant = ci["n"] >= 2 and (ci["lo"] > 0 or ci["hi"] < 0)
-            per[metric] = {**ci, "significant": bool(significant),
-                           "mde": mde(ci["sd"] / math.sqrt(ci["n"]), ci["n"] - 1) if ci["n"] >= 2 else float("nan")}
-        if any(v["n"] for v in per.values()):
+            keys = sorted(a_by.keys() & b_by.keys())
+            per[metric] = _paired_stat({k: [b_by[k] - a_by[k]] for k in keys}, keys)
+        unpaired: dict[str, int] = {}
+        for kind in KINDS:
+            kl: dict[str, list[float]] = {}
+            top1: dict[str, list[float]] = {}
+            both_identical = 0
+            for key in sorted(recs[control].keys() | recs[arm].keys()):
+                rc, ra = recs[control].get(key), recs[arm].get(key)
+                usable = {name: r for name, r in ((control, rc), (arm, ra))
+                          if r is not None and r["status"] in ("scored", "identical")}
+                if len(usable) < 2:
+                    if usable and reference_kind(next(iter(usable.values()))["reference"]) == kind:
+                        name, other = (arm, ra) if control in usable else (control, rc)
+                        why = f"{name}: {other['reason'] if other is not None else 'no record'}"
+                        unpaired[why] = unpaired.get(why, 0) + 1
+                    continue
+                if reference_kind(rc["reference"]) != kind:
+                    continue
+                if rc["reference"] != ra["reference"]:  # e.g. pace@4071 against window@4071: no common yardstick
+                    unpaired["different references"] = unpaired.get("different references", 0) + 1
+                    continue
+                if rc["status"] == ra["status"] == "identical":
+                    both_identical += 1
+                    continue
+                value = {"kl": lambda r: r["kl"] if r["status"] == "scored" else 0.0,
+                         "top1": lambda r: r["top1"] if r["status"] == "scored" else 1.0}
+                kl.setdefault(key[0], []).append(value["kl"](ra) - value["kl"](rc))
+                top1.setdefault(key[0], []).append(value["top1"](ra) - value["top1"](rc))
+            per[f"kl:{kind}"] = {**_paired_stat(kl, order), "both_identical": both_identical}
+            per[f"top1:{kind}"] = _paired_stat(top1, order)
+        per["unpaired"] = unpaired
+        if any(v.get("n") for k, v in per.items() if isinstance(v, dict) and k != "unpaired"):
             result[arm] = per
     return result
 
 
 def _fmt(x: float, digits: int = 1) -> str:
-    return "-" if x != x else f"{x:.{digits}f}"
+    return "-" if x is None or x != x else f"{x:.{digits}f}"
+
+
+def _ci(m: dict, digits: int = 3) -> str:
+    return f"{_fmt(m['mean'], digits)} [{_fmt(m['lo'], digits)}, {_fmt(m['hi'], digits)}]"
 
 
 def summary_markdown(s: dict) -> str:
@@ -206,50 +316,61 @@ def summary_markdown(s: dict) -> str:
 
     row("sessions", lambda a: str(a["sessions"]))
     row("turns (errors)", lambda a: f"{a['turns']} ({a['errors']})")
-    row("outcome (mean, 95% CI)", lambda a: f"{_fmt(a['outcome']['mean'], 3)} [{_fmt(a['outcome']['lo'], 3)}, {_fmt(a['outcome']['hi'], 3)}]")
-    row("shadow fidelity KL (session mean, 95% CI; lower is closer)", lambda a: (
-        f"{_fmt(a['fidelity']['kl']['mean'], 3)} [{_fmt(a['fidelity']['kl']['lo'], 3)}, {_fmt(a['fidelity']['kl']['hi'], 3)}]"))
-    row("shadow top-1 agreement (session mean, 95% CI)", lambda a: (
-        f"{_fmt(a['fidelity']['top1']['mean'], 3)} [{_fmt(a['fidelity']['top1']['lo'], 3)}, {_fmt(a['fidelity']['top1']['hi'], 3)}]"))
-    row("shadow turns scored / skipped (reasons)", lambda a: (
-        f"{a['fidelity']['scored']} / {a['fidelity']['skipped']}"
+    row("outcome (session mean, 95% bootstrap CI)", lambda a: _ci(a["outcome"]))
+    row("shadow turns sampled: scored / identical / skipped (reasons)", lambda a: (
+        f"{a['fidelity']['sampled']}: {a['fidelity']['scored']} / {a['fidelity']['identical']} / {a['fidelity']['skipped']}"
         + (" (" + ", ".join(f"{k}: {v}" for k, v in sorted(a['fidelity']['skip_reasons'].items())) + ")"
            if a['fidelity']['skip_reasons'] else "")))
-    row("shadow reference", lambda a: ", ".join(f"{k} ×{v}" for k, v in sorted(a["fidelity"]["references"].items())) or "-")
+    row("identical to the reference (share, Wilson 95% CI)", lambda a: (
+        f"{_fmt(a['fidelity']['identical_share']['p'], 3)} [{_fmt(a['fidelity']['identical_share']['lo'], 3)}, "
+        f"{_fmt(a['fidelity']['identical_share']['hi'], 3)}]"))
+    for kind in KINDS:
+        if not any(s["arms"][a]["fidelity"]["by_reference"][kind]["scored"] +
+                   s["arms"][a]["fidelity"]["by_reference"][kind]["identical"] for a in arms):
+            continue
+        row(f"vs `{kind}`: turns scored (non-identical) / identical", lambda a, k=kind: (
+            f"{a['fidelity']['by_reference'][k]['scored']} / {a['fidelity']['by_reference'][k]['identical']}"))
+        row(f"vs `{kind}`: fidelity KL, non-identical turns (session mean, 95% CI; lower is closer)",
+            lambda a, k=kind: _ci(a["fidelity"]["by_reference"][k]["kl"], 4))
+        row(f"vs `{kind}`: top-1 agreement, non-identical turns (session mean, 95% CI)",
+            lambda a, k=kind: _ci(a["fidelity"]["by_reference"][k]["top1"]))
     row("prefix-cache hit rate", lambda a: _fmt(a["prefix_cache_hit_rate"], 3))
     row("compactions per 100 turns", lambda a: _fmt(a.get("compactions_per_100", float("nan")), 1))
     for key, label in METRICS:
         digits = 2 if key == "glimpses" else 1
         row(f"{label} (mean, 95% CI; p50 / p95)", lambda a, k=key, d=digits: (
-            f"{_fmt(a['metrics'][k]['mean'], d)} [{_fmt(a['metrics'][k]['lo'], d)}, {_fmt(a['metrics'][k]['hi'], d)}]; "
-            f"{_fmt(a['metrics'][k]['p50'], d)} / {_fmt(a['metrics'][k]['p95'], d)}"))
-    diffs = [a for a in arms[1:]]
+            f"{_ci(a['metrics'][k], d)}; {_fmt(a['metrics'][k]['p50'], d)} / {_fmt(a['metrics'][k]['p95'], d)}"))
+    diffs = arms[1:]
     if diffs:
-        lines += ["", f"Difference from the control arm `{s['control']}` (95% Welch CI):", "",
-                  "| arm | outcome | context tokens | turn ms |", "|---|---|---|---|"]
+        lines += ["", f"Difference from the control arm `{s['control']}` (95% bootstrap CI, unpaired):", "",
+                  "| arm | outcome | context tokens | billed ids per turn | turn ms |", "|---|---|---|---|---|"]
         for a in diffs:
             v = s["arms"][a]["vs_control"]
             cells = [f"{_fmt(v[k]['diff'], 3 if k == 'outcome' else 1)} [{_fmt(v[k]['lo'], 3 if k == 'outcome' else 1)}, "
-                     f"{_fmt(v[k]['hi'], 3 if k == 'outcome' else 1)}]" for k in ("outcome", "tokens_context", "total_ms")]
+                     f"{_fmt(v[k]['hi'], 3 if k == 'outcome' else 1)}]" for k in ("outcome", "tokens_context", "billed", "total_ms")]
             lines.append(f"| {a} | " + " | ".join(cells) + " |")
-        lines += [""]
-        for a in diffs:
-            p = s["arms"][a]["power"]
-            c, b = s["arms"][s["control"]], s["arms"][a]
-            lines.append(f"Power: with {c['outcome']['n']} and {b['outcome']['n']} sessions with outcomes "
-                         f"({c['fidelity']['kl']['n']} and {b['fidelity']['kl']['n']} with shadow fidelity), the smallest "
-                         f"difference `{a}` vs `{s['control']}` detectable at 80% power (two-sided 5%) is "
-                         f"{_fmt(p['outcome_mde'], 3)} in outcome and {_fmt(p['fidelity_kl_mde'], 3)} in fidelity KL.")
     for a, per in s.get("paired", {}).items():
-        lines += ["", f"Paired by trajectory (each ran once per arm): `{a}` − `{s['control']}`, mean difference "
-                      "with 95% CI; significant when the interval excludes 0:", "",
-                  "| metric | pairs | difference [95% CI] | significant | detectable at 80% power |", "|---|---|---|---|---|"]
-        for m, label in (("outcome", "outcome"), ("kl", "shadow fidelity KL"), ("top1", "shadow top-1"),
-                         ("tokens_context", "context tokens")):
+        lines += ["", f"Paired by trajectory and turn (each trajectory ran once per arm): `{a}` − `{s['control']}`; "
+                      "per-trajectory mean differences, 95% bootstrap CI; significant when it excludes 0:", "",
+                  "| metric | trajectories (turn pairs) | difference [95% CI] | significant | significant after | "
+                  "detectable at 80% power |", "|---|---|---|---|---|---|"]
+        for m, label in (("kl:full", "fidelity KL vs `full`"), ("top1:full", "top-1 vs `full`"),
+                         ("kl:policy@window", "fidelity KL vs `policy@window`"),
+                         ("top1:policy@window", "top-1 vs `policy@window`"),
+                         ("outcome", "outcome"), ("tokens_context", "context tokens")):
             v = per[m]
-            d = 1 if m == "tokens_context" else 3
-            lines.append(f"| {label} | {v['n']} | {_fmt(v['mean'], d)} [{_fmt(v['lo'], d)}, {_fmt(v['hi'], d)}] | "
-                         f"{'yes' if v['significant'] else 'no'} | {_fmt(v['mde'], d)} |")
+            if not v["n"] and m.endswith("policy@window"):
+                continue
+            d = 1 if m == "tokens_context" else 4 if m.startswith("kl") else 3
+            after = f"{v['sessions_needed']} trajectories" if v["sessions_needed"] else "-"
+            lines.append(f"| {label} | {v['n']} ({v['pairs']}) | {_ci(v, d)} | {'yes' if v['significant'] else 'no'} | "
+                         f"{after} | {_fmt(v['mde'], d)} |")
+        left = [f"{per[f'kl:{k}']['both_identical']} turn pairs where both arms served the `{k}` reference itself"
+                for k in KINDS if per[f"kl:{k}"]["both_identical"]]
+        if per["unpaired"]:
+            left.append("unpaired turns: " + ", ".join(f"{k} ×{v}" for k, v in sorted(per["unpaired"].items())))
+        if left:
+            lines += ["", "Left out of the paired comparison: " + "; ".join(left) + "."]
     return "\n".join(lines) + "\n"
 
 
@@ -273,6 +394,13 @@ def log_ab(summary: dict, experiment: str, params: dict[str, Any], markdown: str
             metrics[f"{tag}.errors"] = a["errors"]
             if a["outcome"]["n"]:
                 metrics[f"{tag}.outcome"] = a["outcome"]["mean"]
+            f = a["fidelity"]
+            metrics.update({f"{tag}.shadow.scored": f["scored"], f"{tag}.shadow.identical": f["identical"],
+                            f"{tag}.shadow.skipped": f["skipped"]})
+            for kind, by in f["by_reference"].items():
+                if by["kl"]["n"]:
+                    metrics[f"{tag}.shadow_kl.{kind.replace('@', '_at_')}"] = by["kl"]["mean"]
+                    metrics[f"{tag}.shadow_top1.{kind.replace('@', '_at_')}"] = by["top1"]["mean"]
             for k, m in a["metrics"].items():
                 if m["n"]:
                     metrics[f"{tag}.{k}.mean"] = m["mean"]

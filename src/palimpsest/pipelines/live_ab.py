@@ -52,7 +52,7 @@ class DriveResult:
 
 
 def _drive_one(client, traj: Trajectory, sid: str, every: int, first: int, budget: int | None, max_tokens: int,
-               max_turns: int, res: DriveResult, arm: str | None = None) -> None:
+               max_turns: int, res: DriveResult, arm: str | None = None, tail: bool = True) -> None:
     r = client.post("/v1/sessions", json={"session_id": sid, "task": traj.task, "system": traj.system, "tools": traj.tools,
                                           **({"arm": arm} if arm else {})})
     if r.status_code != 200:
@@ -61,7 +61,10 @@ def _drive_one(client, traj: Trajectory, sid: str, every: int, first: int, budge
     res.sessions[sid] = r.json()["arm"]
     points = set(turn_points(len(traj.steps), every, first)[:max_turns])
     scores = []
-    for s in traj.steps:
+    # without ``tail``, the session ends with its last turn: the steps after it would be recorded (and enriched)
+    # for no turn to read them
+    steps = traj.steps if tail or not points else [s for s in traj.steps if s.t <= max(points)]
+    for s in steps:
         if s.t in points:
             body = {"max_tokens": max_tokens, **({"budget": budget} if budget else {})}
             r = client.post(f"/v1/sessions/{sid}/turn", json=body)
@@ -82,14 +85,15 @@ def _drive_one(client, traj: Trajectory, sid: str, every: int, first: int, budge
         client.post(f"/v1/sessions/{sid}/outcome", json={"value": res.f1[sid], "note": "next-action token F1"})
 
 
-def drive(url: str, data: Path, *, prefix: str = "", every: int = 8, first: int = 4, budget: int | None = None,
+def drive(url: str, data: Path | list[Trajectory], *, prefix: str = "", every: int = 8, first: int = 4, budget: int | None = None,
           max_tokens: int = 24, max_turns: int = 1000, concurrency: int = 4, limit: int | None = None,
-          on_session=None, arms: list[str] | None = None, headers: dict | None = None) -> DriveResult:
-    """Drive every trajectory (the first ``limit``) as sessions; with ``arms``, once per arm (paired)."""
+          on_session=None, arms: list[str] | None = None, headers: dict | None = None, tail: bool = True) -> DriveResult:
+    """Drive every trajectory (the first ``limit``) as sessions; with ``arms``, once per arm (paired). Without
+    ``tail`` a session stops at its last turn (its later steps are not appended)."""
     import httpx
 
-    read = read_trajectories(data)
-    trajs = read.trajectories[:limit] if limit else read.trajectories
+    trajs = read_trajectories(data).trajectories if isinstance(data, Path) else list(data)
+    trajs = trajs[:limit] if limit else trajs
     if not trajs:
         raise PalimpsestError(f"no usable trajectory in {data}")
     res = DriveResult(started=time.time())
@@ -97,7 +101,7 @@ def drive(url: str, data: Path, *, prefix: str = "", every: int = 8, first: int 
     with httpx.Client(base_url=url, timeout=600, headers=headers) as client, ThreadPoolExecutor(concurrency) as pool:
         jobs = [(tr, f"{prefix}{tr.id}@{arm}" if arm else f"{prefix}{tr.id}", arm)
                 for tr in trajs for arm in (arms or [None])]
-        futures = [pool.submit(_drive_one, client, tr, sid, every, first, budget, max_tokens, max_turns, res, arm)
+        futures = [pool.submit(_drive_one, client, tr, sid, every, first, budget, max_tokens, max_turns, res, arm, tail)
                    for tr, sid, arm in jobs]
         for f, (_, sid, _) in zip(futures, jobs):
             f.result()

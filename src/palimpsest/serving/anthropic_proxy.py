@@ -18,7 +18,7 @@ import hashlib
 import json
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from palimpsest.platform.types import PalimpsestError
 
@@ -217,3 +217,33 @@ def closing_events(turn, text_open: bool, index: int, extension: dict) -> list[s
                                        "usage": usage(turn), "palimpsest": extension}))
     out.append(event("message_stop", {}))
     return out
+
+
+class EventWriter:
+    """Anthropic's server-sent events for one streamed turn: ``message_start``, the answer's text as
+    ``content_block_delta`` events (its block opened on the first text), each tool call as a ``tool_use`` block,
+    the ``message_delta`` with the stop reason and usage, ``message_stop`` (``serving.http.stream_turn`` drives it)."""
+
+    def __init__(self, model: str, extension: Callable[[Any], dict]):
+        self.model, self.extension, self.opened = model, extension, False
+
+    def opening(self) -> list[str]:
+        return [message_start(self.model, f"msg_{uuid.uuid4().hex}")]
+
+    def text(self, text: str) -> list[str]:
+        out = []
+        if not self.opened:
+            self.opened = True
+            out.append(event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}))
+        out.append(event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": text}}))
+        return out
+
+    def closing(self, turn) -> list[str]:
+        return closing_events(turn, self.opened, 0, self.extension(turn))
+
+    def error(self, code: int, message: str) -> list[str]:
+        return [event("error", {"error": {"type": "invalid_request_error" if code < 500 else "api_error",
+                                          "message": message}})]
+
+    def ending(self) -> list[str]:
+        return []

@@ -49,6 +49,10 @@ class ActorConfig(_Strict):
     max_tokens: int = Field(128, ge=1, le=8192, description="default cap on generated tokens per turn")
     max_embeds_len: int = Field(8192, ge=1, description="longest prompt_embeds tensor accepted (rows)")
     kv_cache_gib: float = Field(1.0, gt=0, description="VLLM_CPU_KVCACHE_SPACE on CPU")
+    cpu_cores: Literal["one", "all"] = Field("one", description="vLLM-CPU's OpenMP threads: `one` core per replica "
+                                             "(core = replica rank; the other cores stay with the embedder, memory "
+                                             "encoder and ingress) or `all` the machine's cores (one replica on a "
+                                             "small machine whose other loads are light); GPUs ignore it")
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
     tensor_parallel_size: int = Field(1, ge=1)
@@ -214,10 +218,13 @@ class ABConfig(_Strict):
                                "against the full-history reference on a low-priority lane (shadow fidelity)")
     shadow_queue: int = Field(16, ge=1, le=10_000, description="sampled turns waiting to be scored at most; a turn "
                               "sampled beyond it is skipped (counted)")
-    shadow_top_k: int = Field(20, ge=1, le=20, description="log-probabilities per position the actor returns for "
-                              "the fidelity KL (vLLM's limit is 20)")
     shadow_max_age_s: float = Field(600.0, gt=0, description="a sampled turn not scored within this long (the "
                                     "actor stayed busy) is skipped (counted)")
+    shadow_yield: bool = Field(True, description="score a sample only while no turn is in flight on the replica; "
+                               "off: beside the turns (a small machine whose turns leave cores idle)")
+    shadow_threads: int | None = Field(None, ge=1, le=256, description="torch threads of the memory encoder while "
+                                       "it scores a sample with no turn in flight (it may then take every core of a "
+                                       "small machine); unset: the replica's own")
 
 
 class ServeConfig(_Strict):

@@ -73,7 +73,7 @@ class Actor:
             yield event
 
     async def _events(self, request: dict, memory: dict | None, stream: bool):
-        params = {k: request[k] for k in ("max_tokens", "temperature", "seed", "logprobs", "top_p", "stop")
+        params = {k: request[k] for k in ("max_tokens", "temperature", "seed", "logprobs", "top_p", "stop", "kind")
                   if request.get(k) is not None}
         turn = None
         if request.get("tools") and request.get("tool_choice") != "none":
@@ -106,11 +106,12 @@ class Actor:
                 out["memory_cached"] = memory["cached"]
             yield out
 
-    async def chat(self, messages: list[dict], max_tokens: int = 96) -> str:
+    async def chat(self, messages: list[dict], max_tokens: int = 96, kind: str = "summary") -> str:
+        """A helper generation (a step's summary, the ``ace`` LLM elasticizer), accounted under ``kind``."""
         from palimpsest.platform.chat import chat_ids
 
         ids = chat_ids(self.tokenizer, messages).all[-(self.cfg.max_model_len - max_tokens - 1):]
-        return (await self.engine.generate(ids=ids, max_tokens=max_tokens))["text"]
+        return (await self.engine.generate(ids=ids, max_tokens=max_tokens, kind=kind))["text"]
 
     def embed_ids(self, ids: list[int]):
         """The actor's own input embeddings of ``ids`` (what a soft span is concatenated with)."""
@@ -118,6 +119,10 @@ class Actor:
 
     def stats(self) -> dict:
         return dict(self.engine.stats)
+
+    def busy(self) -> dict:
+        """Where the engine's time went, by kind of generation (``ActorEngine.busy``)."""
+        return self.engine.busy()
 
     async def check_health(self) -> None:
         await self.engine.check_health()
@@ -193,7 +198,7 @@ class RemoteActor:
             out["memory_cached"] = memory["cached"]
         return out
 
-    async def chat(self, messages: list[dict], max_tokens: int = 96) -> str:
+    async def chat(self, messages: list[dict], max_tokens: int = 96, kind: str = "summary") -> str:
         await self._ready()
         out = await self.engine.generate({"messages": messages, "max_tokens": max_tokens})
         return out["text"]
@@ -205,6 +210,9 @@ class RemoteActor:
 
     def stats(self) -> dict:
         return dict(self.engine.stats)
+
+    def busy(self) -> dict:  # the upstream's time is its own: nothing measured here
+        return {}
 
     async def check_health(self) -> None:
         await self.engine.check_health()
@@ -326,6 +334,9 @@ class MemoryEncoder:
         self._score_lock = asyncio.Lock()
         self.actor_path, self.device, self._actor = actor_path, device, None
         self.hits = self.misses = 0
+        self.busy: dict[str, dict] = {}
+        self._prefixes: OrderedDict[str, tuple] = OrderedDict()  # reference prefills the shadow lane shares
+        self.prefix_cache_size = 3
 
     def info(self) -> dict:
         return {"models": self.models, "hits": self.hits, "misses": self.misses, "cached": len(self.cache)}
@@ -347,7 +358,9 @@ class MemoryEncoder:
                 self.misses += 1
                 h = torch.as_tensor(history, dtype=torch.long)
                 s = torch.as_tensor(summary, dtype=torch.long)
+                t_enc = time.perf_counter()
                 soft = await asyncio.to_thread(self.encoders[key].encode, h, s)
+                self._busy("memory", time.perf_counter() - t_enc, len(history) + len(summary))
                 self.cache[ck] = soft.float().cpu().contiguous()
                 while len(self.cache) > self.cache_size:
                     self.cache.popitem(last=False)
@@ -356,28 +369,33 @@ class MemoryEncoder:
 
     async def score(self, key: str | None, session_id: str, history: list[int], summary: list[int],
                     context: list[int], bridge: list[int], reply: list[int], reference: list[int],
-                    top_k: int = 20) -> tuple[list, list]:
-        """Shadow fidelity of one served turn: the frozen actor's top-k log-probabilities (and the reply token's) at
-        each reply token, after the served prompt (the student: [context; soft span of memory ``key``; bridge], no
-        span when ``key`` is None) and after ``reference`` (the teacher). Only the reply positions' logits are
-        computed (vLLM's prompt log-probabilities cover every prompt position and refuse prompt embeds)."""
+                    threads: int | None = None) -> tuple[float, float]:
+        """Shadow fidelity of one served turn: the frozen actor's next-token distributions at each reply token,
+        after the served prompt (the student: [context; soft span of memory ``key``; bridge], no span when ``key``
+        is None) and after ``reference`` (the teacher), give the exact KL(q || p) over the whole vocabulary and
+        top-1 agreement, averaged over the reply (``serving.shadow.fidelity``). Only the reply positions' logits
+        are computed (vLLM's prompt log-probabilities cover every prompt position and refuse prompt embeds).
+        ``threads``: torch threads for this scoring (the lane passes ``ab.shadow_threads`` while no turn is in
+        flight); None: the replica's own."""
         import torch
+
+        from palimpsest.serving.shadow import fidelity
 
         span = (await self.encode(key, session_id, history, summary))["soft"] if key is not None else None
         actor = self._scorer()
         n = len(reply)
 
-        def rows(logits: torch.Tensor) -> list[dict[int, float]]:
-            logp = torch.log_softmax(logits.float(), -1)
-            top = logp.topk(top_k, -1)
-            out = []
-            for j in range(n):
-                row = {int(i): float(v) for i, v in zip(top.indices[j].tolist(), top.values[j].tolist())}
-                row[int(reply[j])] = float(logp[j, reply[j]])
-                out.append(row)
-            return out
+        def run() -> tuple[float, float]:
+            t0 = time.perf_counter()
+            before = torch.get_num_threads()
+            if threads:
+                torch.set_num_threads(threads)
+            try:
+                return scored(t0)
+            finally:
+                torch.set_num_threads(before)
 
-        def run() -> tuple[list, list]:
+        def scored(t0: float) -> tuple[float, float]:
             with torch.no_grad():
                 dev = next(actor.model.parameters()).device
                 ids = lambda xs: torch.as_tensor(xs, dtype=torch.long, device=dev)  # noqa: E731
@@ -387,11 +405,46 @@ class MemoryEncoder:
                     head = actor.embed(ids(context))
                     embeds = torch.cat([head, span.to(dev, head.dtype), actor.embed(ids(bridge + reply))])[None]
                     student = actor(inputs_embeds=embeds, last=n + 1)[0, :n]
-                teacher = actor(input_ids=ids(reference + reply)[None], last=n + 1)[0, :n]
-            return rows(student), rows(teacher)
+                teacher, reused = self._teacher(actor, reference, reply, ids)
+                result = fidelity(student, teacher)
+            # positions run through the actor: the student's prompt and reply, the reply after the reference, and
+            # the reference itself unless another arm's sample prefilled it
+            self._busy("shadow", time.perf_counter() - t0, len(context) + len(bridge) + n
+                       + (int(span.shape[0]) if span is not None else 0) + n + (0 if reused else len(reference)))
+            return result
 
         async with self._score_lock:  # one scoring at a time; never holds the turn path's encode lock
             return await asyncio.to_thread(run)
+
+    def _teacher(self, actor, reference: list[int], reply: list[int], ids):
+        """The reference's logits at each reply token, and whether its prefill was reused. The reference's prefill is kept (a few, least recently used
+        dropped): every arm of a paired trajectory is scored against the same reference at the same turn, so it
+        is computed once and each arm's reply continues from it."""
+        import torch
+
+        key = hashlib.sha256(json.dumps(reference).encode()).hexdigest()
+        reused = key in self._prefixes
+        if reused:
+            self._prefixes.move_to_end(key)
+            past, last = self._prefixes[key]
+        else:
+            past, last = actor.prefill(ids(reference))
+            self._prefixes[key] = (past, last)
+            while len(self._prefixes) > self.prefix_cache_size:
+                self._prefixes.popitem(last=False)
+        if len(reply) == 1:
+            return last[None], reused
+        return torch.cat([last[None], actor.continue_from(past, len(reference), ids(reply[:-1]))]), reused
+
+    def _busy(self, kind: str, seconds: float, tokens: int) -> None:
+        b = self.busy.setdefault(kind, {"calls": 0, "seconds": 0.0, "tokens": 0})
+        b["calls"] += 1
+        b["seconds"] += seconds
+        b["tokens"] += tokens
+
+    def stats(self) -> dict:
+        """Where this replica's model time went: memory encoding and shadow scoring (calls, seconds, positions)."""
+        return {k: dict(v) for k, v in self.busy.items()}
 
     def _scorer(self):
         """The frozen actor the memories read with, or (no memory model loaded) one loaded on first use."""

@@ -43,9 +43,11 @@ def cpu_env(cfg: ActorConfig, replica_rank: int = 0) -> None:
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     if not torch.cuda.is_available():
-        # Two replicas on one node would both pin their threads to core 0.
+        # Two replicas on one node would both pin their threads to core 0: one core each, by rank, unless the
+        # config gives the one replica every core.
         n = os.cpu_count() or 1
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(replica_rank % n))
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{n - 1}" if cfg.cpu_cores == "all" and n > 1
+                              else str(replica_rank % n))
 
 
 class ActorEngine:
@@ -70,6 +72,8 @@ class ActorEngine:
         self.vocab_size = int(self.table.shape[0])
         self.model_name = self.path.name
         self.stats = {"requests": 0, "embeds_requests": 0, "prompt_tokens": 0, "cached_tokens": 0}
+        # where the engine's time goes, by the caller's kind (turn, summary, elasticizer): see :meth:`busy`
+        self.by_kind: dict[str, dict] = {}
 
     def embed(self, ids: list[int]) -> torch.Tensor:
         t = torch.as_tensor(ids, dtype=torch.long)
@@ -96,9 +100,10 @@ class ActorEngine:
     async def stream(self, *, ids: list[int] | None = None, embeds: torch.Tensor | None = None,
                      max_tokens: int | None = None, temperature: float = 0.0, seed: int | None = None,
                      logprobs: int | None = None, top_p: float | None = None, stop: list[str] | None = None,
-                     structured_outputs: Any = None, skip_special_tokens: bool = True):
+                     structured_outputs: Any = None, skip_special_tokens: bool = True, kind: str = "turn"):
         """One generation, as it happens: ``{"delta", "delta_ids"}`` events, then the whole result (``done``).
-        A consumer that stops iterating (a client gone) aborts the request in the engine."""
+        A consumer that stops iterating (a client gone) aborts the request in the engine. ``kind`` names what
+        the generation is for, in the engine's account of its time (:meth:`busy`)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -131,8 +136,10 @@ class ActorEngine:
         text: list[str] = []
         token_ids: list[int] = []
         steps: list = []
-        cached, finish = 0, None
+        cached, finish, first = 0, None, None
         async for out in self.engine.generate(p, params, request_id=uuid.uuid4().hex):
+            if first is None:
+                first = time.perf_counter()
             o = out.outputs[0]
             cached = max(cached, int(out.num_cached_tokens or 0))
             text.append(o.text)
@@ -141,16 +148,33 @@ class ActorEngine:
             finish = o.finish_reason or finish
             if o.text or o.token_ids:
                 yield {"delta": o.text, "delta_ids": list(o.token_ids), "finished": bool(out.finished)}
-        ms = (time.perf_counter() - t0) * 1000
+        end = time.perf_counter()
+        ms = (end - t0) * 1000
+        first = first or end
+        k = self.by_kind.setdefault(kind, {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0,
+                                           "completion_tokens": 0, "prefill_s": 0.0, "decode_s": 0.0})
+        k["requests"] += 1
+        k["prompt_tokens"] += n_prompt
+        k["cached_tokens"] += cached
+        k["completion_tokens"] += len(token_ids)
+        k["prefill_s"] += first - t0  # to the first token: queueing + prefill of what the cache did not hold
+        k["decode_s"] += end - first
         self.stats["requests"] += 1
         self.stats["embeds_requests"] += int(embeds is not None)
         self.stats["prompt_tokens"] += n_prompt
         self.stats["cached_tokens"] += cached
         result = {"done": True, "text": "".join(text), "token_ids": token_ids, "prompt_tokens": n_prompt,
-                  "cached_tokens": cached, "finish_reason": finish, "actor_ms": ms}
+                  "cached_tokens": cached, "finish_reason": finish, "actor_ms": ms,
+                  "prefill_ms": (first - t0) * 1000, "decode_ms": (end - first) * 1000}
         if logprobs:
             result["logprobs"] = [{int(k): float(v.logprob) for k, v in step.items()} for step in steps]
         yield result
+
+    def busy(self) -> dict[str, dict]:
+        """Per kind of generation: requests, prompt / cached / completion tokens, and request-seconds to the first
+        token (queueing + prefill) and after it (decode). Requests run batched, so request-seconds of
+        concurrent requests overlap: they say where the engine's work went, not wall time."""
+        return {k: dict(v) for k, v in self.by_kind.items()}
 
     async def check_health(self) -> None:
         """Raises when the engine is dead (Serve then replaces the replica)."""

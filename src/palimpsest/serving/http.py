@@ -148,3 +148,48 @@ class Tenant:
         return internal_id if self.name is None else internal_id.split("::", 1)[1]
 
 
+
+
+async def stream_turn(run, writer, on_gone=None):
+    """The body of a streamed turn as server-sent events: ``writer`` (an OpenAI ``ChunkWriter`` or an Anthropic
+    ``EventWriter``) renders the opening, each text delta ``run(emit)`` hands over while the turn generates, the
+    closing events of the finished turn, or an error as an event (the 200 status line is already sent), and the
+    ending. A client that goes away cancels the turn (and its generation); ``on_gone`` is told."""
+    import asyncio
+    import logging
+
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def emit(text: str) -> None:
+        for item in writer.text(text):
+            await queue.put(item)
+
+    async def drive() -> None:
+        try:
+            turn = await run(emit)
+            for item in writer.closing(turn):
+                await queue.put(item)
+        except Exception as e:
+            code = status_of(e)
+            if code >= 500 and code != 503:
+                logging.getLogger("palimpsest.ingress").exception("streamed turn failed")
+            message = e.message if isinstance(e, HTTPProblem) else (str(e) if code < 500 or code == 503 else
+                                                                    f"{type(e).__name__}: {e}")
+            for item in writer.error(code, message):
+                await queue.put(item)
+        finally:
+            await queue.put(None)
+
+    task = asyncio.ensure_future(drive())
+    try:
+        for item in writer.opening():
+            yield item
+        while (item := await queue.get()) is not None:
+            yield item
+        for item in writer.ending():
+            yield item
+    finally:
+        if not task.done():  # the client went away: stop generating
+            task.cancel()
+            if on_gone is not None:
+                on_gone()

@@ -1,7 +1,8 @@
 """The HTTP ingress (FastAPI inside a Serve deployment): the routes, tenants and A/B arms.
 
-A turn: the session's arm -> the served turn (``serving/turn.py``: the platform's compiled prompt, the soft
-span of what it left out, the actor, the glimpse loop) -> recorded under its arm. Appends
+A turn: the session's arm (the router) -> the served turn (``serving/turn.py:TurnService``: its size, the
+platform's compiled prompt, the soft span of what it left out, the actor, the glimpse loop, the record under
+its arm, the offer to the shadow lane) -> its wire format (``openai_proxy.py``, ``anthropic_proxy.py``). Appends
 return once the step is durable; summaries and key embeddings are written in the background
 (``serving/enrichment.py``) and a turn never waits for them. Every error the caller can fix is a 4xx with a
 one-line message (``serving/http.py``); nothing stored is lost and the server stays up.
@@ -24,15 +25,11 @@ from ray import serve
 
 from palimpsest.platform import Ledger, Runtime
 from palimpsest.platform.abstraction import RuleSummarizer
-from palimpsest.platform.budget import Budget
-from palimpsest.platform.chat import chat_ids, declared_tools
+from palimpsest.platform.chat import chat_ids
 from palimpsest.platform.tokens import get_tokenizer
 from palimpsest.platform.types import (
-    BudgetError,
     ConfigError,
-    LedgerUnavailableError,
     StepRecord,
-    UnknownSessionError,
 )
 from palimpsest.serving.ab import Router
 from palimpsest.serving.config import parse_serve_config
@@ -46,10 +43,11 @@ from palimpsest.serving.http import (
     _palimpsest_error,  # noqa: F401  (re-exported for tests that call the handler directly)
     _retriable_error,
     app,
-    status_of,
+    stream_turn,
 )
 from palimpsest.serving.metrics import Metrics
 from palimpsest.serving import anthropic_proxy
+from palimpsest.serving import openai_proxy
 from palimpsest.serving.openai_proxy import new_steps, parse_messages, step_view
 from palimpsest.serving.schemas import (
     ChatIn,
@@ -65,22 +63,9 @@ from palimpsest.serving.schemas import (
     TurnOut,
 )
 from palimpsest.serving.shadow import ShadowLane
-from palimpsest.serving.turn import TurnRequest, run_turn, turn_memory
+from palimpsest.serving.turn import TurnService
 
 log = logging.getLogger("palimpsest.ingress")
-
-
-def _finish(turn: TurnOut) -> str:
-    return "tool_calls" if turn.tool_calls else (turn.finish_reason or "stop")
-
-
-def _usage(turn: TurnOut) -> dict:
-    """Every generation of the turn (a glimpse round is one more), and what the compiled context saved."""
-    return {"prompt_tokens": turn.tokens["prompt_total"], "completion_tokens": turn.tokens["completion"],
-            "total_tokens": turn.tokens["prompt_total"] + turn.tokens["completion"],
-            # as the OpenAI API reports it: prompt tokens the actor's prefix cache served
-            "prompt_tokens_details": {"cached_tokens": int(turn.tokens.get("cached_total", turn.tokens["cached"]))},
-            "context_tokens_saved": max(turn.tokens["full_history_estimate"] - turn.tokens["context"], 0)}
 
 
 def _plain(content) -> str:
@@ -88,11 +73,6 @@ def _plain(content) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     return "\n".join(p.get("text", "") for p in content if isinstance(p, dict))
-
-
-def _extension(ext: str, turn: TurnOut) -> dict:
-    return {"session_id": ext, "arm": turn.arm, "t": turn.t, "plan": turn.plan, "tokens": turn.tokens,
-            "latency_ms": turn.latency_ms, "glimpses": turn.glimpses}
 
 
 # The deployment is serialised when it is declared: what its methods call is defined above it.
@@ -142,7 +122,7 @@ class Ingress:
         self.enrichment: Enrichment | None = None
         self.runtime: Runtime | None = None
         self.shadow: ShadowLane | None = None
-        self._inflight = 0  # turns being served on this replica (the shadow lane waits for none)
+        self.turns: TurnService | None = None
 
     # -- start-up ---------------------------------------------------------------------------
 
@@ -168,7 +148,9 @@ class Ingress:
         self.enrichment = Enrichment(self.runtime, self.policies, self.summarizer, self.summarizer_info, self.metrics,
                                      self.cfg)
         self.shadow = ShadowLane(self.runtime, self.cfg.ab, info["max_model_len"],
-                                 busy=lambda: self._inflight > 0, metrics=self.metrics)
+                                 busy=lambda: self.turns.inflight > 0, metrics=self.metrics)
+        self.turns = TurnService(self.runtime, self.cfg, self.policies, self.actor, self.memory, info,
+                                 self.memory_info, self.metrics, self.shadow, self._enqueue)
 
     async def _ensure(self) -> None:
         if self._ready is None:
@@ -183,7 +165,7 @@ class Ingress:
         """The actor as a policy's language model (the `ace` LLM elasticizer): every prompt is sent at once
         (vLLM batches them), each reply waited for until the summarizer's timeout; failures are None.
         Policies plan in a worker thread, where blocking on handles is allowed."""
-        responses = [self.actor.chat.remote(p, 4) for p in prompts]
+        responses = [self.actor.chat.remote(p, 4, "elasticizer") for p in prompts]
         deadline = time.monotonic() + self.cfg.summarizer.timeout_s
         out: list[str | None] = []
         for r in responses:
@@ -301,106 +283,22 @@ class Ingress:
 
     async def _turn(self, sid: str, body: TurnIn, tool_choice: Any = None, parallel_tool_calls: bool | None = None,
                     emit=None) -> TurnOut:
-        t_start = time.perf_counter()
-        ledger = self.runtime.ledger
-        session = await asyncio.to_thread(ledger.session, sid)
-        arm = self._arm_of(session)
-        armcfg = self.cfg.arm(arm)
-        self._inflight += 1
+        """The session's turn on its arm (``TurnService``); a replica that failed is a 503 to retry."""
+        session = await asyncio.to_thread(self.runtime.ledger.session, sid)
         try:
-            return await self._turn_inner(sid, session, arm, armcfg, body, t_start, tool_choice, parallel_tool_calls,
-                                           emit)
+            return await self.turns.serve(session, self._arm_of(session), body, tool_choice, parallel_tool_calls, emit)
         except Exception as e:
-            self.metrics.errors.labels(arm=arm, kind=type(e).__name__).inc()
-            if isinstance(e, (UnknownSessionError, BudgetError, HTTPProblem, LedgerUnavailableError)):
-                raise  # the caller's mistakes are not the arm's, and nothing can be recorded without the ledger
-            await asyncio.to_thread(ledger.record_served, sid, ledger.count(sid), arm, {"error": type(e).__name__})
             if _retriable_error(e):
                 raise HTTPProblem(503, f"a model replica is unavailable ({type(e).__name__}); retry shortly") from None
             raise
-        finally:
-            self._inflight -= 1
 
     async def _check_turn(self, sid: str, body: TurnIn) -> None:
         """The checks of a turn's size that need no compile (a streamed turn runs them before its 200)."""
         session = await asyncio.to_thread(self.runtime.ledger.session, sid)
-        self._turn_size(self.cfg.arm(self._arm_of(session)), body)
+        self.turns.size(self.cfg.arm(self._arm_of(session)), body.budget, body.max_tokens)
 
-    def _turn_size(self, armcfg, body: TurnIn) -> tuple[Budget, str | None]:
-        """(budget, memory key) of a turn on this arm; 422 when the budget exceeds the actor's window or leaves
-        no room for the reply and the soft span."""
-        budget = body.budget or armcfg.budget or self.cfg.budget
-        window = self.actor_info["max_model_len"]
-        if budget > window:
-            raise HTTPProblem(422, f"budget: {budget} tokens exceeds the actor's window of {window}")
-        mem = self._memory_of(armcfg)
-        soft = self.memory_info["models"][mem]["max_slots"] if mem is not None else 0
-        try:
-            return Budget(budget, body.max_tokens or self.cfg.actor.max_tokens, soft), mem
-        except BudgetError as e:
-            raise HTTPProblem(422, str(e)) from None
-
-    async def _turn_inner(self, sid, session, arm, armcfg, body: TurnIn, t_start: float, tool_choice=None,
-                          parallel_tool_calls=None, emit=None) -> TurnOut:
-        budget, mem = self._turn_size(armcfg, body)
-        req = TurnRequest(session_id=sid, policy=self.policies[arm], budget=budget, temperature=body.temperature,
-                          seed=body.seed,
-                          sampling={k: v for k, v in (("top_p", body.top_p), ("stop", body.stop)) if v is not None},
-                          tools=declared_tools(session.tools) if self.actor_info.get("tool_parser") else None,
-                          tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls)
-
-        async def memory_for(ct):
-            # A handle response, not awaited here: the soft span goes from the encoder to the actor directly.
-            read = await asyncio.to_thread(turn_memory, self.runtime, ct, self.cfg.memory)
-            return None if read is None else self.memory.encode.remote(mem, sid, *read)
-
-        stream = (lambda r, m: self.actor.options(stream=True).generate_stream.remote(r, m)) if emit else None
-        res = await run_turn(self.runtime, req, self.actor.generate.remote, self.cfg.limits.glimpses_per_turn,
-                             memory_for if mem is not None else None, clock=self.runtime.embedder,
-                             stream=stream, emit=emit)
-        if res.fallback:
-            self.metrics.fallbacks.labels(arm=arm, kind=res.fallback).inc()
-            self._enqueue(sid)
-        ct = res.compiled
-        tokens = {"context": ct.prompt.tokens, "prefix": ct.prompt.prefix_tokens, "soft": res.soft_tokens,
-                  "prompt": res.prompt_tokens, "completion": res.completion_tokens, "cached": res.cached_tokens,
-                  "reserve": ct.prompt.reserve, "generations": res.generations, "prompt_total": res.prompt_tokens_total,
-                  "full_history_estimate": ct.plan.info.get("full_tokens_estimate", ct.prompt.tokens),
-                  "cached_total": res.cached_tokens_total}
-        # what the prompt's ids should cost against the session's previous turn (platform.epochs.turn_cost),
-        # beside what the actor's cache really held (tokens_cached)
-        cost = ct.cost or {}
-        latency = res.latency
-        await asyncio.to_thread(self.runtime.ledger.record_served, sid, ct.t, arm, {
-            **{f"tokens_{k}": v for k, v in tokens.items()}, **{f"{k}_ms": v for k, v in latency.items()},
-            "glimpses": len(res.glimpses), "budget": ct.budget, "memory_cached": bool(res.out.get("memory_cached", False)),
-            "elided": len(ct.plan.info.get("elided", [])), "tool_calls": len(res.tool_calls), "streamed": emit is not None,
-            "compaction": bool(ct.compacted), "rebuilt": bool(ct.compacted) or ct.boundary is None,
-            **({"expected_cached": cost["cached"], "uncached": cost["uncached"], "billed": cost["billed"],
-                "prefix_reuse": cost["prefix_reuse"]} if cost else {}),
-            **({"fallback": res.fallback} if res.fallback else {})})
-        self.metrics.observe_turn(arm, tokens, latency, len(res.glimpses))
-        if self.shadow is not None:
-
-            async def score(reference: list[int], reply: list[int], k: int):
-                """Both prompts of the turn scored by the memory encoder's actor (a memory arm's span is cached)."""
-                read = await asyncio.to_thread(turn_memory, self.runtime, ct, self.cfg.memory) if mem else None
-                p = ct.prompt
-                return await self.memory.score.remote(mem if read else None, sid, *(read or ([], [])),
-                                                      list(p.context_ids), list(p.bridge_ids), reply, reference, k)
-
-            self.shadow.offer(sid, arm, ct, res.out.get("token_ids") or [], res.generations, self.policies[arm], score)
-        return TurnOut(session_id=sid, t=ct.t, arm=arm, action=res.text, finish_reason=res.finish_reason,
-                       plan=ct.plan.counts(), tokens=tokens, latency_ms=latency, glimpses=res.glimpses,
-                       prompt_hash=ct.prompt.prompt_hash, content=res.content, tool_calls=res.tool_calls)
-
-    def _memory_of(self, armcfg) -> str | None:
-        """The memory encoder's key for this arm (its own model, else the default), or None: no soft memory."""
-        if not armcfg.memory:
-            return None
-        models = self.memory_info["models"]
-        key = armcfg.name if armcfg.name in models else "default"
-        return key if models[key]["enabled"] else None
+    def _gone(self) -> None:
+        self.metrics.errors.labels(arm="-", kind="ClientDisconnected").inc()
 
     # -- OpenAI-compatible --------------------------------------------------------------------
 
@@ -469,59 +367,12 @@ class Ingress:
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.actor_info["model"]}
         if body.stream:  # what can be refused is refused before the 200 status line is sent
             await self._check_turn(sid, turn_in)
-            usage = bool((body.stream_options or {}).get("include_usage"))
-            return StreamingResponse(self._chat_stream(sid, ext, turn_in, choice, body.parallel_tool_calls, head, usage),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            writer = openai_proxy.ChunkWriter(head, ext, bool((body.stream_options or {}).get("include_usage")))
+            run = lambda emit: self._turn(sid, turn_in, choice, body.parallel_tool_calls, emit=emit)  # noqa: E731
+            return StreamingResponse(stream_turn(run, writer, self._gone), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
         turn = await self._turn(sid, turn_in, choice, body.parallel_tool_calls)
-        message = {"role": "assistant", "content": turn.content}
-        if turn.tool_calls:
-            message["tool_calls"] = turn.tool_calls
-        return {**head, "object": "chat.completion",
-                "choices": [{"index": 0, "message": message, "finish_reason": _finish(turn), "logprobs": None}],
-                "usage": _usage(turn), "palimpsest": _extension(ext, turn)}
-
-    async def _chat_stream(self, sid: str, ext: str, turn_in: TurnIn, choice, parallel, head: dict, usage: bool):
-        """Server-Sent Events in OpenAI's chunk format: the role, content deltas of the final answer (a glimpse
-        round inside the turn is not streamed), tool calls, the finish reason, usage if asked, ``[DONE]``. The
-        turn is recorded as a non-streamed one is; a client that goes away cancels it (and its generation)."""
-        queue: asyncio.Queue = asyncio.Queue()
-
-        def chunk(delta: dict, finish: str | None = None, **extra) -> str:
-            body = {**head, "object": "chat.completion.chunk",
-                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **extra}
-            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-
-        async def emit(text: str) -> None:
-            await queue.put(chunk({"content": text}))
-
-        async def run() -> None:
-            try:
-                turn = await self._turn(sid, turn_in, choice, parallel, emit=emit)
-                if turn.tool_calls:
-                    await queue.put(chunk({"tool_calls": [{"index": k, **c} for k, c in enumerate(turn.tool_calls)]}))
-                await queue.put(chunk({}, _finish(turn), palimpsest=_extension(ext, turn)))
-                if usage:
-                    await queue.put(f"data: {json.dumps({**head, 'object': 'chat.completion.chunk', 'choices': [], 'usage': _usage(turn)})}\n\n")
-            except Exception as e:  # the status line is sent: the error travels as an event, with its own code
-                code = status_of(e)
-                if code >= 500 and code != 503:
-                    log.exception("streamed turn failed")
-                message = e.message if isinstance(e, HTTPProblem) else (str(e) if code < 500 or code == 503 else
-                                                                        f"{type(e).__name__}: {e}")
-                await queue.put(f"data: {json.dumps({'error': {'message': message, 'code': code}})}\n\n")
-            finally:
-                await queue.put(None)
-
-        task = asyncio.ensure_future(run())
-        try:
-            yield chunk({"role": "assistant", "content": ""})
-            while (item := await queue.get()) is not None:
-                yield item
-            yield "data: [DONE]\n\n"
-        finally:
-            if not task.done():  # the client went away: stop generating
-                task.cancel()
-                self.metrics.errors.labels(arm="-", kind="ClientDisconnected").inc()
+        return openai_proxy.completion(turn, head, ext)
 
     # -- Anthropic Messages (serving/anthropic_proxy.py) ---------------------------------------
 
@@ -559,51 +410,12 @@ class Ingress:
         model = self.actor_info["model"]
         if req.stream:  # what can be refused is refused before the 200 status line is sent
             await self._check_turn(sid, turn_in)
-            return StreamingResponse(self._messages_stream(sid, ext, turn_in, choice, chat.parallel_tool_calls, model),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            writer = anthropic_proxy.EventWriter(model, lambda turn: openai_proxy.extension(ext, turn))
+            run = lambda emit: self._turn(sid, turn_in, choice, chat.parallel_tool_calls, emit=emit)  # noqa: E731
+            return StreamingResponse(stream_turn(run, writer, self._gone), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
         turn = await self._turn(sid, turn_in, choice, chat.parallel_tool_calls)
-        return anthropic_proxy.message(turn, model, _extension(ext, turn))
-
-    async def _messages_stream(self, sid: str, ext: str, turn_in: TurnIn, choice, parallel, model: str):
-        """Anthropic's server-sent events: ``message_start``, the answer's text as ``content_block_delta`` events
-        (a glimpse round inside the turn is not streamed), each tool call as a ``tool_use`` block, the
-        ``message_delta`` with the stop reason and usage, ``message_stop``. Recorded as a non-streamed turn is."""
-        queue: asyncio.Queue = asyncio.Queue()
-        opened = []
-
-        async def emit(text: str) -> None:
-            if not opened:
-                opened.append(True)
-                await queue.put(anthropic_proxy.event("content_block_start", {
-                    "index": 0, "content_block": {"type": "text", "text": ""}}))
-            await queue.put(anthropic_proxy.event("content_block_delta", {
-                "index": 0, "delta": {"type": "text_delta", "text": text}}))
-
-        async def run() -> None:
-            try:
-                turn = await self._turn(sid, turn_in, choice, parallel, emit=emit)
-                for item in anthropic_proxy.closing_events(turn, bool(opened), 0, _extension(ext, turn)):
-                    await queue.put(item)
-            except Exception as e:  # the status line is sent: the error travels as an event
-                code = status_of(e)
-                if code >= 500 and code != 503:
-                    log.exception("streamed turn failed")
-                text = e.message if isinstance(e, HTTPProblem) else (str(e) if code < 500 or code == 503 else
-                                                                     f"{type(e).__name__}: {e}")
-                await queue.put(anthropic_proxy.event("error", {"error": {
-                    "type": "invalid_request_error" if code < 500 else "api_error", "message": text}}))
-            finally:
-                await queue.put(None)
-
-        task = asyncio.ensure_future(run())
-        try:
-            yield anthropic_proxy.message_start(model, f"msg_{uuid.uuid4().hex}")
-            while (item := await queue.get()) is not None:
-                yield item
-        finally:
-            if not task.done():  # the client went away: stop generating
-                task.cancel()
-                self.metrics.errors.labels(arm="-", kind="ClientDisconnected").inc()
+        return anthropic_proxy.message(turn, model, openai_proxy.extension(ext, turn))
 
     @app.post("/v1/messages/count_tokens", summary="Anthropic count_tokens: the messages' ids as the actor's template "
                                                     "renders them, tools included (nothing is recorded)")
@@ -683,6 +495,16 @@ class Ingress:
         await self._ensure()
         drained = await self.shadow.drained(wait_s) if wait_s else self.shadow.queue.qsize() == 0
         return {**self.shadow.state(), "drained": drained}
+
+    @app.get("/v1/busy", summary="Where the models' time went: the actor by kind of generation (turn, summary, "
+                                 "elasticizer), the memory encoder's encoding and shadow scoring")
+    async def busy(self, request: Request) -> dict:
+        """Request-seconds and tokens per kind since the replicas started (``ActorEngine.busy``,
+        ``MemoryEncoder.stats``): the demo's breakdown of the actor's time reads it."""
+        await self._ensure()
+        self._tenant(request)
+        actor, memory = await asyncio.gather(self.actor.busy.remote(), self.memory.stats.remote())
+        return {"actor": actor, "memory": memory}
 
     @app.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse)
     async def prometheus(self):

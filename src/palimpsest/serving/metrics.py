@@ -27,7 +27,7 @@ class Metrics:
                                  ["arm", "kind"], registry=r)
         self.errors = Counter("palimpsest_errors", "failed turns and background jobs", ["arm", "kind"], registry=r)
         self.shadow = Counter("palimpsest_shadow_samples", "turns sampled for shadow fidelity, by status (scored, "
-                              "skipped)", ["arm", "status"], registry=r)
+                              "identical, skipped)", ["arm", "status"], registry=r)
         self.outcomes = Histogram("palimpsest_outcome", "outcome values posted by clients", ["arm"],
                                   buckets=(0.0, 0.25, 0.5, 0.75, 1.0), registry=r)
         for a in arms:  # every arm shows up (with zeros) before its first turn

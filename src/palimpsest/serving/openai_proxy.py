@@ -225,3 +225,70 @@ def step_view(s) -> dict:
     ids = [r.tool_call_id for r in sc.results if r.tool_call_id] if sc else []
     out["tool_call_id"] = ids[0] if len(ids) == 1 else (ids or None)
     return out
+
+
+# -- the OpenAI wire format of a served turn (the ingress's routes call these) ------------------------------
+
+
+def extension(ext: str, turn) -> dict:
+    """Palimpsest's own fields beside the OpenAI ones (``palimpsest`` in a reply): arm, plan, tokens, latency."""
+    return {"session_id": ext, "arm": turn.arm, "t": turn.t, "plan": turn.plan, "tokens": turn.tokens,
+            "latency_ms": turn.latency_ms, "glimpses": turn.glimpses}
+
+
+def finish(turn) -> str:
+    return "tool_calls" if turn.tool_calls else (turn.finish_reason or "stop")
+
+
+def usage(turn) -> dict:
+    """Every generation of the turn (a glimpse round is one more), and what the compiled context saved."""
+    return {"prompt_tokens": turn.tokens["prompt_total"], "completion_tokens": turn.tokens["completion"],
+            "total_tokens": turn.tokens["prompt_total"] + turn.tokens["completion"],
+            # as the OpenAI API reports it: prompt tokens the actor's prefix cache served
+            "prompt_tokens_details": {"cached_tokens": int(turn.tokens.get("cached_total", turn.tokens["cached"]))},
+            "context_tokens_saved": max(turn.tokens["full_history_estimate"] - turn.tokens["context"], 0)}
+
+
+def completion(turn, head: dict, ext: str) -> dict:
+    """A ``chat.completion`` object for a served turn (``head``: id, created, model)."""
+    message = {"role": "assistant", "content": turn.content}
+    if turn.tool_calls:
+        message["tool_calls"] = turn.tool_calls
+    return {**head, "object": "chat.completion",
+            "choices": [{"index": 0, "message": message, "finish_reason": finish(turn), "logprobs": None}],
+            "usage": usage(turn), "palimpsest": extension(ext, turn)}
+
+
+class ChunkWriter:
+    """Server-sent events in OpenAI's chunk format for one streamed turn: the role, content deltas of the final
+    answer, tool calls, the finish reason, usage if asked, ``[DONE]`` (``serving.http.stream_turn`` drives it)."""
+
+    def __init__(self, head: dict, ext: str, include_usage: bool):
+        self.head, self.ext, self.include_usage = head, ext, include_usage
+
+    def chunk(self, delta: dict, finish_reason: str | None = None, **extra) -> str:
+        body = {**self.head, "object": "chat.completion.chunk",
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}], **extra}
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    def opening(self) -> list[str]:
+        return [self.chunk({"role": "assistant", "content": ""})]
+
+    def text(self, text: str) -> list[str]:
+        return [self.chunk({"content": text})]
+
+    def closing(self, turn) -> list[str]:
+        out = []
+        if turn.tool_calls:
+            out.append(self.chunk({"tool_calls": [{"index": k, **c} for k, c in enumerate(turn.tool_calls)]}))
+        out.append(self.chunk({}, finish(turn), palimpsest=extension(self.ext, turn)))
+        if self.include_usage:
+            body = {**self.head, "object": "chat.completion.chunk", "choices": [], "usage": usage(turn)}
+            out.append(f"data: {json.dumps(body, ensure_ascii=False)}\n\n")
+        return out
+
+    def error(self, code: int, message: str) -> list[str]:  # the status line is sent: the error is an event
+        return [f"data: {json.dumps({'error': {'message': message, 'code': code}})}\n\n"]
+
+    def ending(self) -> list[str]:
+        return ["data: [DONE]\n\n"]

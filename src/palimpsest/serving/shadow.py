@@ -1,24 +1,27 @@
 """Shadow fidelity: a quality signal for live A/B that does not wait for task outcomes.
 
 For a sample of served turns (``ab.shadow_rate``, drawn by a hash of session and t, so a replay samples the
-same turns), a low-priority lane of the ingress scores the prompt the arm served against a reference with
-the action-fidelity measure (docs/metrics.md): the actor's next-token distributions over the tokens of the
-reply it served, once after the served prompt (the student q) and once after the reference prompt (p), give
-per reply token KL(q || p) and whether the two top-1 tokens agree.
+same turns, and both arms of a paired trajectory sample the same t), a low-priority lane of the ingress scores
+the prompt the arm served against a reference with the action-fidelity measure (docs/metrics.md): the actor's
+next-token distributions over the tokens of the reply it served, once after the served prompt (the student q)
+and once after the reference prompt (p), give per reply token the exact KL(q || p) over the whole vocabulary
+and whether the two top-1 tokens agree (:func:`fidelity`).
 
-- The reference is the whole history (policy ``full``) when it fits the actor's window beside the reply;
-  otherwise the arm's own policy compiled at the largest budget the window allows. Each record names it.
-- The scorer returns the top-k log-probabilities per position (``ab.shadow_top_k``, 20) and the reply token's,
-  so the KL is taken over the partition {tokens in both lists, the rest}: a coarsening of the vocabulary and
-  so a lower bound of the full KL (eval-actions partitions by the teacher's top-64; figures of the two are
-  not interchangeable).
+- The reference is the whole history (``full``) when it fits the actor's window beside the reply; otherwise the
+  arm's own policy compiled at the largest budget the window allows (``POLICY@BUDGET``). Each record names it,
+  and the report never pools the two kinds.
+- A turn whose served ids equal the reference's (and carry no soft span) is recorded as ``identical``: its KL
+  is 0 by construction, so it is counted and left out of the fidelity mean, which covers the turns where the
+  arm changed something. Nothing is scored for it.
 - Both prompts are scored by the memory encoder's frozen copy of the actor (Hugging Face, the same weights),
   computing only the reply positions' logits: vLLM's prompt log-probabilities cover every prompt position
   (a full-vocabulary row each: minutes per sample on CPU) and refuse prompt embeds. Every arm is scored by
-  the same engine.
+  the same engine, and the KL is taken there, over the full rows, at no extra cost.
 - It stays off the turn path: a sampled turn is queued after its reply is ready (bounded: ``ab.shadow_queue``),
   and the lane starts scoring a sample only when no turn is in flight on this replica (a turn that arrives
-  while a sample is being scored shares the actor with it for that one scoring). A sample that finds the queue
+  while a sample is being scored shares the actor with it for that one scoring); with ``ab.shadow_yield`` off
+  it scores beside the turns (a small machine whose turns leave cores idle: the demo), with
+  ``ab.shadow_threads`` only while no turn is in flight. A sample that finds the queue
   full, waits past ``ab.shadow_max_age_s``, answered a glimpse (several generations) or has no reply token ids
   (a remote upstream) is recorded as skipped with its reason, so the report counts what it left out.
 """
@@ -28,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -47,25 +49,24 @@ def sampled(session_id: str, t: int, rate: float) -> bool:
     return h / 2**64 < rate
 
 
-def fidelity(student: list[dict[int, float]], teacher: list[dict[int, float]]) -> tuple[float, float]:
-    """Mean KL(q || p) over {tokens in both top-k lists, rest} and top-1 agreement, per position."""
-    if not student or len(student) != len(teacher):
-        raise ValueError(f"expected as many student as teacher positions, got {len(student)} and {len(teacher)}")
-    kls, agree = [], []
-    for q, p in zip(student, teacher):
-        shared = q.keys() & p.keys()
-        kl = 0.0
-        q_in = p_in = 0.0
-        for tok in shared:
-            lq, lp = q[tok], p[tok]
-            kl += math.exp(lq) * (lq - lp)
-            q_in += math.exp(lq)
-            p_in += math.exp(lp)
-        q_rest, p_rest = max(1.0 - q_in, 1e-12), max(1.0 - p_in, 1e-12)
-        kl += q_rest * (math.log(q_rest) - math.log(p_rest))
-        kls.append(max(kl, 0.0))
-        agree.append(float(max(q, key=q.get) == max(p, key=p.get)))
-    return sum(kls) / len(kls), sum(agree) / len(agree)
+def fidelity(student_logits, teacher_logits) -> tuple[float, float]:
+    """Mean over positions of the exact KL(q || p) over the whole vocabulary (q: the student's next-token
+    distribution, p: the teacher's, both from (n, V) logits) and of top-1 agreement."""
+    import torch
+
+    if student_logits.ndim != 2 or student_logits.shape != teacher_logits.shape or not student_logits.shape[0]:
+        raise ValueError(f"expected two (n, V) logit tensors of one shape, got {tuple(student_logits.shape)} and "
+                         f"{tuple(teacher_logits.shape)}")
+    logq = torch.log_softmax(student_logits.double(), -1)
+    logp = torch.log_softmax(teacher_logits.double(), -1)
+    kl = (logq.exp() * (logq - logp)).sum(-1)  # exact: every token of the vocabulary, in float64
+    top1 = (student_logits.argmax(-1) == teacher_logits.argmax(-1)).double()
+    return float(kl.mean()), float(top1.mean())
+
+
+def reference_kind(reference: str) -> str:
+    """``full`` or ``policy@window``: the two references measure different things and are reported apart."""
+    return "full" if reference == "full" else "policy@window"
 
 
 @dataclass
@@ -74,8 +75,9 @@ class Sample:
     arm: str
     turn: CompiledTurn
     reply: list[int]
+    soft: bool  # the served prompt carried a soft span (it can then never equal a token-only reference)
     policy: Any  # the arm's policy (the reference when the whole history does not fit)
-    scorer: Any  # async (reference ids, reply, k) -> (student rows, teacher rows): the memory encoder's actor
+    scorer: Any  # async (reference ids, reply, threads) -> (kl, top1): the memory encoder's actor
     queued: float
 
 
@@ -86,15 +88,15 @@ class ShadowLane:
         self.runtime, self.cfg, self.window, self.busy = runtime, cfg, window, busy
         self.metrics = metrics
         self.queue: asyncio.Queue[Sample] = asyncio.Queue()
-        self.counts = {"sampled": 0, "scored": 0, "skipped": 0}
+        self.counts = {"sampled": 0, "scored": 0, "identical": 0, "skipped": 0}
         self._task = asyncio.get_running_loop().create_task(self._worker()) if cfg.shadow_rate > 0 else None
 
     def state(self) -> dict:
         return {"rate": self.cfg.shadow_rate, "queued": self.queue.qsize(), **self.counts}
 
-    def offer(self, session_id: str, arm: str, ct: CompiledTurn, reply: list[int], generations: int, policy,
-              scorer) -> None:
-        """Called after a turn is served and recorded; returns at once."""
+    def offer(self, session_id: str, arm: str, ct: CompiledTurn, reply: list[int], generations: int, soft: bool,
+              policy, scorer) -> None:
+        """Called after a turn is served and recorded; returns at once. ``soft``: the turn carried a soft span."""
         key = session_id[: -len(arm) - 1] if session_id.endswith("@" + arm) else session_id
         if self._task is None or not sampled(key, ct.t, self.cfg.shadow_rate):
             return
@@ -105,7 +107,7 @@ class ShadowLane:
         elif self.queue.qsize() >= self.cfg.shadow_queue:
             self._skip_later(session_id, ct.t, arm, "load: queue full", len(reply))
         else:
-            self.queue.put_nowait(Sample(session_id, arm, ct, list(reply), policy, scorer, time.monotonic()))
+            self.queue.put_nowait(Sample(session_id, arm, ct, list(reply), soft, policy, scorer, time.monotonic()))
 
     def _skip_later(self, sid: str, t: int, arm: str, reason: str, tokens: int) -> None:
         """Count a skip now and record it off the event loop (the turn's reply is not held up by the write)."""
@@ -143,7 +145,7 @@ class ShadowLane:
             s = await self.queue.get()
             self._working = True
             try:
-                while self.busy():  # low priority: served turns first
+                while self.cfg.shadow_yield and self.busy():  # low priority: served turns first
                     if time.monotonic() - s.queued > self.cfg.shadow_max_age_s:
                         break
                     await asyncio.sleep(0.05)
@@ -169,11 +171,19 @@ class ShadowLane:
         return f"{s.policy.name}@{budget}", list(largest.prompt.ids)
 
     async def _score(self, s: Sample) -> None:
-        k = self.cfg.shadow_top_k
         reference, ref_ids = await asyncio.to_thread(self._reference, s)
-        # the soft span (a handle response, as on the turn) goes from the memory encoder to the actor directly
-        student, teacher = await s.scorer(ref_ids, s.reply, k)
-        kl, top1 = fidelity(student, teacher)
+        p = s.turn.prompt
+        if not s.soft and list(p.context_ids) + list(p.bridge_ids) == ref_ids:
+            # the arm served the reference itself: KL 0 by construction, counted apart and never averaged in
+            self.counts["identical"] += 1
+            if self.metrics is not None:
+                self.metrics.shadow.labels(arm=s.arm, status="identical").inc()
+            await asyncio.to_thread(self.runtime.ledger.record_shadow, s.session_id, s.turn.t, s.arm, "identical",
+                                    reference=reference, tokens=len(s.reply))
+            return
+        # the soft span (a handle response, as on the turn) goes from the memory encoder to the actor directly;
+        # ab.shadow_threads only while no turn is in flight (a lane that does not yield scores beside the turns)
+        kl, top1 = await s.scorer(ref_ids, s.reply, None if self.busy() else self.cfg.shadow_threads)
         self.counts["scored"] += 1
         if self.metrics is not None:
             self.metrics.shadow.labels(arm=s.arm, status="scored").inc()
@@ -181,4 +191,4 @@ class ShadowLane:
                                 reference=reference, kl=kl, top1=top1, tokens=len(s.reply))
 
 
-__all__ = ["ShadowLane", "fidelity", "sampled"]
+__all__ = ["ShadowLane", "fidelity", "reference_kind", "sampled"]

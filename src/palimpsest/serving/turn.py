@@ -1,9 +1,12 @@
-"""The served turn: compile -> [soft memory] -> actor -> glimpse loop, as one function over small handles.
+"""The served turn, one owner: size -> compile -> memory -> generate -> record -> offer to the shadow lane.
 
-The ingress owns HTTP, tenants and recording; this module owns what the actor receives on a turn. The
-prompt is the platform's (``palimpsest.platform.chat``): its ids plus the reply's ``max_tokens`` plus the
-soft positions are at most the budget, and a glimpse answered inside the turn is cut to what is left, so
-the bound holds on every generation of the turn.
+:class:`TurnService` is what every route that serves a turn calls (``POST .../turn``, the OpenAI chat proxy,
+the Messages endpoint); the ingress keeps HTTP, tenants and the wire formats. :func:`run_turn` is the
+generation loop inside it (compile, soft memory, the actor, glimpses answered within the turn), over small
+handles so that tests and the REMORY data builder run it without Serve. The prompt is the platform's
+(``palimpsest.platform.chat``): its ids plus the reply's ``max_tokens`` plus the soft positions are at most
+the budget, and a glimpse answered inside the turn is cut to what is left, so the bound holds on every
+generation of the turn.
 """
 
 from __future__ import annotations
@@ -18,7 +21,14 @@ from palimpsest.platform.budget import Budget
 from palimpsest.platform.chat import glimpse_call, memory_read, with_glimpse
 from palimpsest.platform.embedding import EmbedderUnavailable
 from palimpsest.platform.runtime import Runtime
-from palimpsest.platform.types import CompiledTurn, GlimpseLimitError, UnknownStepError
+from palimpsest.platform.types import (
+    BudgetError,
+    CompiledTurn,
+    GlimpseLimitError,
+    LedgerUnavailableError,
+    UnknownSessionError,
+    UnknownStepError,
+)
 
 
 class Generate(Protocol):
@@ -148,7 +158,7 @@ async def run_turn(rt: Runtime, req: TurnRequest, generate: Generate, glimpse_li
     plan_ms = (time.perf_counter() - t_start) * 1000
     memory = await memory_for(ct) if (memory_for is not None and req.budget.soft) else None
     request: dict[str, Any] = {**req.sampling, "max_tokens": req.budget.reply, "temperature": req.temperature,
-                               "seed": req.seed}
+                               "seed": req.seed, "kind": "turn"}
     if req.tools:
         request.update(tools=req.tools, tool_choice=req.tool_choice, parallel_tool_calls=req.parallel_tool_calls)
     room = req.budget.prompt
@@ -194,3 +204,115 @@ async def run_turn(rt: Runtime, req: TurnRequest, generate: Generate, glimpse_li
         latency={"plan": plan_ms, "embed": embed_ms, "memory": float(out.get("memory_ms", 0.0)), "actor": actor_ms,
                  "total": total_ms},
         fallback=fallback, out=out, content=out.get("content", out["text"]), tool_calls=list(out.get("tool_calls") or []))
+
+
+class TurnService:
+    """Every served turn of an ingress replica: its size (budget, reply, soft positions, 422 past the actor's
+    window), the compiled prompt and the memory's soft span, the actor, the record under its arm, and the offer
+    to the shadow lane. Built once the replica's dependencies answered (``Ingress._start``)."""
+
+    def __init__(self, runtime: Runtime, cfg, policies: dict, actor, memory, actor_info: dict, memory_info: dict,
+                 metrics, shadow=None, enqueue: Callable[[str], None] | None = None):
+        self.runtime, self.cfg, self.policies = runtime, cfg, policies
+        self.actor, self.memory, self.actor_info, self.memory_info = actor, memory, actor_info, memory_info
+        self.metrics, self.shadow, self.enqueue = metrics, shadow, enqueue
+        self.inflight = 0  # turns being served on this replica (the shadow lane waits for none)
+
+    def memory_of(self, armcfg) -> str | None:
+        """The memory encoder's key for this arm (its own model, else the default), or None: no soft memory."""
+        if not armcfg.memory:
+            return None
+        models = self.memory_info["models"]
+        key = armcfg.name if armcfg.name in models else "default"
+        return key if models[key]["enabled"] else None
+
+    def size(self, armcfg, budget: int | None, max_tokens: int | None) -> tuple[Budget, str | None]:
+        """(budget, memory key) of a turn on this arm; a BudgetError (422) when the budget exceeds the actor's
+        window or leaves no room for the reply and the soft span."""
+        total = budget or armcfg.budget or self.cfg.budget
+        window = self.actor_info["max_model_len"]
+        if total > window:
+            raise BudgetError(f"budget: {total} tokens exceeds the actor's window of {window}")
+        mem = self.memory_of(armcfg)
+        soft = self.memory_info["models"][mem]["max_slots"] if mem is not None else 0
+        return Budget(total, max_tokens or self.cfg.actor.max_tokens, soft), mem
+
+    async def serve(self, session, arm: str, body, tool_choice: Any = None, parallel_tool_calls: bool | None = None,
+                    emit: Callable[[str], Awaitable[None]] | None = None):
+        """One turn of ``session`` (the ledger's) on ``arm`` (the router's choice; ``body``: a TurnIn). A failure
+        that is not the caller's is counted and recorded under the arm, then raised."""
+        ledger, sid = self.runtime.ledger, session.id
+        self.inflight += 1
+        try:
+            return await self._serve(session, arm, body, tool_choice, parallel_tool_calls, emit)
+        except Exception as e:
+            self.metrics.errors.labels(arm=arm, kind=type(e).__name__).inc()
+            if isinstance(e, (UnknownSessionError, BudgetError, LedgerUnavailableError)) or getattr(e, "status", 500) < 500:
+                raise  # the caller's mistakes are not the arm's, and nothing can be recorded without the ledger
+            await asyncio.to_thread(ledger.record_served, sid, ledger.count(sid), arm, {"error": type(e).__name__})
+            raise
+        finally:
+            self.inflight -= 1
+
+    async def _serve(self, session, arm: str, body, tool_choice, parallel_tool_calls, emit):
+        from palimpsest.platform.chat import declared_tools
+        from palimpsest.serving.schemas import TurnOut
+
+        sid = session.id
+        budget, mem = self.size(self.cfg.arm(arm), body.budget, body.max_tokens)
+        req = TurnRequest(session_id=sid, policy=self.policies[arm], budget=budget, temperature=body.temperature,
+                          seed=body.seed,
+                          sampling={k: v for k, v in (("top_p", body.top_p), ("stop", body.stop)) if v is not None},
+                          tools=declared_tools(session.tools) if self.actor_info.get("tool_parser") else None,
+                          tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls)
+
+        async def memory_for(ct):
+            # A handle response, not awaited here: the soft span goes from the encoder to the actor directly.
+            read = await asyncio.to_thread(turn_memory, self.runtime, ct, self.cfg.memory)
+            return None if read is None else self.memory.encode.remote(mem, sid, *read)
+
+        stream = (lambda r, m: self.actor.options(stream=True).generate_stream.remote(r, m)) if emit else None
+        res = await run_turn(self.runtime, req, self.actor.generate.remote, self.cfg.limits.glimpses_per_turn,
+                             memory_for if mem is not None else None, clock=self.runtime.embedder,
+                             stream=stream, emit=emit)
+        if res.fallback:
+            self.metrics.fallbacks.labels(arm=arm, kind=res.fallback).inc()
+            if self.enqueue is not None:
+                self.enqueue(sid)
+        ct = res.compiled
+        tokens = {"context": ct.prompt.tokens, "prefix": ct.prompt.prefix_tokens, "soft": res.soft_tokens,
+                  "prompt": res.prompt_tokens, "completion": res.completion_tokens, "cached": res.cached_tokens,
+                  "reserve": ct.prompt.reserve, "generations": res.generations, "prompt_total": res.prompt_tokens_total,
+                  "full_history_estimate": ct.plan.info.get("full_tokens_estimate", ct.prompt.tokens),
+                  "cached_total": res.cached_tokens_total}
+        await asyncio.to_thread(self._record, sid, arm, ct, res, tokens, emit is not None)
+        self.metrics.observe_turn(arm, tokens, res.latency, len(res.glimpses))
+        if self.shadow is not None:
+            self._offer(sid, arm, mem, ct, res)
+        return TurnOut(session_id=sid, t=ct.t, arm=arm, action=res.text, finish_reason=res.finish_reason,
+                       plan=ct.plan.counts(), tokens=tokens, latency_ms=res.latency, glimpses=res.glimpses,
+                       prompt_hash=ct.prompt.prompt_hash, content=res.content, tool_calls=res.tool_calls)
+
+    def _record(self, sid: str, arm: str, ct: CompiledTurn, res: TurnResult, tokens: dict, streamed: bool) -> None:
+        """The turn under its arm: tokens, latency by stage, and what its ids should cost against the session's
+        previous turn (``platform.epochs.turn_cost``) beside what the actor's cache really held (tokens_cached)."""
+        cost = ct.cost or {}
+        self.runtime.ledger.record_served(sid, ct.t, arm, {
+            **{f"tokens_{k}": v for k, v in tokens.items()}, **{f"{k}_ms": v for k, v in res.latency.items()},
+            "glimpses": len(res.glimpses), "budget": ct.budget, "memory_cached": bool(res.out.get("memory_cached", False)),
+            "elided": len(ct.plan.info.get("elided", [])), "tool_calls": len(res.tool_calls), "streamed": streamed,
+            "compaction": bool(ct.compacted), "rebuilt": bool(ct.compacted) or ct.boundary is None,
+            **({"expected_cached": cost["cached"], "uncached": cost["uncached"], "billed": cost["billed"],
+                "prefix_reuse": cost["prefix_reuse"]} if cost else {}),
+            **({"fallback": res.fallback} if res.fallback else {})})
+
+    def _offer(self, sid: str, arm: str, mem: str | None, ct: CompiledTurn, res: TurnResult) -> None:
+        async def score(reference: list[int], reply: list[int], threads: int | None = None) -> tuple[float, float]:
+            """Both prompts of the turn scored by the memory encoder's actor (a memory arm's span is cached)."""
+            read = await asyncio.to_thread(turn_memory, self.runtime, ct, self.cfg.memory) if mem else None
+            p = ct.prompt
+            return await self.memory.score.remote(mem if read else None, sid, *(read or ([], [])),
+                                                  list(p.context_ids), list(p.bridge_ids), reply, reference, threads)
+
+        self.shadow.offer(sid, arm, ct, res.out.get("token_ids") or [], res.generations, res.soft_tokens > 0,
+                          self.policies[arm], score)

@@ -348,7 +348,9 @@ def launch(cfg: TrainConfig, fault: dict | None = None, track: bool = True) -> d
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    t_prep = time.perf_counter()
     prep = prepare(cfg)
+    timings = {"prepare_s": round(time.perf_counter() - t_prep, 1)}  # data rows (the serving code) + teachers
     mlflow_spec, run_id = None, None
     if track:
         import mlflow
@@ -392,9 +394,11 @@ def launch(cfg: TrainConfig, fault: dict | None = None, track: bool = True) -> d
     summary = {"name": cfg.name, "wall_s": round(wall, 1), "metrics": dict(result.metrics or {}),
                "checkpoint": result.checkpoint.path if result.checkpoint else None, "data": prep.data_report["counts"],
                "teachers": prep.data_report.get("teachers"),
-               "mlflow_run_id": run_id}
+               "mlflow_run_id": run_id, "timings": {**timings, "fit_s": round(wall, 1)}}
     if track and result.checkpoint is not None:
+        t_reg = time.perf_counter()
         summary["registered"] = register(cfg, result.checkpoint, run_id)
+        summary["timings"]["register_s"] = round(time.perf_counter() - t_reg, 1)
     return summary
 
 

@@ -35,9 +35,10 @@ class Experiments:
 
     def record_shadow(self, session_id: str, t: int, arm: str, status: str, reason: str = "", reference: str = "",
                       kl: float | None = None, top1: float | None = None, tokens: int = 0) -> None:
-        """A sampled served turn's shadow fidelity (``scored``) or why it has none (``skipped``)."""
-        if status not in ("scored", "skipped"):
-            raise LedgerError(f"shadow status must be 'scored' or 'skipped', got {status!r}")
+        """A sampled served turn's shadow fidelity (``scored``), that it served its reference itself (``identical``:
+        nothing to measure), or why it has none (``skipped``)."""
+        if status not in ("scored", "identical", "skipped"):
+            raise LedgerError(f"shadow status must be 'scored', 'identical' or 'skipped', got {status!r}")
         with self._tx() as db:
             db.execute("INSERT INTO shadow (session_id, t, arm, status, reason, reference, kl, top1, tokens, created)"
                        " VALUES (?,?,?,?,?,?,?,?,?,?)",
