@@ -41,7 +41,7 @@ def main() -> None:
     ap.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data" / "trajectories" / "dev.jsonl")
     ap.add_argument("--demo", action="store_true", help="also run the demo's own arms and print their power")
     ap.add_argument("--limit", type=int, default=None)
-    ap.add_argument("--max-turns", type=int, default=2)
+    ap.add_argument("--max-turns", type=int, default=2, help="turns per session (at steps 4, 12, ...)")
     ap.add_argument("--port", type=int, default=8131)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "ab_control.json")
     args = ap.parse_args()
@@ -56,6 +56,8 @@ def main() -> None:
         r = run_main_demo(out, args.data, port=args.port, max_turns=args.max_turns, limit=args.limit, control=control)
         result["runs"][name] = {"paired": paired_rows(r["summary"]), "timings": r["timings"], "errors": len(r["errors"]),
                                 "report": r["markdown"], "breakdown": r["breakdown"]}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2, default=str))  # each run as soon as it is done
     print("\n| run | arm − control | metric | trajectories (pairs) | difference [95% CI] | significant | "
           "significant after | detectable at 80% power |")
     print("|---|---|---|---|---|---|---|---|")
