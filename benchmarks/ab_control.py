@@ -1,6 +1,7 @@
 """The A/B machinery's positive control: can the live report see a difference that is known to be there?
 
-    .venv/bin/python benchmarks/ab_control.py [--demo] [--limit N] [--max-turns 2] [--out FILE]
+    .venv/bin/python benchmarks/ab_control.py [--demo] [--limit N] [--max-turns 2] [--first 4] [--budget B]
+        [--window W] [--out FILE]
 
 Runs `palimpsest demo --control`: the dev trajectories through the composed app on two arms, `pace` and the
 deliberately weak `last2` (only the two previous steps), each trajectory once per arm, every turn scored for
@@ -42,6 +43,10 @@ def main() -> None:
     ap.add_argument("--demo", action="store_true", help="also run the demo's own arms and print their power")
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--max-turns", type=int, default=2, help="turns per session (at steps 4, 12, ...)")
+    ap.add_argument("--first", type=int, default=4, help="the first turn comes after this many steps")
+    ap.add_argument("--budget", type=int, default=None, help="the arms' budget (default: the demo's, 2,560)")
+    ap.add_argument("--window", type=int, default=None, help="the actor's window, the reach of the `full` reference "
+                                                             "(default: the demo's, 4,096)")
     ap.add_argument("--port", type=int, default=8131)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "ab_control.json")
     args = ap.parse_args()
@@ -53,7 +58,8 @@ def main() -> None:
     result: dict = {"runs": {}}
     modes = [("control", True)] + ([("demo", False)] if args.demo else [])
     for name, control in modes:
-        r = run_main_demo(out, args.data, port=args.port, max_turns=args.max_turns, limit=args.limit, control=control)
+        r = run_main_demo(out, args.data, port=args.port, max_turns=args.max_turns, limit=args.limit, control=control,
+                          first=args.first, budget=args.budget, window=args.window)
         result["runs"][name] = {"paired": paired_rows(r["summary"]), "timings": r["timings"], "errors": len(r["errors"]),
                                 "report": r["markdown"], "breakdown": r["breakdown"]}
         args.out.parent.mkdir(parents=True, exist_ok=True)

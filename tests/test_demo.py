@@ -48,3 +48,14 @@ def test_progress_lines_carry_the_stage_and_an_eta():
 
     assert re.search(r"\[1/2\] 2/4 sessions; \d+ s elapsed, ETA \d+ s", text), text
     assert set(p.seconds) == {"traffic"}
+
+
+def test_a_control_run_may_widen_the_budget_and_the_reference_window_together():
+    import pytest
+
+    from palimpsest.platform.types import PalimpsestError
+
+    cfg = demo_config(ROOT / DEMO_SERVE, control=True, full=False, budget=4096, window=8192)
+    assert (cfg.budget, cfg.actor.max_model_len) == (4096, 8192)
+    with pytest.raises(PalimpsestError, match="exceeds the actor's window"):
+        demo_config(ROOT / DEMO_SERVE, control=True, full=False, budget=9000, window=8192)

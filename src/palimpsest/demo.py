@@ -170,11 +170,17 @@ def fitting(data: Path, limit: int | None, budget: int, reply: int) -> tuple[lis
     return keep, left
 
 
-def demo_config(serve_config: Path, control: bool, full: bool):
-    """The serve config of the run: the demo's arms, or the positive control's; LLM summaries with ``--full``."""
-    from palimpsest.serving.config import ArmConfig, load_serve_config
+def demo_config(serve_config: Path, control: bool, full: bool, budget: int | None = None, window: int | None = None):
+    """The serve config of the run: the demo's arms, or the positive control's; LLM summaries with ``--full``;
+    another budget or actor window (the reference's reach) when given."""
+    from palimpsest.serving.config import ArmConfig, load_serve_config, parse_serve_config
 
     cfg = load_serve_config(serve_config)
+    if budget or window:  # validated together (a budget past the window is refused here)
+        raw = cfg.model_dump()
+        raw["budget"] = budget or raw["budget"]
+        raw["actor"]["max_model_len"] = window or raw["actor"]["max_model_len"]
+        cfg = parse_serve_config(raw)
     update: dict = {}
     if control:
         update["arms"] = [ArmConfig.model_validate(a) for a in CONTROL_ARMS]
@@ -186,7 +192,7 @@ def demo_config(serve_config: Path, control: bool, full: bool):
 def run_main_demo(out: Console, data: Path, serve_config: Path = DEMO_SERVE, train_config: Path = DEMO_TRAIN,
                   port: int = 8000, every: int = 8, max_turns: int = 1, concurrency: int | None = None,
                   limit: int | None = None, track: bool = True, control: bool = False, full: bool = False,
-                  first: int = 4) -> dict:
+                  first: int = 4, budget: int | None = None, window: int | None = None) -> dict:
     import httpx
 
     from palimpsest.models.assets import minilm_dir, smollm2_dir, smollm2_tokenizer_dir
@@ -202,7 +208,7 @@ def run_main_demo(out: Console, data: Path, serve_config: Path = DEMO_SERVE, tra
         first, max_turns = min(first, 4), max(max_turns, 2)
     if limit is None and not (control or full):
         limit = DEMO_TRAJECTORIES
-    cfg = demo_config(serve_config, control, full)
+    cfg = demo_config(serve_config, control, full, budget, window)
     progress = Progress(out, stages=6)
     timings: dict[str, float] = {}
     progress.stage("models")
