@@ -66,7 +66,9 @@ def tiny_config(tiny_dir, memory_dir, ledger, shadow_rate: float = 0.0) -> dict:
                   "weight": 0.0},
                  {"name": "ace-llm", "policy": {"type": "ace", "elasticizer": "llm", "llm_window": 4}, "weight": 0.0},
                  # tool declarations cost ~750 byte-level tokens of the tiny tokenizer: a wider budget
-                 {"name": "wide", "policy": {"type": "pace"}, "budget": 2000, "weight": 0.0}],
+                 {"name": "wide", "policy": {"type": "pace"}, "budget": 2000, "weight": 0.0},
+                 # plans every turn anew (a turn inside an epoch plans nothing, so embeds nothing)
+                 {"name": "per-turn", "policy": {"type": "pace", "compaction": {"mode": "per_turn"}}, "weight": 0.0}],
         "limits": {"max_step_chars": 20_000, "glimpses_per_turn": 3},
         "ab": {"shadow_rate": shadow_rate, "shadow_queue": 8},
         "auth": {"tenants": {

@@ -220,6 +220,44 @@ def test_an_openai_client_gets_context_management_by_changing_its_base_url(serve
     assert r.status_code == 400 and "session" in r.json()["error"]
 
 
+def test_an_append_primes_the_next_turn_on_every_route(server, client):
+    """The next turn's query embeddings and the new steps' keys are computed before an append returns, on
+    POST /steps and on the chat proxy alike: the turn's plan looks its query up and sends the embedder nothing."""
+    ledger = Ledger(server.cfg.ledger)
+
+    def keyed(sid):  # PACE embeds its query only to weigh old steps that have a key
+        deadline = time.time() + 120
+        while ledger.pending(sid, "hashing-256-512")[1] and time.time() < deadline:
+            time.sleep(0.2)
+
+    def step(i):
+        return [{"role": "assistant", "content": f"sed -n {i},40p settings/loader.py"},
+                {"role": "tool", "content": f"{OBS} ({i})", "tool_call_id": f"p{i}"}]
+
+    new_session(client, "prime-steps", arm="per-turn", steps=6)
+    history = [{"role": "system", "content": "You are a careful agent."},
+               {"role": "user", "content": "Fix the failing test in settings"}] + sum((step(i) for i in range(6)), [])
+    chat = {"max_tokens": 2, "user": "prime-chat"}
+    assert client.post("/v1/chat/completions", json={**chat, "messages": history},
+                       headers={ARM_HEADER: "per-turn"}).status_code == 200
+    for i in range(6, 9):
+        keyed("alice::prime-steps"), keyed("alice::prime-chat")
+        r = client.post("/v1/sessions/prime-steps/steps", json={
+            "kind": "bash", "action": f"cat settings/loader.py # {i}", "observation": OBS, "tool": "bash"})
+        assert r.status_code == 200, r.text
+        assert client.post("/v1/sessions/prime-steps/turn", json={"max_tokens": 2}).status_code == 200
+        history += step(i)  # the chat proxy appends and plans in one request
+        r = client.post("/v1/chat/completions", json={**chat, "messages": history})
+        assert r.status_code == 200, r.text
+    served = ledger.served()
+    for sid in ("alice::prime-steps", "alice::prime-chat"):
+        rows = [r for r in served if r["session_id"] == sid and r["t"] >= 7]
+        assert len(rows) == 3 and all(r["arm"] == "per-turn" for r in rows)
+        assert all(r["embed_lookups"] >= 1 for r in rows), rows  # the plan did ask for its query
+        # answered from the cache: no request of its own, and no wait for a priming request still in flight
+        assert [(r["embed_requests"], r["embed_joined"]) for r in rows] == [(0, 0)] * 3, (sid, rows)
+
+
 def test_the_chat_endpoint_records_every_message_and_refuses_what_it_cannot_honour(server, client):
     msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "Fix the failing test in settings"},
             {"role": "assistant", "content": "Let me look."}, {"role": "assistant", "content": "ls"},

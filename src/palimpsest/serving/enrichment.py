@@ -27,7 +27,9 @@ class HandleEmbedder:
     Query embeddings are primed: right after a step is appended, the enrichment lane embeds the query the
     next turn's policy will ask for (the task and the latest steps). A turn then finds it in the cache, or
     waits for the priming request already in flight instead of queueing a second one. The time a turn spends
-    waiting for the embedder is reported separately (``waited_ms``)."""
+    waiting for the embedder is reported separately (``waited_ms``), and so are the texts it looked up
+    (``lookups``), those it found still in flight (``joined``) and the requests it had to send itself
+    (``requests``): with priming on append, a turn's lookups are all answered from the cache."""
 
     def __init__(self, handle, name: str, cache_size: int = 4096, timeout_s: float = 10.0):
         self.handle, self.name, self.timeout_s = handle, name, timeout_s
@@ -40,14 +42,36 @@ class HandleEmbedder:
 
     def reset_wait(self) -> None:
         self._local.waited_ms = 0.0
+        self._local.requests = self._local.lookups = self._local.joined = 0
 
     @property
     def waited_ms(self) -> float:
         return getattr(self._local, "waited_ms", 0.0)
 
+    @property
+    def requests(self) -> int:
+        """Embedder requests this thread sent since ``reset_wait`` (lookups found in the cache or already in
+        flight send none)."""
+        return getattr(self._local, "requests", 0)
+
+    @property
+    def lookups(self) -> int:
+        """Texts this thread asked embeddings for since ``reset_wait``, however they were answered."""
+        return getattr(self._local, "lookups", 0)
+
+    @property
+    def joined(self) -> int:
+        """Lookups this thread answered by waiting for a priming request still in flight."""
+        return getattr(self._local, "joined", 0)
+
+    def _send(self, texts: list[str]):
+        self._local.requests = self.requests + 1
+        return self.handle.embed.remote(texts)
+
     def embed(self, texts):
         texts = list(texts)
         t0 = time.perf_counter()
+        self._local.lookups = self.lookups + len(texts)
         try:
             if len(texts) == 1:
                 with self._lock:
@@ -58,6 +82,7 @@ class HandleEmbedder:
                     return hit[None]
                 if pending is not None:  # primed a moment ago and still computing: wait for that one
                     self.hits += 1
+                    self._local.joined = self.joined + 1
                     vectors, keys = self._result(pending)
                     return vectors[keys.index(texts[0])][None]
                 self.misses += 1
@@ -68,10 +93,10 @@ class HandleEmbedder:
                     self.hits += len(known)
                     rest = [t for t in dict.fromkeys(texts) if t not in known]
                     if rest:
-                        vectors, _ = self._result(self.handle.embed.remote(rest), rest)
+                        vectors, _ = self._result(self._send(rest), rest)
                         known.update(zip(rest, vectors))
                     return np.stack([known[t] for t in texts])
-            out, _ = self._result(self.handle.embed.remote(texts), texts)
+            out, _ = self._result(self._send(texts), texts)
             if len(texts) == 1:
                 self._remember(texts, out)
             return out

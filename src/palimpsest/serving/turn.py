@@ -38,12 +38,21 @@ class Generate(Protocol):
 
 
 class WaitClock(Protocol):
-    """The embedder's clock of time spent waiting (its own thread-local figure)."""
+    """The embedder's clock of time spent waiting and of the requests sent (its own thread-local figures)."""
 
     def reset_wait(self) -> None: ...
 
     @property
     def waited_ms(self) -> float: ...
+
+    @property
+    def requests(self) -> int: ...
+
+    @property
+    def lookups(self) -> int: ...
+
+    @property
+    def joined(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -77,23 +86,30 @@ class TurnResult:
     content: str | None = None  # the reply without tool-call markup
     cached_tokens_total: int = 0  # the actor's prefix-cache hits, summed over every generation of the turn
     tool_calls: list[dict] = field(default_factory=list)  # OpenAI wire shape, each with an id
+    # the plan's embeddings: texts looked up, lookups that waited for a priming request in flight, requests the
+    # plan sent itself (with priming on append the last two are 0)
+    embed: dict[str, int] = field(default_factory=dict)
 
 
-async def compile_turn(rt: Runtime, req: TurnRequest, clock: WaitClock | None) -> tuple[CompiledTurn, float, str | None]:
+async def compile_turn(rt: Runtime, req: TurnRequest,
+                       clock: WaitClock | None) -> tuple[CompiledTurn, dict[str, float], str | None]:
     """Plan and compile in a worker thread (policies may block on the embedder); when the embedder is down
-    the turn is planned as if no step had a key yet. Returns (turn, ms waited for the embedder, fallback)."""
+    the turn is planned as if no step had a key yet. Returns (turn, the embedder's part: ms waited, texts
+    looked up, lookups that joined a priming request in flight, requests the plan sent itself; fallback)."""
     def plan(keys: bool):
         if clock is not None:
             clock.reset_wait()
         ct = rt.turn(req.session_id, req.policy, req.budget, None, True, keys)
-        return ct, (clock.waited_ms if clock is not None else 0.0)
+        return ct, ({"ms": clock.waited_ms, "lookups": clock.lookups, "joined": clock.joined,
+                     "requests": clock.requests} if clock is not None
+                    else {"ms": 0.0, "lookups": 0, "joined": 0, "requests": 0})
 
     try:
-        ct, waited = await asyncio.to_thread(plan, True)
-        return ct, waited, None
+        ct, embed = await asyncio.to_thread(plan, True)
+        return ct, embed, None
     except EmbedderUnavailable:
-        ct, waited = await asyncio.to_thread(plan, False)
-        return ct, waited, "embedder"
+        ct, embed = await asyncio.to_thread(plan, False)
+        return ct, embed, "embedder"
 
 
 def turn_memory(rt: Runtime, ct: CompiledTurn, memory_cfg) -> tuple[list[int], list[int]] | None:
@@ -154,7 +170,7 @@ async def run_turn(rt: Runtime, req: TurnRequest, generate: Generate, glimpse_li
     """One served turn. With ``stream`` and ``emit``, the final answer's content is handed to ``emit`` as
     it is generated (a glimpse round inside the turn never is); the result is the same either way."""
     t_start = time.perf_counter()
-    ct, embed_ms, fallback = await compile_turn(rt, req, clock)
+    ct, embed, fallback = await compile_turn(rt, req, clock)
     plan_ms = (time.perf_counter() - t_start) * 1000
     memory = await memory_for(ct) if (memory_for is not None and req.budget.soft) else None
     request: dict[str, Any] = {**req.sampling, "max_tokens": req.budget.reply, "temperature": req.temperature,
@@ -201,9 +217,10 @@ async def run_turn(rt: Runtime, req: TurnRequest, generate: Generate, glimpse_li
         prompt_tokens=out["prompt_tokens"], prompt_tokens_total=prompt_total, completion_tokens=completion,
         generations=generations,
         soft_tokens=out["soft_tokens"], cached_tokens=out["cached_tokens"], cached_tokens_total=cached_total,
-        latency={"plan": plan_ms, "embed": embed_ms, "memory": float(out.get("memory_ms", 0.0)), "actor": actor_ms,
+        latency={"plan": plan_ms, "embed": embed["ms"], "memory": float(out.get("memory_ms", 0.0)), "actor": actor_ms,
                  "total": total_ms},
-        fallback=fallback, out=out, content=out.get("content", out["text"]), tool_calls=list(out.get("tool_calls") or []))
+        fallback=fallback, out=out, content=out.get("content", out["text"]), tool_calls=list(out.get("tool_calls") or []),
+        embed={k: embed[k] for k in ("lookups", "joined", "requests")})
 
 
 class TurnService:
@@ -301,6 +318,7 @@ class TurnService:
             **{f"tokens_{k}": v for k, v in tokens.items()}, **{f"{k}_ms": v for k, v in res.latency.items()},
             "glimpses": len(res.glimpses), "budget": ct.budget, "memory_cached": bool(res.out.get("memory_cached", False)),
             "elided": len(ct.plan.info.get("elided", [])), "tool_calls": len(res.tool_calls), "streamed": streamed,
+            **{f"embed_{k}": v for k, v in res.embed.items()},
             "compaction": bool(ct.compacted), "rebuilt": bool(ct.compacted) or ct.boundary is None,
             **({"expected_cached": cost["cached"], "uncached": cost["uncached"], "billed": cost["billed"],
                 "prefix_reuse": cost["prefix_reuse"]} if cost else {}),
