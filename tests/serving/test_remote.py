@@ -41,6 +41,14 @@ def test_the_remote_config_is_checked_before_anything_starts():
         parse_serve_config({"actor": {"remote": {"url": "not a url"}}})
 
 
+def upstream_prompt_tokens(url: str) -> int:
+    """The prompt tokens the upstream vLLM server has prefilled, from its own Prometheus counter."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    rows = [ln for ln in text.splitlines() if ln.startswith("vllm:prompt_tokens_total")]
+    assert rows, "the upstream exports no vllm:prompt_tokens_total"
+    return int(sum(float(ln.rsplit(" ", 1)[1]) for ln in rows))
+
+
 @pytest.fixture(scope="module")
 def upstream():
     """`python -m vllm.entrypoints.openai.api_server` with SmolLM2 on a free port, prompt embeds enabled."""
@@ -124,13 +132,24 @@ def test_the_served_app_is_a_gateway_in_front_of_the_upstream(upstream, tmp_path
     try:
         ready = httpx.get(f"{srv.url}/readyz", timeout=30).json()
         assert ready["remote"] == url and ready["prompt_embeds"] is True
-        msgs = [{"role": "user", "content": "List the files."}, {"role": "assistant", "content": "ls"},
-                {"role": "user", "content": "a.py b.py"}]
+        # a history well past the budget: the compiled prompt must fit it as the upstream counts it
+        msgs = [{"role": "user", "content": "Find why the settings loader fails."}]
+        for i in range(24):
+            msgs += [{"role": "assistant", "content": f"sed -n {i * 40},{i * 40 + 40}p settings/loader.py"},
+                     {"role": "user", "content": f"{i}: " + "def parse_config(env): return env['database_url'] " * 12}]
+        before = upstream_prompt_tokens(url)
         r = httpx.post(f"{srv.url}/v1/chat/completions", json={"messages": msgs, "user": "gw-1", "max_tokens": 8,
-                                                               "temperature": 0}, timeout=120)
+                                                               "temperature": 0}, timeout=300)
         assert r.status_code == 200, r.text
         body = r.json()
-        assert body["usage"]["completion_tokens"] >= 1 and body["palimpsest"]["tokens"]["context"] <= 1500 - 8
+        upstream_counted = upstream_prompt_tokens(url) - before  # what the upstream itself prefilled
+        tokens = body["palimpsest"]["tokens"]
+        assert tokens["full_history_estimate"] > 2 * 1500  # the budget bites
+        assert tokens["generations"] == 1 and body["usage"]["completion_tokens"] >= 1
+        # the upstream's own count is the one the user pays: reported as usage, equal to the local count of the
+        # compiled ids, and within the budget with the reply
+        assert body["usage"]["prompt_tokens"] == upstream_counted == tokens["context"]
+        assert upstream_counted + 8 <= 1500
         assert isinstance(body["choices"][0]["message"]["content"], str)
     finally:
         srv.stop()
