@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from palimpsest.platform import Authority, StepRecord
 
 TASK = "Fix the KeyError 'database_url' raised by parse_config in settings/loader.py when the env file is empty."
@@ -42,3 +44,19 @@ PER_TURN = {"mode": "per_turn"}
 def per_turn(name: str, **fields) -> dict:
     """A policy config (by type) that plans every turn."""
     return {"type": name, "compaction": PER_TURN, **fields}
+
+
+def same_snapshot(a, b) -> None:
+    """Two snapshots hold the same session state (every column a policy reads)."""
+    assert a.t == b.t and [s.id for s in a.steps] == [s.id for s in b.steps]
+    np.testing.assert_array_equal(a.step_ids, b.step_ids)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    assert a.bodies == b.bodies and a.abstractions == b.abstractions
+    np.testing.assert_array_equal(a.has_key, b.has_key)
+    np.testing.assert_array_equal(a.keys[a.has_key], b.keys[b.has_key])
+    assert dict(a.folds) == dict(b.folds) and dict(a.last_context_tokens) == dict(b.last_context_tokens)
+    assert a.prefix_tokens == b.prefix_tokens
+    sa, sb = a.salient_index(), b.salient_index()
+    for q in (frozenset({"src/mod_3.py"}), frozenset({"f_7", "TOKEN7"}), frozenset()):
+        np.testing.assert_array_equal(sa.overlap(q), sb.overlap(q))
+    np.testing.assert_array_equal(sa.ready, sb.ready)

@@ -2,29 +2,11 @@
 
 import dataclasses
 
-import numpy as np
-import pytest
 
 from palimpsest.platform import Ledger, Runtime
 from palimpsest.platform.abstraction import RuleSummarizer
 from palimpsest.platform.types import Fold
-from tests.helpers import step
-
-
-def _same(a, b) -> None:
-    """Two snapshots hold the same session state (every column a policy reads)."""
-    assert a.t == b.t and [s.id for s in a.steps] == [s.id for s in b.steps]
-    np.testing.assert_array_equal(a.step_ids, b.step_ids)
-    np.testing.assert_array_equal(a.tokens, b.tokens)
-    assert a.bodies == b.bodies and a.abstractions == b.abstractions
-    np.testing.assert_array_equal(a.has_key, b.has_key)
-    np.testing.assert_array_equal(a.keys[a.has_key], b.keys[b.has_key])
-    assert dict(a.folds) == dict(b.folds) and dict(a.last_context_tokens) == dict(b.last_context_tokens)
-    assert a.prefix_tokens == b.prefix_tokens
-    sa, sb = a.salient_index(), b.salient_index()
-    for q in (frozenset({"src/mod_3.py"}), frozenset({"f_7", "TOKEN7"}), frozenset()):
-        np.testing.assert_array_equal(sa.overlap(q), sb.overlap(q))
-    np.testing.assert_array_equal(sa.ready, sb.ready)
+from tests.helpers import same_snapshot, step
 
 
 def _steps(start: int, n: int):
@@ -48,14 +30,14 @@ def test_the_cached_snapshot_equals_a_whole_read_after_every_kind_of_write(ledge
     assert rt.snapshots.stats["full_reads"] == 1
     rt.enrich("s")  # summaries and keys of cached steps
     ledger.append_many("s", _steps(5, 3))  # new steps, not enriched yet
-    _same(rt.snapshot("s"), ledger.snapshot("s", key_model=rt.embedder.name))
+    same_snapshot(rt.snapshot("s"), ledger.snapshot("s", key_model=rt.embedder.name))
     rt.enrich("s")
     ledger.add_fold("s", "rolling", Fold(upto=4, text="so far: five files read", tokens=7, producer="rule"))
     rt.turn("s", "pace", 4000)  # an audited turn: the policy's last context size
     loud = Runtime(ledger, summarizer=_Louder())
     loud.enrich("s")  # a newer producer's summaries of steps the cache already holds
     cached = rt.snapshot("s")
-    _same(cached, ledger.snapshot("s", key_model=rt.embedder.name))
+    same_snapshot(cached, ledger.snapshot("s", key_model=rt.embedder.name))
     assert rt.snapshots.stats["full_reads"] == 1 and rt.snapshots.stats["refreshes"] >= 2
     assert first.t == 5 and first.tokens.shape == (5, 4)  # an earlier snapshot is unchanged by later writes
     assert cached.bodies[1][0].isupper()
@@ -73,7 +55,7 @@ def test_a_second_replicas_append_invalidates_the_first_replicas_cached_snapshot
         snap = a.snapshot("s")  # before its next turn, a sees b's step, summary and key
         assert snap.t == 2 and snap.has_key.all() and snap.bodies[1][1] is not None
         assert a.snapshots.stats["refreshes"] == 1 and a.snapshots.stats["full_reads"] == 1
-        _same(snap, b.ledger.snapshot("s", key_model=a.embedder.name))
+        same_snapshot(snap, b.ledger.snapshot("s", key_model=a.embedder.name))
         assert "TOKEN1" in a.turn("s", "pace", 4000).prompt.text
     finally:
         a.ledger.close()
@@ -90,7 +72,7 @@ def test_the_cache_is_bounded_in_bytes_and_an_evicted_session_is_read_whole(ledg
             rt.snapshots.max_bytes = int(rt.snapshots.nbytes * 1.5)
         assert 0 < rt.snapshots.nbytes <= rt.snapshots.max_bytes
     assert rt.snapshots.stats["evictions"] == 2 and rt.snapshots.cached_steps() == 40
-    _same(rt.snapshot("x"), ledger.snapshot("x", key_model=rt.embedder.name))
+    same_snapshot(rt.snapshot("x"), ledger.snapshot("x", key_model=rt.embedder.name))
 
 
 def test_turns_are_the_same_with_and_without_the_cache(ledger):
@@ -115,7 +97,7 @@ def test_a_step_appended_before_its_key_keeps_the_key_matrix_aligned(ledger):
     rt.append("s", _steps(3, 1)[0], enrich=False)  # no key yet
     snap = rt.snapshot("s")
     assert snap.keys.shape[0] == snap.t == 4 and not snap.has_key[3]
-    _same(snap, ledger.snapshot("s", key_model=rt.embedder.name))
+    same_snapshot(snap, ledger.snapshot("s", key_model=rt.embedder.name))
     rt.turn("s", "pace", 4000)
     rt.enrich("s")
-    _same(rt.snapshot("s"), ledger.snapshot("s", key_model=rt.embedder.name))
+    same_snapshot(rt.snapshot("s"), ledger.snapshot("s", key_model=rt.embedder.name))
