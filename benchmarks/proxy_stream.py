@@ -153,7 +153,7 @@ def main() -> None:
                     ext, wall = res["ext"], res["wall"]
                     lat = ext["latency_ms"]
                     rows[endpoint].append({
-                        "stream": stream, "wall_ms": wall * 1000, "ttft_ms": res["ttft_ms"], "actor_ms": lat["actor"],
+                        "trajectory": traj.id, "turn": turn, "stream": stream, "wall_ms": wall * 1000, "ttft_ms": res["ttft_ms"], "actor_ms": lat["actor"],
                         "overhead_ms": wall * 1000 - lat["actor"], "plan_ms": lat["plan"], "embed_ms": lat["embed"],
                         "context_tokens": ext["tokens"]["context"], "messages": n})
                 turn += 1
@@ -161,7 +161,8 @@ def main() -> None:
            "turns": turn, "max_tokens": args.max_tokens, "budget": args.budget,
            # the chat proxy's figures stay at the top level (as before); the Messages endpoint's beside them
            **summary(rows["chat"]), "messages": summary(rows["messages"]),
-           "overhead_p50_ms": {e: pct([r["overhead_ms"] for r in rows[e]], 50) for e in rows}}
+           "overhead_p50_ms": {e: pct([r["overhead_ms"] for r in rows[e]], 50) for e in rows},
+           "rows": rows}  # every turn, in the order sent
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2))
     json.dump(out, sys.stdout, indent=2)

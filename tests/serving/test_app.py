@@ -545,6 +545,38 @@ def test_tenants_are_isolated_and_keys_are_required(client, bob, server):
     assert client.post("/v1/completions", json={"prompt_embeds": encode_embeds(torch.randn(3, 128)), "max_tokens": 2}).status_code == 200
 
 
+def test_every_route_keeps_tenants_apart(client, bob, server):
+    """The chat proxy (plain and streamed), the steps list, the shadow counts and the models' time, route by
+    route: another tenant's request naming the same session records into its own, and nothing of Alice's
+    (a session, a step, a shadow record) is visible to Bob. (The Messages endpoint: the Anthropic test.)"""
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "Fix the failing test in settings"},
+            {"role": "assistant", "content": "cat secret.txt"},
+            {"role": "tool", "content": "alice's chat secret", "tool_call_id": "c1"}]
+    assert client.post("/v1/chat/completions", json={"messages": msgs, "user": "iso-chat", "max_tokens": 2}).status_code == 200
+    before = client.get("/v1/sessions/iso-chat/steps").json()
+    assert before["total"] == 1 and "alice's chat secret" in json.dumps(before)
+    assert bob.get("/v1/sessions/iso-chat/steps").status_code == 404
+    assert bob.get("/v1/sessions/iso-chat/audit").status_code == 404
+    bobs = [msgs[0], msgs[1], {"role": "assistant", "content": "ls"}, {"role": "tool", "content": "b.txt",
+                                                                        "tool_call_id": "c1"}]
+    for stream in (False, True):  # the same session name, in Bob's own namespace: no 409 against Alice's history
+        r = bob.post("/v1/chat/completions", json={"messages": bobs, "user": "iso-chat", "max_tokens": 2,
+                                                   "stream": stream})
+        assert r.status_code == 200 and "alice" not in r.text, r.text
+    mine = bob.get("/v1/sessions/iso-chat/steps").json()
+    assert mine["total"] == 1 and "secret" not in json.dumps(mine)
+    assert client.get("/v1/sessions/iso-chat/steps").json() == before  # Alice's session is untouched
+    # the replica-wide figures need a key and name no session
+    for path in ("/v1/ab/shadow", "/v1/busy", "/v1/models"):
+        assert httpx.get(f"{server.url}{path}").status_code == 401, path
+        r = bob.get(path)
+        assert r.status_code == 200 and "iso-chat" not in r.text and "alice" not in r.text, path
+    # shadow records and served turns are the ledger's, kept under the tenant's internal session id
+    ledger = Ledger(server.cfg.ledger)
+    assert {r["session_id"] for r in ledger.served() if r["session_id"].endswith("::iso-chat")} == {
+        "alice::iso-chat", "bob::iso-chat"}
+
+
 CLAUDE_TOOLS = [{"name": "run_shell", "description": "Run a shell command",
                  "input_schema": {"type": "object", "properties": {}}}]
 

@@ -490,9 +490,12 @@ class Ingress:
                 "shadow": self.shadow.state() if self.shadow is not None else None}
 
     @app.get("/v1/ab/shadow", summary="Shadow fidelity: samples queued, scored and skipped on this replica")
-    async def shadow_state(self, wait_s: float = Query(0.0, ge=0.0, le=3600.0)) -> dict:
-        """With ``wait_s``, first wait (at most that long) until the queued samples are scored or skipped."""
+    async def shadow_state(self, request: Request, wait_s: float = Query(0.0, ge=0.0, le=3600.0)) -> dict:
+        """With ``wait_s``, first wait (at most that long) until the queued samples are scored or skipped. The
+        replica's counts over every tenant, with no session named; a valid key is required, as on every route
+        that is not a health check."""
         await self._ensure()
+        self._tenant(request)
         drained = await self.shadow.drained(wait_s) if wait_s else self.shadow.queue.qsize() == 0
         return {**self.shadow.state(), "drained": drained}
 
