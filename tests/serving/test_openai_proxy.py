@@ -139,3 +139,27 @@ def test_a_tool_message_before_any_action_keeps_its_call_id():
                                                {"role": "tool", "tool_call_id": "c7", "name": "run", "content": "out"}]})
     (step,) = parse_messages(body.messages).steps
     assert toolcalls.tool_call_ids(step) == ["c7"] and step.observation == "out"
+
+
+def test_the_served_document_declares_the_messages_bodies_as_this_endpoint_reads_them():
+    """The Messages routes read their body raw; the document gives vLLM's protocol models narrowed to the fields
+    read (a field outside it is a 400) and the served model names (any other is a 404): what a client or the
+    fuzzer generates from it is what the endpoint accepts."""
+    from palimpsest.serving import anthropic_proxy
+    anthropic_proxy.load()
+    doc = anthropic_proxy.documented({"paths": {"/v1/messages": {"post": {}}, "/v1/messages/count_tokens": {"post": {}}}},
+                                     ["served-model"])
+    schemas = doc["components"]["schemas"]
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        ref = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        body = schemas[ref.rsplit("/", 1)[1]]
+        assert set(body["properties"]) <= anthropic_proxy.FIELDS and body["additionalProperties"] is False
+        assert {"model", "messages"} <= set(body["required"]) and body["properties"]["model"]["enum"] == ["served-model"]
+    assert set(schemas["AnthropicContentBlock"]["properties"]["type"]["enum"]) == set(anthropic_proxy.BLOCK_FIELDS)
+    assert set(schemas["AnthropicTool"]["properties"]) <= anthropic_proxy.TOOL_FIELDS
+    # every field the document offers passes the endpoint's own check
+    anthropic_proxy.check_request({k: v for k, v in {
+        "model": "served-model", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "stream": True,
+        "system": "s", "temperature": 0.5, "top_p": 0.9, "stop_sequences": ["x"], "metadata": {"user_id": "u"},
+        "thinking": {"type": "disabled"}, "tools": [{"name": "t", "input_schema": {"type": "object"}}],
+        "tool_choice": {"type": "auto"}}.items() if k in schemas["AnthropicMessagesRequest"]["properties"]})

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -103,6 +104,24 @@ class MessagesRequest:
     max_tokens: int
     user_id: str | None
     chat: dict  # the fields of a ChatIn: messages, tools, tool_choice, parallel_tool_calls, sampling
+
+
+def load() -> None:
+    """Import vLLM's Anthropic protocol and conversion: ~8 s on 2 CPU cores, paid once per replica. The ingress
+    starts it in a thread when it starts, so that the first Messages request does not wait for it (an import
+    in progress is waited for by the import lock, never run twice)."""
+    import vllm.entrypoints.anthropic.protocol  # noqa: F401
+    import vllm.entrypoints.anthropic.serving  # noqa: F401
+
+    _loaded.set()
+
+
+_loaded = threading.Event()
+
+
+def loaded() -> bool:
+    """Whether :func:`load` has finished in this process (importing here then costs nothing)."""
+    return _loaded.is_set()
 
 
 def read_request(raw: Any) -> MessagesRequest:
@@ -247,3 +266,37 @@ class EventWriter:
 
     def ending(self) -> list[str]:
         return []
+
+
+def documented(doc: dict, models: list[str] | None = None) -> dict:
+    """The served OpenAPI document with the request bodies of ``/v1/messages`` and ``/v1/messages/count_tokens``:
+    vLLM's protocol models (the routes read the raw body, so that every field is checked before vLLM's models,
+    which ignore unknown fields, see it), narrowed to what this endpoint reads (``FIELDS``, ``BLOCK_FIELDS``,
+    ``TOOL_FIELDS``; anything else is a 400) and, once the app knows them, to the ``models`` it serves (any other
+    is a 404). Clients and the fuzzer read the bodies from here."""
+    from vllm.entrypoints.anthropic.protocol import AnthropicCountTokensRequest, AnthropicMessagesRequest
+
+    ref = "#/components/schemas/{model}"
+    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    for path, model in (("/v1/messages", AnthropicMessagesRequest),
+                        ("/v1/messages/count_tokens", AnthropicCountTokensRequest)):
+        schema = model.model_json_schema(ref_template=ref)
+        defs = schema.pop("$defs", {})
+        _narrow(schema, FIELDS)
+        if models:
+            schema["properties"]["model"] = {"type": "string", "enum": list(models), "title": "Model"}
+        _narrow(defs["AnthropicContentBlock"], set().union(*BLOCK_FIELDS.values()))
+        defs["AnthropicContentBlock"]["properties"]["type"]["enum"] = sorted(BLOCK_FIELDS)
+        _narrow(defs["AnthropicTool"], TOOL_FIELDS)
+        _narrow(defs["AnthropicMessage"], {"role", "content"})
+        schemas.update(defs)
+        schemas[model.__name__] = schema
+        doc["paths"][path]["post"]["requestBody"] = {
+            "required": True, "content": {"application/json": {"schema": {"$ref": ref.format(model=model.__name__)}}}}
+    return doc
+
+
+def _narrow(schema: dict, fields: set[str]) -> None:
+    schema["properties"] = {k: v for k, v in schema.get("properties", {}).items() if k in fields}
+    schema["required"] = [k for k in schema.get("required", []) if k in fields]
+    schema["additionalProperties"] = False

@@ -3,6 +3,7 @@ limit, the replica header, and tenants (API keys -> disjoint session namespaces)
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -49,6 +50,27 @@ ARM_HEADER = "x-palimpsest-arm"
 app = FastAPI(title="Palimpsest", version="1.0",
               description="Working memory for long-horizon agents: sessions, steps, compiled turns with soft memory, "
                           "glimpse, audit, A/B arms, and an OpenAI-compatible chat endpoint.")
+
+
+def _openapi(self: FastAPI) -> dict:
+    """The served document (``/openapi.json``), with the request bodies the Messages routes read raw: vLLM's
+    protocol models (imported by the ingress before it is ready) and the served model names (known once it is).
+    Asked for before the ingress is ready, the document comes without those two bodies and is not kept: the
+    event loop never waits for that import."""
+    if self.openapi_schema is None:
+        from palimpsest.serving import anthropic_proxy
+
+        doc = FastAPI.openapi(self)
+        models = getattr(app.state, "served_models", None)  # set by Ingress._start on the module's app
+        if not (anthropic_proxy.loaded() and models):
+            self.openapi_schema = None
+            return doc
+        self.openapi_schema = anthropic_proxy.documented(doc, models)
+    return self.openapi_schema
+
+
+# Bound to this app before Serve freezes it (``serve.ingress`` pickles the app as it is at decoration).
+app.openapi = types.MethodType(_openapi, app)
 
 
 class HTTPProblem(Exception):

@@ -15,6 +15,7 @@ import hashlib
 import hmac
 import json
 import logging
+import threading
 import time
 import uuid
 from typing import Any
@@ -123,12 +124,17 @@ class Ingress:
         self.runtime: Runtime | None = None
         self.shadow: ShadowLane | None = None
         self.turns: TurnService | None = None
+        # vLLM's Anthropic protocol takes ~8 s to import on 2 cores: imported while the other deployments start,
+        # and waited for before this replica is ready (the Messages routes and the served document need it)
+        self._messages_loaded = threading.Thread(target=anthropic_proxy.load, name="messages-import", daemon=True)
+        self._messages_loaded.start()
 
     # -- start-up ---------------------------------------------------------------------------
 
     async def _start(self) -> None:
         info = await self.actor.info.remote()
         self.actor_info = info
+        app.state.served_models = sorted({info["model"], self.cfg.actor.model})  # the document's model names
         if not info.get("prompt_embeds", True) and any(a.memory for a in self.cfg.arms):
             raise ConfigError(f"arms {[a.name for a in self.cfg.arms if a.memory]} need soft memory, and the upstream "
                               f"actor at {info.get('remote')} does not take prompt embeds (vLLM --enable-prompt-embeds)")
@@ -151,6 +157,7 @@ class Ingress:
                                  busy=lambda: self.turns.inflight > 0, metrics=self.metrics)
         self.turns = TurnService(self.runtime, self.cfg, self.policies, self.actor, self.memory, info,
                                  self.memory_info, self.metrics, self.shadow, self._enqueue)
+        await asyncio.to_thread(self._messages_loaded.join)
 
     async def _ensure(self) -> None:
         if self._ready is None:
@@ -512,6 +519,3 @@ class Ingress:
     @app.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse)
     async def prometheus(self):
         return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4")
-
-
-
