@@ -117,11 +117,21 @@ def load() -> None:
 
 
 _loaded = threading.Event()
+_served: list[str] = []
 
 
 def loaded() -> bool:
     """Whether :func:`load` has finished in this process (importing here then costs nothing)."""
     return _loaded.is_set()
+
+
+def serve_models(models: list[str]) -> None:
+    """The model names this process serves (the ingress sets them once it knows the actor): the document's."""
+    _served[:] = sorted(set(models))
+
+
+def served_models() -> list[str]:
+    return list(_served)
 
 
 def read_request(raw: Any) -> MessagesRequest:

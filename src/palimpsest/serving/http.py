@@ -61,7 +61,7 @@ def _openapi(self: FastAPI) -> dict:
         from palimpsest.serving import anthropic_proxy
 
         doc = FastAPI.openapi(self)
-        models = getattr(app.state, "served_models", None)  # set by Ingress._start on the module's app
+        models = anthropic_proxy.served_models()  # known once the ingress has asked the actor
         if not (anthropic_proxy.loaded() and models):
             self.openapi_schema = None
             return doc

@@ -134,7 +134,7 @@ class Ingress:
     async def _start(self) -> None:
         info = await self.actor.info.remote()
         self.actor_info = info
-        app.state.served_models = sorted({info["model"], self.cfg.actor.model})  # the document's model names
+        anthropic_proxy.serve_models([info["model"], self.cfg.actor.model])  # the served document's names
         if not info.get("prompt_embeds", True) and any(a.memory for a in self.cfg.arms):
             raise ConfigError(f"arms {[a.name for a in self.cfg.arms if a.memory]} need soft memory, and the upstream "
                               f"actor at {info.get('remote')} does not take prompt embeds (vLLM --enable-prompt-embeds)")
