@@ -95,6 +95,7 @@ def main() -> None:
     ap.add_argument("--task", default="Run `ls` in the current directory with the Bash tool, then say which "
                                        "file is there.")
     ap.add_argument("--max-turns", type=int, default=3)
+    ap.add_argument("--max-output-tokens", type=int, default=128)
     ap.add_argument("--cli-defaults", action="store_true", help="the CLI's own system prompt and every tool")
     ap.add_argument("--port", type=int, default=8473)
     ap.add_argument("--timeout", type=int, default=900)
@@ -121,7 +122,9 @@ def main() -> None:
             env = {"PATH": os.environ["PATH"], "HOME": home, "ANTHROPIC_BASE_URL": rec.url,
                    "ANTHROPIC_API_KEY": "unused-locally", "ANTHROPIC_MODEL": model,
                    "ANTHROPIC_SMALL_FAST_MODEL": model, "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-                   "DISABLE_AUTOUPDATER": "1", "DISABLE_TELEMETRY": "1", "DISABLE_ERROR_REPORTING": "1"}
+                   "DISABLE_AUTOUPDATER": "1", "DISABLE_TELEMETRY": "1", "DISABLE_ERROR_REPORTING": "1",
+                   # the CLI asks for 32,000 reply tokens by default, past the whole budget (a 422 naming max_tokens)
+                   "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(args.max_output_tokens)}
             cmd = [str(CLI), "-p", args.task, "--output-format", "json", "--model", model,
                    "--max-turns", str(args.max_turns), "--allowedTools", "Bash"]
             if not args.cli_defaults:

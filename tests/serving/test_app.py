@@ -629,6 +629,14 @@ def test_the_anthropic_client_runs_a_tool_loop_streams_and_counts_and_every_bloc
         assert r.status_code == 400 and field in r.json()["error"], (patch, r.text)
     r = client.post("/v1/messages", json={"model": "claude-sonnet-4-5", "max_tokens": 4, "messages": messages[:1]})
     assert r.status_code == 404 and model in r.json()["error"]
+    # what Claude Code sends with every request is read, and recorded with the turn
+    r = client.post("/v1/messages", json={
+        "model": model, "max_tokens": 2, "messages": messages[:1], "metadata": {"user_id": "cc-fields"},
+        "thinking": {"type": "adaptive"}, "output_config": {"effort": "high"},
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}})
+    assert r.status_code == 200, r.text
+    row = [x for x in Ledger(server.cfg.ledger).served() if x["session_id"] == "alice::cc-fields"][-1]
+    assert (row["requested_thinking"], row["requested_effort"]) == ("adaptive", "high")
     assert client.get("/v1/sessions/cc-bad/steps").status_code == 404  # refused before anything was recorded
     # another tenant naming the same session sees none of it, and records into its own
     assert bob.get("/v1/sessions/cc-1/steps").status_code == 404

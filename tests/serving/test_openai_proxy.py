@@ -163,3 +163,30 @@ def test_the_served_document_declares_the_messages_bodies_as_this_endpoint_reads
         "system": "s", "temperature": 0.5, "top_p": 0.9, "stop_sequences": ["x"], "metadata": {"user_id": "u"},
         "thinking": {"type": "disabled"}, "tools": [{"name": "t", "input_schema": {"type": "object"}}],
         "tool_choice": {"type": "auto"}}.items() if k in schemas["AnthropicMessagesRequest"]["properties"]})
+
+
+def test_what_claude_code_sends_is_read_and_what_would_change_the_actor_is_refused_by_name():
+    """Claude Code's requests carry thinking "adaptive", a context edit that clears thinking blocks and an effort
+    level: none asks this actor (which writes no thinking blocks and has no effort setting) to behave otherwise,
+    so they are read and recorded with the turn. Anything that would is a 400 naming the field."""
+    from palimpsest.serving import anthropic_proxy
+
+    anthropic_proxy.load()
+    base = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "list the files"}]}
+    req = anthropic_proxy.read_request({
+        **base, "thinking": {"type": "adaptive"}, "output_config": {"effort": "high"},
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}})
+    assert req.noted == {"thinking": "adaptive", "effort": "high", "context_edits": "clear_thinking_20251015"}
+    assert anthropic_proxy.read_request(base).noted == {}
+    # a user_id that is no session name (Claude Code's is a JSON object) names one by its hash, kept with the turn
+    cc = '{"device_id":"d1","account_uuid":"","session_id":"2e66"}'
+    r1, r2 = (anthropic_proxy.read_request({**base, "metadata": {"user_id": u}}) for u in (cc, cc))
+    assert r1.user_id == r2.user_id and r1.user_id.startswith("user-") and r1.noted["user_id"] == cc
+    assert anthropic_proxy.read_request({**base, "metadata": {"user_id": "my-session-1"}}).user_id == "my-session-1"
+    for patch, field in (({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+                         ({"output_config": {"format": {"type": "json_schema", "schema": {}}}}, "output_config"),
+                         ({"context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}},
+                          "context_management.edits[0]"),
+                         ({"context_management": []}, "context_management")):
+        with pytest.raises(anthropic_proxy.AnthropicInputError, match=re.escape(field)):
+            anthropic_proxy.read_request({**base, **patch})

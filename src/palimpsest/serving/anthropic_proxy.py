@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import threading
 import uuid
 from dataclasses import dataclass
@@ -25,12 +26,19 @@ from palimpsest.platform.types import PalimpsestError
 
 #: The request fields read (what the Messages API defines and the text actor can honour)
 FIELDS = {"model", "messages", "max_tokens", "metadata", "stop_sequences", "stream", "system", "temperature",
-          "tool_choice", "tools", "top_p", "thinking"}
+          "tool_choice", "tools", "top_p", "thinking", "output_config", "context_management"}
+#: Context edits that have nothing to act on here (the actor writes no thinking blocks); any other edit is
+#: refused: this gateway's own policy decides what of the history the actor sees
+NOOP_EDITS = {"clear_thinking_20251015"}
 #: Block fields per type; ``cache_control`` is Anthropic's cache hint (this server's cache is the compaction epoch)
 BLOCK_FIELDS = {"text": {"type", "text", "cache_control", "citations"},
                 "tool_use": {"type", "id", "name", "input", "cache_control"},
                 "tool_result": {"type", "tool_use_id", "content", "is_error", "cache_control"}}
 TOOL_FIELDS = {"name", "description", "input_schema", "cache_control", "type"}
+
+
+#: A ``metadata.user_id`` that names a session as it is; any other is hashed into one (``user-<sha256>``)
+_NAME = re.compile(r"^[\w.:/@+-]{1,128}$")
 
 
 class AnthropicInputError(PalimpsestError):
@@ -73,9 +81,24 @@ def check_request(raw: Any) -> None:
         raise AnthropicInputError(f"{sorted(extra)[0]}: not served by this endpoint (nothing is ignored silently; "
                                   "remove the field)")
     thinking = raw.get("thinking")
-    if thinking is not None and not (isinstance(thinking, dict) and thinking.get("type") == "disabled"):
+    # "adaptive" leaves thinking to the model, and this one never thinks: what it asks for is what happens
+    if thinking is not None and not (isinstance(thinking, dict) and thinking.get("type") in ("disabled", "adaptive")):
         raise AnthropicInputError("thinking: the actor produces no thinking blocks (send {\"type\": \"disabled\"} "
-                                  "or leave it out)")
+                                  "or {\"type\": \"adaptive\"}, or leave it out)")
+    output = raw.get("output_config")
+    if output is not None and not (isinstance(output, dict) and set(output) <= {"effort"}):
+        raise AnthropicInputError("output_config: only effort is read (recorded with the turn; the actor has no "
+                                  "reasoning effort to set); structured output formats are not served")
+    edits = raw.get("context_management")
+    if edits is not None:
+        if not (isinstance(edits, dict) and set(edits) <= {"edits"} and isinstance(edits.get("edits", []), list)):
+            raise AnthropicInputError("context_management: {\"edits\": [...]} is read")
+        for k, e in enumerate(edits.get("edits", [])):
+            if not (isinstance(e, dict) and e.get("type") in NOOP_EDITS):
+                kind = e.get("type") if isinstance(e, dict) else None
+                raise AnthropicInputError(f"context_management.edits[{k}]: a {kind!r} edit is not served (this gateway "
+                                          "compiles the context itself; clearing thinking blocks, which the actor "
+                                          "never writes, is accepted)")
     if raw.get("system") is not None:
         _check_blocks(raw["system"], "system", {"text"})
     messages = raw.get("messages")
@@ -104,6 +127,7 @@ class MessagesRequest:
     max_tokens: int
     user_id: str | None
     chat: dict  # the fields of a ChatIn: messages, tools, tool_choice, parallel_tool_calls, sampling
+    noted: dict  # fields read that change nothing for this actor, recorded with the served turn
 
 
 def load() -> None:
@@ -166,8 +190,18 @@ def read_request(raw: Any) -> MessagesRequest:
         if req.tool_choice is not None and req.tool_choice.disable_parallel_tool_use is not None:
             body["parallel_tool_calls"] = not req.tool_choice.disable_parallel_tool_use
     user = (req.metadata or {}).get("user_id")
+    user = user if isinstance(user, str) and user else None
+    if user is not None and not _NAME.match(user):  # e.g. Claude Code's, a JSON object with its session id
+        user, noted_user = f"user-{hashlib.sha256(user.encode()).hexdigest()[:24]}", user[:1000]
+    else:
+        noted_user = None
+    noted = {k: v for k, v in (
+        ("thinking", (raw.get("thinking") or {}).get("type")),
+        ("effort", (raw.get("output_config") or {}).get("effort")),
+        ("context_edits", ",".join(e["type"] for e in (raw.get("context_management") or {}).get("edits", []))),
+        ("user_id", noted_user)) if v}
     return MessagesRequest(model=req.model, stream=bool(req.stream), max_tokens=req.max_tokens,
-                           user_id=user if isinstance(user, str) and user else None, chat=body)
+                           user_id=user, chat=body, noted=noted)
 
 
 def history_session(messages: list[dict]) -> str:

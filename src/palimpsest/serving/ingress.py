@@ -289,11 +289,12 @@ class Ingress:
     # -- the turn -------------------------------------------------------------------------------
 
     async def _turn(self, sid: str, body: TurnIn, tool_choice: Any = None, parallel_tool_calls: bool | None = None,
-                    emit=None) -> TurnOut:
+                    emit=None, noted: dict | None = None) -> TurnOut:
         """The session's turn on its arm (``TurnService``); a replica that failed is a 503 to retry."""
         session = await asyncio.to_thread(self.runtime.ledger.session, sid)
         try:
-            return await self.turns.serve(session, self._arm_of(session), body, tool_choice, parallel_tool_calls, emit)
+            return await self.turns.serve(session, self._arm_of(session), body, tool_choice, parallel_tool_calls, emit,
+                                          noted)
         except Exception as e:
             if _retriable_error(e):
                 raise HTTPProblem(503, f"a model replica is unavailable ({type(e).__name__}); retry shortly") from None
@@ -418,10 +419,11 @@ class Ingress:
         if req.stream:  # what can be refused is refused before the 200 status line is sent
             await self._check_turn(sid, turn_in)
             writer = anthropic_proxy.EventWriter(model, lambda turn: openai_proxy.extension(ext, turn))
-            run = lambda emit: self._turn(sid, turn_in, choice, chat.parallel_tool_calls, emit=emit)  # noqa: E731
+            run = lambda emit: self._turn(sid, turn_in, choice, chat.parallel_tool_calls, emit=emit,  # noqa: E731
+                                          noted=req.noted)
             return StreamingResponse(stream_turn(run, writer, self._gone), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        turn = await self._turn(sid, turn_in, choice, chat.parallel_tool_calls)
+        turn = await self._turn(sid, turn_in, choice, chat.parallel_tool_calls, noted=req.noted)
         return anthropic_proxy.message(turn, model, openai_proxy.extension(ext, turn))
 
     @app.post("/v1/messages/count_tokens", summary="Anthropic count_tokens: the messages' ids as the actor's template "

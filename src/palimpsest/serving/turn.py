@@ -255,13 +255,14 @@ class TurnService:
         return Budget(total, max_tokens or self.cfg.actor.max_tokens, soft), mem
 
     async def serve(self, session, arm: str, body, tool_choice: Any = None, parallel_tool_calls: bool | None = None,
-                    emit: Callable[[str], Awaitable[None]] | None = None):
+                    emit: Callable[[str], Awaitable[None]] | None = None, noted: dict | None = None):
         """One turn of ``session`` (the ledger's) on ``arm`` (the router's choice; ``body``: a TurnIn). A failure
-        that is not the caller's is counted and recorded under the arm, then raised."""
+        that is not the caller's is counted and recorded under the arm, then raised. ``noted``: request fields
+        read that change nothing for this actor, recorded with the turn (``requested_<name>``)."""
         ledger, sid = self.runtime.ledger, session.id
         self.inflight += 1
         try:
-            return await self._serve(session, arm, body, tool_choice, parallel_tool_calls, emit)
+            return await self._serve(session, arm, body, tool_choice, parallel_tool_calls, emit, noted or {})
         except Exception as e:
             self.metrics.errors.labels(arm=arm, kind=type(e).__name__).inc()
             if isinstance(e, (UnknownSessionError, BudgetError, LedgerUnavailableError)) or getattr(e, "status", 500) < 500:
@@ -271,7 +272,7 @@ class TurnService:
         finally:
             self.inflight -= 1
 
-    async def _serve(self, session, arm: str, body, tool_choice, parallel_tool_calls, emit):
+    async def _serve(self, session, arm: str, body, tool_choice, parallel_tool_calls, emit, noted: dict):
         from palimpsest.platform.chat import declared_tools
         from palimpsest.serving.schemas import TurnOut
 
@@ -302,7 +303,7 @@ class TurnService:
                   "reserve": ct.prompt.reserve, "generations": res.generations, "prompt_total": res.prompt_tokens_total,
                   "full_history_estimate": ct.plan.info.get("full_tokens_estimate", ct.prompt.tokens),
                   "cached_total": res.cached_tokens_total}
-        await asyncio.to_thread(self._record, sid, arm, ct, res, tokens, emit is not None)
+        await asyncio.to_thread(self._record, sid, arm, ct, res, tokens, emit is not None, noted)
         self.metrics.observe_turn(arm, tokens, res.latency, len(res.glimpses))
         if self.shadow is not None:
             self._offer(sid, arm, mem, ct, res)
@@ -310,7 +311,8 @@ class TurnService:
                        plan=ct.plan.counts(), tokens=tokens, latency_ms=res.latency, glimpses=res.glimpses,
                        prompt_hash=ct.prompt.prompt_hash, content=res.content, tool_calls=res.tool_calls)
 
-    def _record(self, sid: str, arm: str, ct: CompiledTurn, res: TurnResult, tokens: dict, streamed: bool) -> None:
+    def _record(self, sid: str, arm: str, ct: CompiledTurn, res: TurnResult, tokens: dict, streamed: bool,
+                noted: dict) -> None:
         """The turn under its arm: tokens, latency by stage, and what its ids should cost against the session's
         previous turn (``platform.epochs.turn_cost``) beside what the actor's cache really held (tokens_cached)."""
         cost = ct.cost or {}
@@ -322,7 +324,8 @@ class TurnService:
             "compaction": bool(ct.compacted), "rebuilt": bool(ct.compacted) or ct.boundary is None,
             **({"expected_cached": cost["cached"], "uncached": cost["uncached"], "billed": cost["billed"],
                 "prefix_reuse": cost["prefix_reuse"]} if cost else {}),
-            **({"fallback": res.fallback} if res.fallback else {})})
+            **({"fallback": res.fallback} if res.fallback else {}),
+            **{f"requested_{k}": v for k, v in noted.items()}})
 
     def _offer(self, sid: str, arm: str, mem: str | None, ct: CompiledTurn, res: TurnResult) -> None:
         async def score(reference: list[int], reply: list[int], threads: int | None = None) -> tuple[float, float]:
