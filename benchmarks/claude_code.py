@@ -90,6 +90,29 @@ def sent(body) -> dict:
             "fields": sorted(body)}
 
 
+def openai_checks(url: str, model: str) -> dict:
+    """The official ``openai`` client's tool request and streamed request against the same app (the embedded
+    default's tool template and parser): their status, finish reason and tool calls."""
+    from openai import OpenAI
+
+    oc = OpenAI(base_url=f"{url}/v1", api_key="unused-locally", timeout=600, max_retries=0)
+    tools = [{"type": "function", "function": {"name": "bash", "description": "Run a shell command.", "parameters": {
+        "type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}}]
+    msgs = [{"role": "system", "content": "You are a coding agent."},
+            {"role": "user", "content": "List the files in the current directory."}]
+    r = oc.chat.completions.create(model=model, messages=msgs, tools=tools, tool_choice="required", max_tokens=64,
+                                   temperature=0, user="openai-tools")
+    calls = [{"name": c.function.name, "arguments": c.function.arguments} for c in r.choices[0].message.tool_calls or []]
+    chunks, text = 0, ""
+    for chunk in oc.chat.completions.create(model=model, messages=msgs, tools=tools, max_tokens=16, temperature=0,
+                                            user="openai-stream", stream=True):
+        chunks += 1
+        if chunk.choices and chunk.choices[0].delta.content:
+            text += chunk.choices[0].delta.content
+    return {"tools": {"finish_reason": r.choices[0].finish_reason, "tool_calls": calls},
+            "stream": {"chunks": chunks, "text": text}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--task", default="Run `ls` in the current directory with the Bash tool, then say which "
@@ -109,12 +132,15 @@ def main() -> None:
     from palimpsest.serving.local import LocalServer
 
     ledger = ROOT / ".palimpsest" / f"claude-code-{int(time.time())}.db"
-    cfg = {"ledger": str(ledger),  # every other field: the embedded default (what `palimpsest serve` runs) "summarizer": {"mode": "rule"}, "memory": {"model": None},
+    # every other field is the embedded default (what `palimpsest serve` runs with no config): actor, template,
+    # tool parser, embedder, budget
+    cfg = {"ledger": str(ledger), "summarizer": {"mode": "rule"}, "memory": {"model": None},
            "arms": [{"name": "pace", "policy": {"type": "pace"}}]}
     out: dict = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, no GPU",
                  "cli": CLI_VERSION, "cli_defaults": args.cli_defaults, "task": args.task}
     with LocalServer(cfg, port=args.port) as srv:
         model = httpx.get(f"{srv.url}/v1/models", timeout=60).json()["data"][0]["id"]
+        out["openai_client"] = openai_checks(srv.url, model)
         rec = Recorder(srv.url)
         threading.Thread(target=rec.serve_forever, daemon=True).start()
         with tempfile.TemporaryDirectory() as home, tempfile.TemporaryDirectory() as work:
@@ -158,7 +184,8 @@ def main() -> None:
                            "calls": (s.calls or "")[:300],
                            "observation": (s.observation or "")[:200]} for s in steps],
                 "turns": [{k: r.get(k) for k in ("t", "arm", "tokens_context", "tokens_prompt", "tokens_cached",
-                                                 "tool_calls", "streamed")}
+                                                 "tool_calls", "streamed", "requested_thinking", "requested_output_config",
+                                                 "requested_context_management", "requested_user_id")}
                           for r in led.served() if r["session_id"] == sid]})
         out["raw_requests"] = rec.log
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -81,7 +81,7 @@ def chat_turn(oc, msgs, sid, stream: bool, max_tokens: int) -> dict:
 
 def messages_turn(ac, system, msgs, sid, stream: bool, max_tokens: int) -> dict:
     kw = {"model": "smollm2", "system": system, "messages": msgs, "tools": [BASH], "metadata": {"user_id": sid},
-          "max_tokens": max_tokens, "extra_body": {"temperature": 0}}  # greedy, as the chat turns (no SDK argument)
+          "max_tokens": max_tokens, "extra_body": {"temperature": 0}}  # greedy, as the chat turns
     t0 = time.perf_counter()
     if stream:
         first, ext = None, None

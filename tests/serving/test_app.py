@@ -227,7 +227,8 @@ def test_an_append_primes_the_next_turn_on_every_route(server, client):
 
     def keyed(sid):  # PACE embeds its query only to weigh old steps that have a key
         deadline = time.time() + 120
-        while ledger.pending(sid, "hashing-256-512")[1] and time.time() < deadline:
+        while ledger.pending(sid, "hashing-256-512")[1]:
+            assert time.time() < deadline, f"the steps of {sid} were not keyed within 120 s"
             time.sleep(0.2)
 
     def step(i):
@@ -636,7 +637,9 @@ def test_the_anthropic_client_runs_a_tool_loop_streams_and_counts_and_every_bloc
         "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}})
     assert r.status_code == 200, r.text
     row = [x for x in Ledger(server.cfg.ledger).served() if x["session_id"] == "alice::cc-fields"][-1]
-    assert (row["requested_thinking"], row["requested_effort"]) == ("adaptive", "high")
+    assert json.loads(row["requested_thinking"]) == {"type": "adaptive"}
+    assert json.loads(row["requested_output_config"]) == {"effort": "high"}
+    assert "clear_thinking_20251015" in row["requested_context_management"]
     assert client.get("/v1/sessions/cc-bad/steps").status_code == 404  # refused before anything was recorded
     # another tenant naming the same session sees none of it, and records into its own
     assert bob.get("/v1/sessions/cc-1/steps").status_code == 404

@@ -1,3 +1,4 @@
+import json
 import re
 
 import pytest
@@ -176,7 +177,9 @@ def test_what_claude_code_sends_is_read_and_what_would_change_the_actor_is_refus
     req = anthropic_proxy.read_request({
         **base, "thinking": {"type": "adaptive"}, "output_config": {"effort": "high"},
         "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}})
-    assert req.noted == {"thinking": "adaptive", "effort": "high", "context_edits": "clear_thinking_20251015"}
+    assert {k: json.loads(v) for k, v in req.noted.items()} == {  # recorded whole
+        "thinking": {"type": "adaptive"}, "output_config": {"effort": "high"},
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}}
     assert anthropic_proxy.read_request(base).noted == {}
     # a user_id that is no session name (Claude Code's is a JSON object) names one by its hash, kept with the turn
     cc = '{"device_id":"d1","account_uuid":"","session_id":"2e66"}'

@@ -38,7 +38,7 @@ TOOL_FIELDS = {"name", "description", "input_schema", "cache_control", "type"}
 
 
 #: A ``metadata.user_id`` that names a session as it is; any other is hashed into one (``user-<sha256>``)
-_NAME = re.compile(r"^[\w.:/@+-]{1,128}$")
+_NAME = re.compile(r"^[\w.:/@+-]{1,200}$")
 
 
 class AnthropicInputError(PalimpsestError):
@@ -127,17 +127,29 @@ class MessagesRequest:
     max_tokens: int
     user_id: str | None
     chat: dict  # the fields of a ChatIn: messages, tools, tool_choice, parallel_tool_calls, sampling
-    noted: dict  # fields read that change nothing for this actor, recorded with the served turn
+    noted: dict  # fields read that change nothing for this actor, recorded whole with the served turn (JSON)
 
 
 def load() -> None:
     """Import vLLM's Anthropic protocol and conversion: ~8 s on 2 CPU cores, paid once per replica. The ingress
     starts it in a thread when it starts, so that the first Messages request does not wait for it (an import
     in progress is waited for by the import lock, never run twice)."""
-    import vllm.entrypoints.anthropic.protocol  # noqa: F401
-    import vllm.entrypoints.anthropic.serving  # noqa: F401
-
+    global _load_error
+    try:
+        import vllm.entrypoints.anthropic.protocol  # noqa: F401
+        import vllm.entrypoints.anthropic.serving  # noqa: F401
+    except BaseException as e:  # kept for the ingress to raise when it starts (a thread's error is otherwise lost)
+        _load_error = e
+        raise
     _loaded.set()
+
+
+_load_error: BaseException | None = None
+
+
+def load_error() -> BaseException | None:
+    """What :func:`load` failed with in this process, if it did."""
+    return _load_error
 
 
 _loaded = threading.Event()
@@ -191,15 +203,13 @@ def read_request(raw: Any) -> MessagesRequest:
             body["parallel_tool_calls"] = not req.tool_choice.disable_parallel_tool_use
     user = (req.metadata or {}).get("user_id")
     user = user if isinstance(user, str) and user else None
+    noted: dict[str, str] = {}
     if user is not None and not _NAME.match(user):  # e.g. Claude Code's, a JSON object with its session id
-        user, noted_user = f"user-{hashlib.sha256(user.encode()).hexdigest()[:24]}", user[:1000]
-    else:
-        noted_user = None
-    noted = {k: v for k, v in (
-        ("thinking", (raw.get("thinking") or {}).get("type")),
-        ("effort", (raw.get("output_config") or {}).get("effort")),
-        ("context_edits", ",".join(e["type"] for e in (raw.get("context_management") or {}).get("edits", []))),
-        ("user_id", noted_user)) if v}
+        user, noted["user_id"] = f"user-{hashlib.sha256(user.encode()).hexdigest()[:24]}", user
+    # read, and changing nothing for this actor: recorded whole with the turn
+    for field in ("thinking", "output_config", "context_management"):
+        if raw.get(field) is not None:
+            noted[field] = json.dumps(raw[field], sort_keys=True, ensure_ascii=False)
     return MessagesRequest(model=req.model, stream=bool(req.stream), max_tokens=req.max_tokens,
                            user_id=user, chat=body, noted=noted)
 
@@ -316,8 +326,10 @@ def documented(doc: dict, models: list[str] | None = None) -> dict:
     """The served OpenAPI document with the request bodies of ``/v1/messages`` and ``/v1/messages/count_tokens``:
     vLLM's protocol models (the routes read the raw body, so that every field is checked before vLLM's models,
     which ignore unknown fields, see it), narrowed to what this endpoint reads (``FIELDS``, ``BLOCK_FIELDS``,
-    ``TOOL_FIELDS``; anything else is a 400) and, once the app knows them, to the ``models`` it serves (any other
-    is a 404). Clients and the fuzzer read the bodies from here."""
+    ``TOOL_FIELDS``; any other field is a 400) and, once the app knows them, to the ``models`` it serves (any
+    other is a 404). Values inside those fields are not narrowed: the endpoint still refuses some that the
+    schema allows (``thinking`` enabled, an ``output_config`` format, a non-positive ``max_tokens``). Clients
+    and the fuzzer read the bodies from here."""
     from vllm.entrypoints.anthropic.protocol import AnthropicCountTokensRequest, AnthropicMessagesRequest
 
     ref = "#/components/schemas/{model}"

@@ -65,7 +65,11 @@ def _openapi(self: FastAPI) -> dict:
         if not (anthropic_proxy.loaded() and models):
             self.openapi_schema = None
             return doc
-        self.openapi_schema = anthropic_proxy.documented(doc, models)
+        try:
+            self.openapi_schema = anthropic_proxy.documented(doc, models)
+        except Exception:
+            self.openapi_schema = None  # never keep the document without the two bodies
+            raise
     return self.openapi_schema
 
 

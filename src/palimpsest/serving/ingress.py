@@ -158,6 +158,8 @@ class Ingress:
         self.turns = TurnService(self.runtime, self.cfg, self.policies, self.actor, self.memory, info,
                                  self.memory_info, self.metrics, self.shadow, self._enqueue)
         await asyncio.to_thread(self._messages_loaded.join)
+        if anthropic_proxy.load_error() is not None:
+            raise anthropic_proxy.load_error()
 
     async def _ensure(self) -> None:
         if self._ready is None:

@@ -96,20 +96,23 @@ async def compile_turn(rt: Runtime, req: TurnRequest,
     """Plan and compile in a worker thread (policies may block on the embedder); when the embedder is down
     the turn is planned as if no step had a key yet. Returns (turn, the embedder's part: ms waited, texts
     looked up, lookups that joined a priming request in flight, requests the plan sent itself; fallback)."""
+    spent: dict[str, float] = {"ms": 0.0, "lookups": 0, "joined": 0, "requests": 0}
+
     def plan(keys: bool):
         if clock is not None:
             clock.reset_wait()
-        ct = rt.turn(req.session_id, req.policy, req.budget, None, True, keys)
-        return ct, ({"ms": clock.waited_ms, "lookups": clock.lookups, "joined": clock.joined,
-                     "requests": clock.requests} if clock is not None
-                    else {"ms": 0.0, "lookups": 0, "joined": 0, "requests": 0})
+        try:
+            return rt.turn(req.session_id, req.policy, req.budget, None, True, keys)
+        finally:  # a failed attempt's wait and requests count too (read in the thread that made them)
+            if clock is not None:
+                for k, v in (("ms", clock.waited_ms), ("lookups", clock.lookups), ("joined", clock.joined),
+                             ("requests", clock.requests)):
+                    spent[k] += v
 
     try:
-        ct, embed = await asyncio.to_thread(plan, True)
-        return ct, embed, None
+        return await asyncio.to_thread(plan, True), spent, None
     except EmbedderUnavailable:
-        ct, embed = await asyncio.to_thread(plan, False)
-        return ct, embed, "embedder"
+        return await asyncio.to_thread(plan, False), spent, "embedder"
 
 
 def turn_memory(rt: Runtime, ct: CompiledTurn, memory_cfg) -> tuple[list[int], list[int]] | None:
