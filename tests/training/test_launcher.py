@@ -85,6 +85,34 @@ def test_training_survives_a_killed_worker_resumes_and_registers(tmp_path, actor
         finally:
             ray.shutdown()
         _check_run(summary, marker, tracking, store)
+        _check_same_step(cfg, actor_dir, summary, tracking)
+
+
+def _check_same_step(cfg, actor_dir, summary, tracking):
+    """The launcher's workers run ``training.step``: its first step's loss (rank 0's row) and the gradient of
+    both ranks' rows, averaged, are what the step module computes in this process from the same seed."""
+    import mlflow
+    import torch
+
+    from palimpsest.models.actor import FrozenActor
+    from palimpsest.training.launcher import _load_rows, build_memory
+    from palimpsest.training.step import grad_norms, sample_loss, sample_tensors
+
+    client = mlflow.MlflowClient(tracking)
+    logged = {k: {m.step: m.value for m in client.get_metric_history(summary["mlflow_run_id"], k)}[1]
+              for k in ("loss", "grad/out_proj", "grad/blocks", "grad/in_proj", "grad_norm")}
+    torch.manual_seed(cfg.optim.seed)
+    actor = FrozenActor.from_pretrained(str(actor_dir))
+    net = build_memory(cfg, actor)
+    rows = _load_rows(str(Path(cfg.storage).resolve() / cfg.name / "data"), 1)
+    losses = [sample_loss(net, actor, sample_tensors(rows[r], 1), 1) for r in (0, 1)]  # ranks 0 and 1, step 1
+    assert float(losses[0]) == pytest.approx(logged["loss"], rel=1e-5)
+    torch.stack(losses).mean().backward()  # data parallel: the ranks' gradients averaged
+    mine = grad_norms(net, lambda p: p.grad)
+    for k in ("grad/out_proj", "grad/blocks", "grad/in_proj"):
+        assert logged[k] > 0 and mine[k] == pytest.approx(logged[k], rel=1e-4), k
+    total = torch.sqrt(sum(p.grad.pow(2).sum() for p in net.parameters() if p.grad is not None))
+    assert float(total) == pytest.approx(logged["grad_norm"], rel=1e-4)
 
 
 def _check_run(summary, marker, tracking, store):

@@ -10,7 +10,7 @@ from palimpsest.training.losses import (
     student_logits,
     teacher_logits,
 )
-from palimpsest.training.step import init_stage2_from_stage1, train_step
+from palimpsest.training.step import LocalBackend, Step, init_stage2_from_stage1
 from tests.models.tiny import tiny_actor
 
 
@@ -39,8 +39,7 @@ def test_gradient_reaches_the_memory_network_and_not_the_actor():
     grads = [p.grad for p in net.parameters() if p.grad is not None]
     assert grads and sum(float(g.abs().sum()) for g in grads) > 0
     assert net.queries.grad is not None and net.out_proj.weight.grad.abs().sum() > 0
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
-    train_step(net, actor, opt, [sample2()], stage=2)
+    Step(LocalBackend(net, lr=1e-3), actor)(sample2(), stage=2)
     assert all(torch.equal(before[k], v) for k, v in actor.state_dict().items())
 
 
@@ -96,10 +95,10 @@ def test_stage1_learns_to_reconstruct_and_stage2_starts_from_it():
     net = memnet(actor)
     g = torch.Generator().manual_seed(3)
     batch = [{"span": torch.randint(0, 256, (12,), generator=g), "instruction": torch.tensor([5, 6, 7])}]
-    opt = torch.optim.AdamW(net.parameters(), lr=3e-3)
+    step = Step(LocalBackend(net, lr=3e-3), actor)
     first = float(stage1_loss(net, actor, batch[0]).detach())
     for _ in range(40):
-        train_step(net, actor, opt, batch, stage=1)
+        step(batch[0], stage=1)
     # A random tiny actor barely listens to its input, yet the memory already moves it (seeded, exact)
     assert float(stage1_loss(net, actor, batch[0]).detach()) < first - 0.05
     stage2 = memnet(actor, seed=99)
@@ -120,3 +119,52 @@ def test_the_tail_mass_of_a_peaked_teacher_is_exact():
     assert float(coarse_kl(logits, t)[0]) == pytest.approx(0.0, abs=1e-6)
     flat = torch.zeros((1, 1000))
     assert float(coarse_kl(flat, t)[0]) > 5.0
+
+
+def _whole_prefix_loss(net, actor, s):
+    """The Stage II loss with the student's whole input in one forward: [context; memory; bridge; target]."""
+    from palimpsest.training.losses import memory_of
+
+    mem = memory_of(net, actor, s["memory"], s["summary"])
+    q = student_logits(actor, torch.cat([actor.embed(s["context"]), mem, actor.embed(s["bridge"])]), s["target"])
+    return reverse_kl(q, teacher_logits(actor, s), position_weights(s["target"].shape[0]))
+
+
+def test_the_prefilled_context_gives_the_whole_forwards_loss_and_gradient():
+    """Stage II prefills the context without a graph (kept per row by a PrefixCache): the loss and every
+    gradient of the memory network equal those of one forward over the whole student input."""
+    from palimpsest.training.step import PrefixCache
+
+    actor = tiny_actor()
+    net = memnet(actor)
+    s = sample2()
+    whole = _whole_prefix_loss(net, actor, s)
+    whole.backward()
+    expected = {k: p.grad.clone() for k, p in net.named_parameters() if p.grad is not None}
+    cache = PrefixCache(rows=2)
+    for visit in range(2):  # the second visit reads the cached context and features
+        net.zero_grad(set_to_none=True)
+        loss = stage2_loss(net, actor, s, prefix=cache)
+        loss.backward()
+        assert float(loss.detach()) == pytest.approx(float(whole.detach()), rel=1e-5)
+        for k, g in expected.items():
+            assert torch.allclose(net.get_parameter(k).grad, g, atol=1e-7, rtol=1e-4), (visit, k)
+    assert (cache.hits, cache.misses) == (2, 2)
+
+
+def test_a_step_reports_the_gradient_of_every_module_and_the_gate():
+    """What a run that does not learn needs to show: each module's gradient norm and the summary gate."""
+    from palimpsest.training.step import LocalBackend, Step, module_groups
+
+    actor = tiny_actor()
+    net = memnet(actor)
+    step = Step(LocalBackend(net, lr=1e-2), actor)
+    assert float(net.summary_attn.gate) == 0.0  # the gate starts closed
+    first = step(sample2(), stage=2)
+    assert set(f"grad/{m}" for m in module_groups(net)) <= set(first)
+    for m in ("in_proj", "queries", "blocks", "summary_attn", "out_proj"):
+        assert first[f"grad/{m}"] > 0, m
+    assert first["grad/gate"] > 0 and first["gate"] != 0.0  # it gets a gradient and opens (after the update)
+    for _ in range(3):
+        last = step(sample2(), stage=2)
+    assert last["loss"] < first["loss"]

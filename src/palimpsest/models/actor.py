@@ -85,6 +85,17 @@ class FrozenActor(nn.Module):
         finally:
             past.crop(n_prefix)
 
+    def after_prefix(self, past, inputs_embeds: torch.Tensor, last: int = 0) -> torch.Tensor:
+        """Logits (T, V) of ``inputs_embeds`` (T, d) continuing a prefilled prefix (``prefill``), differentiable in
+        the embeddings: training's constant prefix (the context before the soft slot) is then run once without a
+        graph, and the gradient goes through the suffix only. The prefix's cache is left as it was (the forward
+        runs on a copy of it), so it serves every later step."""
+        import copy
+
+        out = self.model(inputs_embeds=inputs_embeds[None], past_key_values=copy.deepcopy(past), use_cache=True,
+                         logits_to_keep=last)
+        return out.logits[0]
+
     @torch.no_grad()
     def hidden_states(self, ids: torch.Tensor, layer: int = -1) -> torch.Tensor:
         """(T,) ids -> (T, d) hidden states of ``layer`` (what the memory network reads)."""

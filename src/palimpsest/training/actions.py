@@ -86,9 +86,11 @@ def evaluate_actions(rt, sessions, arms: list[Arm], budget: int, actor, *, data_
                      window: int, max_boundaries: int | None = None, max_target_tokens: int = 48,
                      min_t: int = 2, seed: int = 0, reference: str | None = None, cache: TeacherCache | None = None,
                      allowed: Callable[[str], bool] = lambda _: True,
+                     only: set[tuple[str, int]] | None = None,
                      on_progress: Callable[[str], None] | None = None) -> ActionsResult:
     """Score every arm at the sampled boundaries of ``sessions`` (replay sessions already imported into
-    ``rt``'s ledger). ``allowed(trajectory)`` filters trajectories (held-out ones only, for a memory)."""
+    ``rt``'s ledger). ``allowed(trajectory)`` filters trajectories (held-out ones only, for a memory);
+    ``only`` keeps just these (trajectory, t) boundaries (the learnability ladder's chosen ones)."""
     from palimpsest.pipelines.replay import teacher_boundaries, walk_turns
     from palimpsest.platform.chat import memory_read
     from palimpsest.training.losses import student_logits
@@ -104,6 +106,8 @@ def evaluate_actions(rt, sessions, arms: list[Arm], budget: int, actor, *, data_
         if not allowed(sess.session_id):
             continue
         for t, ids, target in teacher_boundaries(rt, sess, budget, window, max_target_tokens, min_t, room):
+            if only is not None and (sess.session_id, t) not in only:
+                continue
             candidates.append((sess, t, target, ids))
     if not candidates:
         raise PalimpsestError(f"no boundary whose whole history fits the actor's window ({window}) but not the "

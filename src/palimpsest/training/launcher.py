@@ -147,13 +147,6 @@ def _load_rows(data_dir: str, stage: int, split: str = "train") -> list[dict]:
     return [r for r in rows if r["split"] == split]
 
 
-def _tensors(row: dict, stage: int) -> dict:
-    import torch
-
-    keys = ("span", "instruction") if stage == 1 else ("teacher", "memory", "summary", "context", "bridge", "target")
-    return {k: torch.tensor(row[k], dtype=torch.long) for k in keys}
-
-
 def build_memory(cfg: TrainConfig, actor) -> "object":
     from palimpsest.models.memory import MemoryConfig, MemoryNetwork
 
@@ -163,13 +156,12 @@ def build_memory(cfg: TrainConfig, actor) -> "object":
 
 def train_loop(loop_config: dict) -> None:
     """One Ray Train worker. ``loop_config``: {"train": TrainConfig as dict, "actor_path", "data_dir", "mlflow"}."""
-    import deepspeed
     import ray.train
     import torch
     import torch.distributed as dist
 
     from palimpsest.models.actor import FrozenActor
-    from palimpsest.training.losses import stage1_loss, stage2_loss
+    from palimpsest.training.step import DDPBackend, DeepSpeedBackend, Step, sample_tensors
 
     cfg = TrainConfig.model_validate(loop_config["train"])
     ctx = ray.train.get_context()
@@ -177,13 +169,11 @@ def train_loop(loop_config: dict) -> None:
     torch.manual_seed(cfg.optim.seed)  # identical initial weights on every rank
     actor = FrozenActor.from_pretrained(loop_config["actor_path"], dtype=cfg.actor.dtype)
     memnet = build_memory(cfg, actor)
-    if cfg.distributed.strategy == "deepspeed":
-        engine, *_ = deepspeed.initialize(model=memnet, model_parameters=list(memnet.parameters()), config=ds_config(cfg))
-        module = engine
-    else:  # plain DDP, for comparison
-        engine = None
-        module = torch.nn.parallel.DistributedDataParallel(memnet)
-        opt = torch.optim.AdamW(memnet.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
+    o = cfg.optim
+    backend = (DeepSpeedBackend(memnet, ds_config(cfg)) if cfg.distributed.strategy == "deepspeed"
+               else DDPBackend(memnet, o.lr, o.weight_decay, o.grad_clip))  # plain DDP, for comparison
+    engine = getattr(backend, "engine", None)
+    run_step = Step(backend, actor, o.kl_decay)  # the step the ladder and the tests run
 
     step = 0
     ckpt = ray.train.get_checkpoint()
@@ -192,10 +182,8 @@ def train_loop(loop_config: dict) -> None:
             if engine is not None:
                 _, client = engine.load_checkpoint(d, tag="latest_step")
             else:
-                state = torch.load(Path(d) / "ddp.pt", weights_only=True)
-                memnet.load_state_dict(state["model"])
-                opt.load_state_dict(state["optim"])
-                client = state
+                client = torch.load(Path(d) / "ddp.pt", weights_only=True)
+                backend.load(client)
             step = int(client["step"])
     resumed_from = step
 
@@ -212,33 +200,24 @@ def train_loop(loop_config: dict) -> None:
     while step < total:
         stage = 1 if step < cfg.optim.stage1_steps else 2
         data = rows[stage]
-        row = data[curriculum_row(step, cfg.optim.stage1_steps, world, rank, len(data))[1]]
-        sample = _tensors(row, stage)
+        row_index = curriculum_row(step, cfg.optim.stage1_steps, world, rank, len(data))[1]
+        row = data[row_index]
+        sample = sample_tensors(row, stage)
         t0 = time.perf_counter()
         # Every rank runs as many merge passes as the rank that needs most (ZeRO-3 gathers per call).
         src = sample["span"] if stage == 1 else sample["memory"]
         passes = torch.tensor(memnet.merge_passes(int(src.numel())))
         if dist.is_initialized():
             dist.all_reduce(passes, op=dist.ReduceOp.MAX)
-        # Calls go through the wrapper (engine or DDP) so its gradient hooks and partitioning apply.
         teacher = (teachers.get(_teacher_key(cfg, loop_config["actor_path"], data_sha, row))
                    if stage == 2 and teachers is not None else None)  # None: a full teacher pass
-        loss = (stage1_loss(module, actor, sample, int(passes)) if stage == 1
-                else stage2_loss(module, actor, sample, cfg.optim.kl_decay, int(passes), teacher))
-        if engine is not None:
-            engine.backward(loss)
-            engine.step()
-        else:
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(memnet.parameters(), cfg.optim.grad_clip)
-            opt.step()
+        figures = run_step(sample, stage, int(passes), teacher)
         step += 1
         tokens = sum(int(v.numel()) for v in sample.values())
-        metrics = {"step": step, "stage": stage, "loss": float(loss.detach()), "resumed_from": resumed_from,
+        metrics = {"step": step, "stage": stage, **figures, "resumed_from": resumed_from,
                    "seconds": time.perf_counter() - t0, "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                    "tokens_per_s": tokens / max(time.perf_counter() - t0, 1e-9),
-                   "teacher_cached": float(teacher is not None)}
+                   "teacher_cached": float(teacher is not None), "row": float(row_index)}
         if fault.get("rank") == rank and fault.get("step") == step and not Path(fault["marker"]).exists():
             Path(fault["marker"]).write_text("killed once")  # fault injection for the resume test
             os._exit(1)
@@ -248,8 +227,7 @@ def train_loop(loop_config: dict) -> None:
                 if engine is not None:
                     engine.save_checkpoint(tmp, tag="latest_step", client_state={"step": step})
                 elif rank == 0:
-                    torch.save({"model": memnet.state_dict(), "optim": opt.state_dict(), "step": step},
-                               Path(tmp) / "ddp.pt")
+                    torch.save({**backend.state(), "step": step}, Path(tmp) / "ddp.pt")
                 if step == total:
                     _export_bundle(cfg, memnet, actor, Path(tmp), engine, loop_config["data_dir"])
                 ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))

@@ -50,11 +50,16 @@ def reverse_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, weigh
 
 
 def memory_of(memnet: MemoryNetwork, actor: FrozenActor, history: torch.Tensor,
-              summary: torch.Tensor | None = None, min_passes: int = 0) -> torch.Tensor:
+              summary: torch.Tensor | None = None, min_passes: int = 0, prefix=None) -> torch.Tensor:
     """The soft span (M, d) for a history (ids), optionally reading the summary's embeddings.
-    ``memnet`` may be wrapped (a DeepSpeed engine or DDP): calling the wrapper keeps its hooks."""
+    ``memnet`` may be wrapped (a DeepSpeed engine or DDP): calling the wrapper keeps its hooks. ``prefix``
+    (a ``training.step.PrefixCache``) keeps the actor's features of a history seen before."""
     cfg = memnet.module.cfg if hasattr(memnet, "module") else memnet.cfg
-    feats = actor.hidden_states(history, cfg.feature_layer)  # (H, d), no grad: the actor is frozen
+    if prefix is not None:  # the actor is frozen: a history's features never change
+        feats = prefix.get(prefix.key(f"features{cfg.feature_layer}", history),
+                           lambda: actor.hidden_states(history, cfg.feature_layer))
+    else:
+        feats = actor.hidden_states(history, cfg.feature_layer)  # (H, d), no grad: the actor is frozen
     return memnet(feats, actor.embed(summary) if summary is not None and summary.numel() else None, min_passes)
 
 
@@ -82,17 +87,35 @@ def student_logits(actor: FrozenActor, prefix_embeds: torch.Tensor, target: torc
     return actor(inputs_embeds=embeds, last=r + 1)[0, :r]
 
 
-def stage2_loss(memnet: MemoryNetwork, actor: FrozenActor, sample: StageIISample, decay: float = 0.05,
-                min_passes: int = 0, teacher=None) -> torch.Tensor:
-    """Reverse KL of the student [context; memory; bridge] against the teacher [whole history]: over the full
-    vocabulary from a teacher pass, or, given ``teacher`` (its cached top-k and tail mass, a
-    ``training.teachers.Teacher``), over the partition {the teacher's top-k, the rest}."""
-    mem = memory_of(memnet, actor, sample["memory"], sample["summary"], min_passes)
-    parts = [actor.embed(sample["context"]), mem]  # the soft slot: after the summary part, before the recent turns
+def stage2_student(memnet: MemoryNetwork, actor: FrozenActor, sample: StageIISample, min_passes: int = 0,
+                   prefix=None) -> torch.Tensor:
+    """(R, V) the student's logits on the target: [context; memory; bridge; target]. The context (the ids before
+    the soft slot) does not depend on the memory: it is prefilled without a graph (once per row when ``prefix``
+    keeps it) and the gradient runs through the soft span, the bridge and the target only."""
+    mem = memory_of(memnet, actor, sample["memory"], sample["summary"], min_passes, prefix)
+    parts = [mem]  # the soft slot: after the summary part, before the recent turns
     if sample.get("bridge") is not None and sample["bridge"].numel():
         parts.append(actor.embed(sample["bridge"]))
-    prefix = torch.cat(parts)  # (S + M + G, d)
-    q = student_logits(actor, prefix, sample["target"])
+    target = sample["target"]
+    r = target.shape[0]
+    suffix = torch.cat(parts + [actor.embed(target)])  # (M + G + R, d)
+    context = sample["context"]
+    if not context.numel():
+        return actor(inputs_embeds=suffix[None], last=r + 1)[0, :r]
+    if prefix is not None:
+        past = prefix.get(prefix.key("context", context), lambda: actor.prefill(context)[0])
+    else:
+        past = actor.prefill(context)[0]
+    return actor.after_prefix(past, suffix, last=r + 1)[:r]
+
+
+def stage2_loss(memnet: MemoryNetwork, actor: FrozenActor, sample: StageIISample, decay: float = 0.05,
+                min_passes: int = 0, teacher=None, prefix=None) -> torch.Tensor:
+    """Reverse KL of the student [context; memory; bridge] against the teacher [whole history]: over the full
+    vocabulary from a teacher pass, or, given ``teacher`` (its cached top-k and tail mass, a
+    ``training.teachers.Teacher``), over the partition {the teacher's top-k, the rest}. ``prefix``: a
+    ``training.step.PrefixCache`` for rows visited again (the context's KV cache, the memory's features)."""
+    q = stage2_student(memnet, actor, sample, min_passes, prefix)
     w = position_weights(sample["target"].shape[0], decay, q.device)
     if teacher is not None:
         from palimpsest.training.teachers import coarse_kl

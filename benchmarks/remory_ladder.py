@@ -1,0 +1,196 @@
+"""REMORY's learnability ladder: can the memory network carry information through the frozen actor at all?
+
+    .venv/bin/python benchmarks/remory_ladder.py --rung 1 [--config configs/train/remory_small.yaml]
+        [--steps 150] [--lr 3e-3] [--boundaries N] [--d-model D] [--layers L] [--eval-every 10] [--out FILE]
+
+Before a training run is scaled, it must overfit. Each rung trains the memory network of a training config
+with the launcher's own step (``training.step.Step``, here on the in-process backend) on Stage II rows built
+by the serving code (``launcher.prepare``: the policy compiled at the budget with the soft positions reserved,
+the teacher the whole history), and scores it where it trained:
+
+- **rung 1**: one boundary, train = eval; the memory must close >= 90% of pace's KL gap there;
+- **rung 2**: ``--boundaries`` (64) boundaries, train = eval: >= 60%;
+- rung 3, the held-out figure, is ``palimpsest eval-actions --policy pace,pace+memory`` on a memory trained
+  by ``palimpsest train`` (the trajectories it never saw).
+
+The figure is eval-actions' own: at each boundary KL(student || teacher) per target token over the teacher's
+top-64 and the tail; ``pace`` is the policy's prompt at the whole budget (text in the memory's positions),
+``pace+empty`` the memory arm's text without the soft span, ``pace+memory`` with it; gap closed =
+1 - KL(pace+memory) / KL(pace). The run reports every step's loss, the gradient norm per module of the network
+and the summary gate tanh(g), so a rung that fails says where: no gradient, a gate that never opens, a loss
+that does not move.
+
+Results: ``benchmarks/results/ladder_rung<N>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGETS = {1: 0.90, 2: 0.60}
+
+
+def prepared_rows(cfg, fresh: bool = False):
+    """The run's Stage II rows and data folder, built by ``launcher.prepare`` (reused when the trajectory file
+    and the data config are those of the last build)."""
+    from dataclasses import asdict
+
+    from palimpsest.pipelines.remory_data import DataConfig
+    from palimpsest.pipelines.trajectories import file_sha256
+    from palimpsest.training.launcher import _load_rows, prepare, resolve_actor
+
+    data_dir = Path(cfg.storage).expanduser().resolve() / cfg.name / "data"
+    report = data_dir / "report.json"
+    if not fresh and report.is_file():
+        old = json.loads(report.read_text())
+        d = cfg.data
+        want = asdict(DataConfig(max_history_tokens=d.max_history_tokens, max_target_tokens=d.max_target_tokens,
+                                 max_observation_chars=d.max_observation_chars, span_tokens=d.span_tokens,
+                                 val_fraction=d.val_fraction, budget=d.budget, memory_tokens=d.memory_tokens,
+                                 soft_slots=old["config"]["soft_slots"]))
+        if old.get("data_sha256") == file_sha256(Path(d.file)) and old["config"] == want:
+            return str(resolve_actor(cfg)), data_dir, old, _load_rows(str(data_dir), 2)
+    run = prepare(cfg.model_copy(update={"optim": cfg.optim.model_copy(update={"teacher_cache": False})}))
+    return run.actor_path, data_dir, run.data_report, _load_rows(str(data_dir), 2)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rung", type=int, choices=(1, 2), required=True)
+    ap.add_argument("--config", type=Path, default=ROOT / "configs" / "train" / "remory_small.yaml")
+    ap.add_argument("--boundaries", type=int, default=None, help="rung 2's boundaries (default 64)")
+    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--lr", type=float, default=None, help="default: the config's optim.lr")
+    ap.add_argument("--d-model", type=int, default=None, help="the memory network's width (default: the config's)")
+    ap.add_argument("--layers", type=int, default=None, help="resampler layers (default: the config's)")
+    ap.add_argument("--eval-every", type=int, default=10)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--fresh-data", action="store_true", help="build the rows again even when the last build fits")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+
+    import torch
+
+    from palimpsest.models.actor import FrozenActor
+    from palimpsest.models.encoder import MemoryEncoder
+    from palimpsest.pipelines.environment import open_runtime
+    from palimpsest.pipelines.replay import prepare_sessions
+    from palimpsest.pipelines.trajectories import file_sha256, read_trajectories
+    from palimpsest.platform.policies import load_policy_file
+    from palimpsest.training.actions import Arm, MemoryArm, TeacherCache, evaluate_actions
+    from palimpsest.training.config import load_train_config
+    from palimpsest.training.launcher import TEACHERS, _teacher_key, build_memory
+    from palimpsest.training.losses import stage2_student
+    from palimpsest.training.step import LocalBackend, PrefixCache, Step, sample_tensors
+    from palimpsest.training.teachers import TOP_K, actor_key, compute_teacher, score
+
+    cfg = load_train_config(args.config)
+    mem_over = {k: v for k, v in (("d_model", args.d_model), ("n_layers", args.layers)) if v is not None}
+    if mem_over:
+        cfg = cfg.model_copy(update={"memory": cfg.memory.model_copy(update=mem_over)})
+    lr = args.lr or cfg.optim.lr
+    n = 1 if args.rung == 1 else (args.boundaries or 64)
+    t0 = time.perf_counter()
+    actor_path, data_dir, report, rows = prepared_rows(cfg, args.fresh_data)
+    train = [r for r in rows if r["split"] == "train"]
+    if not train:
+        raise SystemExit(f"{cfg.data.file}: no Stage II training row at budget {cfg.data.budget}")
+    # rung 1: the shortest training row (rows are sorted by history length); rung 2: a seeded sample
+    chosen = train[:1] if n == 1 else sorted(random.Random(args.seed).sample(train, min(n, len(train))),
+                                             key=lambda r: (r["trajectory"], r["t"]))
+    prep_s = time.perf_counter() - t0
+    print(f"rung {args.rung}: {len(chosen)} boundaries of {len(train)} training rows "
+          f"({len({r['trajectory'] for r in chosen})} trajectories); data {prep_s:.0f} s", flush=True)
+
+    torch.set_num_threads(max(torch.get_num_threads(), 1))
+    torch.manual_seed(cfg.optim.seed)
+    actor = FrozenActor.from_pretrained(actor_path, dtype=cfg.actor.dtype)
+    net = build_memory(cfg, actor)
+    params = net.num_parameters()
+    samples = [sample_tensors(r, 2) for r in chosen]
+    cache = TeacherCache(data_dir / TEACHERS)
+    data_sha = report["data_sha256"]
+    teachers = []
+    for r in chosen:  # the teacher training reads, cached where the launcher keeps it
+        key = _teacher_key(cfg, actor_path, data_sha, r)
+        t = cache.get(key)
+        if t is None:
+            t = compute_teacher(actor, r["teacher"], r["target"], TOP_K)
+            cache.put(key, r["trajectory"], int(r["t"]), t)
+        teachers.append(t)
+    cache.save()
+    prefix = PrefixCache(rows=min(len(chosen), 8))
+
+    def memory_kl() -> float:
+        net.eval()
+        with torch.no_grad():
+            kls = [score(stage2_student(net, actor, s, 0, prefix), s["target"], t)["kl"]
+                   for s, t in zip(samples, teachers)]
+        return sum(kls) / len(kls)
+
+    step = Step(LocalBackend(net, lr, cfg.optim.weight_decay, cfg.optim.grad_clip), actor, cfg.optim.kl_decay, prefix)
+    curve, evals = [], [{"step": 0, "kl_memory": memory_kl()}]
+    print(f"memory network: {params:,} parameters ({params / sum(p.numel() for p in actor.parameters()):.2%} of "
+          f"the actor); KL(pace+memory) at init {evals[0]['kl_memory']:.4f}", flush=True)
+    t_train = time.perf_counter()
+    for i in range(args.steps):
+        j = i % len(samples)
+        s0 = time.perf_counter()
+        passes = net.merge_passes(int(samples[j]["memory"].numel()))
+        figures = step(samples[j], 2, passes, teachers[j])
+        curve.append({"step": i + 1, "row": j, **figures, "seconds": round(time.perf_counter() - s0, 2)})
+        if (i + 1) % args.eval_every == 0 or i + 1 == args.steps:
+            evals.append({"step": i + 1, "kl_memory": memory_kl()})
+            g = {k[5:]: f"{v:.2e}" for k, v in figures.items() if k.startswith("grad/")}
+            print(f"step {i + 1}: loss {figures['loss']:.4f}, KL(pace+memory) {evals[-1]['kl_memory']:.4f}, "
+                  f"grad norm {figures['grad_norm']:.3e}, gate {figures['gate']:+.4f}, per module {g}", flush=True)
+    train_s = time.perf_counter() - t_train
+
+    # The official figure: eval-actions' own scoring of pace, pace+empty and pace+memory at these boundaries.
+    policy = load_policy_file(cfg.tracking.policy_config)
+    wanted = {r["trajectory"] for r in chosen}
+    read = read_trajectories(Path(cfg.data.file))
+    ledger = data_dir / f"ladder-{args.rung}.db"
+    for f in data_dir.glob(f"ladder-{args.rung}.db*"):
+        f.unlink()
+    rt = open_runtime(ledger, cfg.data.embedder, actor_path)
+    sessions = prepare_sessions(rt, [t for t in read.trajectories if t.id in wanted], False,
+                                file_sha256(Path(cfg.data.file)), [])
+    arm = MemoryArm(MemoryEncoder(net.eval(), actor), cfg.data.memory_tokens, cfg.data.max_observation_chars)
+    arms = [Arm("pace", policy), Arm("pace+empty", policy, arm, inject=False), Arm("pace+memory", policy, arm)]
+    result = evaluate_actions(rt, sessions, arms, cfg.data.budget, actor, data_sha=data_sha,
+                              actor_key=actor_key(actor_path, cfg.actor.dtype), window=cfg.data.max_history_tokens,
+                              max_target_tokens=cfg.data.max_target_tokens, reference="pace", cache=cache,
+                              only={(r["trajectory"], int(r["t"])) for r in chosen})
+    rt.ledger.close()
+    gap = result.gap_closed.get("pace+memory")
+    target = TARGETS[args.rung]
+    out = {"rung": args.rung, "config": str(args.config), "memory": cfg.memory.model_dump(), "parameters": params,
+           "actor_parameters": sum(p.numel() for p in actor.parameters()), "lr": lr, "steps": args.steps,
+           "boundaries": [{"trajectory": r["trajectory"], "t": r["t"], "context": len(r["context"]),
+                           "memory": len(r["memory"]), "bridge": len(r["bridge"]), "teacher": len(r["teacher"])}
+                          for r in chosen],
+           "eval_actions": result.to_json(), "gap_closed": gap, "target": target,
+           "met": gap is not None and gap >= target, "curve": curve, "evals": evals,
+           "seconds": {"data": round(prep_s, 1), "train": round(train_s, 1),
+                       "per_step": round(train_s / max(args.steps, 1), 2)},
+           "prefix_cache": {"hits": prefix.hits, "misses": prefix.misses}}
+    path = args.out or ROOT / "benchmarks" / "results" / f"ladder_rung{args.rung}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2, default=str))
+    print("\n| policy | KL | NLL | top-1 | positions | gap closed vs pace |\n|---|---|---|---|---|---|")
+    for label, p in result.policies.items():
+        g = result.gap_closed.get(label)
+        print(f"| {label} | {p['kl']:.4f} | {p['nll']:.3f} | {p['top1']:.3f} | {p['positions']:.0f} | "
+              f"{'-' if g is None else f'{g:+.3f}'} |")
+    print(f"\nrung {args.rung}: gap closed {gap if gap is None else f'{gap:.3f}'} (target {target:.2f}): "
+          f"{'met' if out['met'] else 'NOT met'}; {train_s:.0f} s for {args.steps} steps; results: {path}")
+
+
+if __name__ == "__main__":
+    main()
