@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import time
 from pathlib import Path
@@ -52,7 +53,8 @@ def prepared_rows(cfg, fresh: bool = False):
         want = asdict(DataConfig(max_history_tokens=d.max_history_tokens, max_target_tokens=d.max_target_tokens,
                                  max_observation_chars=d.max_observation_chars, span_tokens=d.span_tokens,
                                  val_fraction=d.val_fraction, budget=d.budget, memory_tokens=d.memory_tokens,
-                                 soft_slots=old["config"]["soft_slots"]))
+                                 soft_slots=old["config"]["soft_slots"], recall_sessions=d.recall_sessions,
+                                 seed=cfg.optim.seed))
         if old.get("data_sha256") == file_sha256(Path(d.file)) and old["config"] == want:
             return str(resolve_actor(cfg)), data_dir, old, _load_rows(str(data_dir), 2)
     run = prepare(cfg.model_copy(update={"optim": cfg.optim.model_copy(update={"teacher_cache": False})}))
@@ -68,6 +70,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=None, help="default: the config's optim.lr")
     ap.add_argument("--d-model", type=int, default=None, help="the memory network's width (default: the config's)")
     ap.add_argument("--layers", type=int, default=None, help="resampler layers (default: the config's)")
+    ap.add_argument("--learn-scale", action="store_true", help="learn a gain on the soft vectors' norm")
+    ap.add_argument("--schedule", choices=("constant", "cosine"), default="constant", help="the learning rate over steps")
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fresh-data", action="store_true", help="build the rows again even when the last build fits")
@@ -90,7 +94,8 @@ def main() -> None:
     from palimpsest.training.teachers import TOP_K, actor_key, compute_teacher, score
 
     cfg = load_train_config(args.config)
-    mem_over = {k: v for k, v in (("d_model", args.d_model), ("n_layers", args.layers)) if v is not None}
+    mem_over = {k: v for k, v in (("d_model", args.d_model), ("n_layers", args.layers),
+                                  ("learn_scale", args.learn_scale or None)) if v is not None}
     if mem_over:
         cfg = cfg.model_copy(update={"memory": cfg.memory.model_copy(update=mem_over)})
     lr = args.lr or cfg.optim.lr
@@ -133,17 +138,23 @@ def main() -> None:
                    for s, t in zip(samples, teachers)]
         return sum(kls) / len(kls)
 
-    step = Step(LocalBackend(net, lr, cfg.optim.weight_decay, cfg.optim.grad_clip), actor, cfg.optim.kl_decay, prefix)
+    backend = LocalBackend(net, lr, cfg.optim.weight_decay, cfg.optim.grad_clip)
+    step = Step(backend, actor, cfg.optim.kl_decay, prefix)
     curve, evals = [], [{"step": 0, "kl_memory": memory_kl()}]
     print(f"memory network: {params:,} parameters ({params / sum(p.numel() for p in actor.parameters()):.2%} of "
           f"the actor); KL(pace+memory) at init {evals[0]['kl_memory']:.4f}", flush=True)
     t_train = time.perf_counter()
     for i in range(args.steps):
         j = i % len(samples)
+        if args.schedule == "cosine":
+            for group in backend.optimizer.param_groups:
+                group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * i / args.steps))
         s0 = time.perf_counter()
         passes = net.merge_passes(int(samples[j]["memory"].numel()))
         figures = step(samples[j], 2, passes, teachers[j])
-        curve.append({"step": i + 1, "row": j, **figures, "seconds": round(time.perf_counter() - s0, 2)})
+        curve.append({"step": i + 1, "row": j, **figures, "seconds": round(time.perf_counter() - s0, 2),
+                      "lr": backend.optimizer.param_groups[0]["lr"],
+                      **({"scale": float(net.log_scale.exp())} if net.cfg.learn_scale else {})})
         if (i + 1) % args.eval_every == 0 or i + 1 == args.steps:
             evals.append({"step": i + 1, "kl_memory": memory_kl()})
             g = {k[5:]: f"{v:.2e}" for k, v in figures.items() if k.startswith("grad/")}
@@ -170,7 +181,7 @@ def main() -> None:
     rt.ledger.close()
     gap = result.gap_closed.get("pace+memory")
     target = TARGETS[args.rung]
-    out = {"rung": args.rung, "config": str(args.config), "memory": cfg.memory.model_dump(), "parameters": params,
+    out = {"rung": args.rung, "config": str(args.config), "memory": cfg.memory.model_dump(), "parameters": params, "schedule": args.schedule,
            "actor_parameters": sum(p.numel() for p in actor.parameters()), "lr": lr, "steps": args.steps,
            "boundaries": [{"trajectory": r["trajectory"], "t": r["t"], "context": len(r["context"]),
                            "memory": len(r["memory"]), "bridge": len(r["bridge"]), "teacher": len(r["teacher"])}

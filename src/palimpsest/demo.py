@@ -34,7 +34,9 @@ DEMO_SERVE = Path("configs/serve/demo.yaml")
 DEMO_TRAIN = Path("configs/train/remory_demo.yaml")
 MEMORY_ARM = "pace+memory"
 DEMO_TRAJECTORIES = 3  # the default run's share of the dev file (``--control`` and ``--full`` take every one)
-CONTROL_ARMS = ({"name": "pace", "policy": {"type": "pace"}, "weight": 1.0},
+# Both arms compact per turn, so that each fills the same budget and they differ only in what they keep. With
+# compaction epochs `pace` would compact to 60% of the budget (so that the cache holds) while `last2` used all of it.
+CONTROL_ARMS = ({"name": "pace", "policy": {"type": "pace", "compaction": {"mode": "per_turn"}}, "weight": 1.0},
                 {"name": "last2", "policy": {"type": "window", "k": 2, "compaction": {"mode": "per_turn"}},
                  "weight": 1.0})
 

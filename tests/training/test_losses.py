@@ -141,7 +141,7 @@ def test_the_prefilled_context_gives_the_whole_forwards_loss_and_gradient():
     whole = _whole_prefix_loss(net, actor, s)
     whole.backward()
     expected = {k: p.grad.clone() for k, p in net.named_parameters() if p.grad is not None}
-    cache = PrefixCache(rows=2)
+    cache = PrefixCache(rows=1)  # one row: its context and its features
     for visit in range(2):  # the second visit reads the cached context and features
         net.zero_grad(set_to_none=True)
         loss = stage2_loss(net, actor, s, prefix=cache)

@@ -33,6 +33,7 @@ class MemoryConfig:
     feature_layer: int = -1  # which hidden state of the actor to read (-1 = last)
     mlp_ratio: int = 4
     dropout: float = 0.0
+    learn_scale: bool = False  # a learned gain on the soft vectors' norm (starts at the token embeddings' mean norm)
 
     def __post_init__(self) -> None:
         problems = []
@@ -117,6 +118,8 @@ class MemoryNetwork(nn.Module):
         self.out_proj = nn.Linear(d, cfg.d_actor)
         # Soft tokens land where real token embeddings live: same mean norm (a constant of the actor).
         self.register_buffer("embed_norm", torch.tensor(float(embed_norm)))
+        if cfg.learn_scale:  # the log of a learned gain over embed_norm
+            self.log_scale = nn.Parameter(torch.zeros(1))
 
     def _resample(self, src: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
         """(L, d) source -> (ceil(L / B) * Q, d): every block of <= B positions becomes Q tokens, in order."""
@@ -192,6 +195,8 @@ class MemoryNetwork(nn.Module):
         mem = self.summary_attn(mem[None], summary)[0]  # (S, d)
         out = self.out_proj(self.out_norm(mem))  # (S, d_actor)
         out = out * (self.embed_norm / out.norm(dim=-1, keepdim=True).clamp(min=1e-6))
+        if self.cfg.learn_scale:
+            out = out * self.log_scale.exp()
         # Data-parallel ranks reduce the gradients of the same parameters in the same buckets: a branch
         # one rank skipped (no merge here, no summary in GatedSummaryAttention) still joins the graph,
         # with a zero contribution.

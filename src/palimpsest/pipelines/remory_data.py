@@ -48,10 +48,14 @@ class DataConfig:
     budget: int = 768  # the student's token budget (the served arm's)
     memory_tokens: int = 1024  # the memory reads at most this many tokens (serving's memory.max_history_tokens)
     soft_slots: int = 64  # soft positions the budget reserves for the memory (the network's slots_for(memory_tokens))
+    recall_sessions: int = 0  # programmatic sessions (``pipelines.recall_sessions``) added to Stage II's trajectories
+    seed: int = 0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.val_fraction < 1.0:
             raise ValueError("val_fraction must be within [0, 1)")
+        if self.recall_sessions < 0:
+            raise ValueError("recall_sessions must be >= 0")
         for name in ("max_history_tokens", "max_target_tokens", "min_history_steps", "stride", "span_tokens",
                      "budget", "memory_tokens"):
             if getattr(self, name) < 1:
@@ -130,7 +134,11 @@ def build_datasets(data: Path, tokenizer: str, out: Path, cfg: DataConfig, polic
     from palimpsest.pipelines.environment import open_runtime
     from palimpsest.pipelines.replay import Skipped, prepare_sessions
 
+    from palimpsest.pipelines.recall_sessions import recall_sessions
+
     read = read_trajectories(data)
+    # Stage II also reads programmatic recall sessions, their fillers from the training split only
+    recall = recall_sessions(read.trajectories, cfg.recall_sessions, cfg.val_fraction, cfg.seed)
     out.mkdir(parents=True, exist_ok=True)
     ledger = out / "ledger.db"
     for f in out.glob("ledger.db*"):  # built afresh: the ledger is this build's scratch space
@@ -138,7 +146,7 @@ def build_datasets(data: Path, tokenizer: str, out: Path, cfg: DataConfig, polic
     rt = open_runtime(ledger, embedder, tokenizer)
     try:
         skipped: list[Skipped] = []
-        sessions = prepare_sessions(rt, read.trajectories, False, file_sha256(data), skipped)
+        sessions = prepare_sessions(rt, read.trajectories + recall, False, file_sha256(data), skipped)
         tok = rt.ledger.tokenizer
         rows1: list[dict] = []
         rows2: list[dict] = []
@@ -158,6 +166,8 @@ def build_datasets(data: Path, tokenizer: str, out: Path, cfg: DataConfig, polic
         pq.write_table(pa.Table.from_pylist(rows), out / f"{name}.parquet")
     counts = {name: {sp: sum(1 for r in rows if r["split"] == sp) for sp in ("train", "val")}
               for name, rows in (("stage1", rows1), ("stage2", rows2))}
+    counts["stage2_recall"] = {sp: sum(1 for r in rows2 if r["split"] == sp and r["trajectory"].startswith("recall/"))
+                               for sp in ("train", "val")}
     report = {"config": asdict(cfg), "counts": counts, "skipped": errors, "embedder": embedder,
               "policy": policy_record(policy), "data_sha256": file_sha256(data),
               "trajectories": {sp: sorted({r["trajectory"] for r in rows2 if r["split"] == sp}) for sp in ("train", "val")}}

@@ -35,6 +35,9 @@ class DataSection(_Strict):
                                "prompt left out (serving's memory.max_history_tokens)")
     embedder: Literal["minilm", "hashing"] = Field("minilm", description="the key embedder the policy plans with "
                                                    "(serving's)")
+    recall_sessions: int = Field(0, ge=0, le=100_000, description="programmatic sessions added to Stage II: a fact "
+                                 "shown early that a later action needs, around real steps of the training split "
+                                 "(pipelines.recall_sessions)")
 
 
 class MemorySection(_Strict):
@@ -45,6 +48,8 @@ class MemorySection(_Strict):
     queries: int = Field(16, ge=1)
     max_slots: int = Field(128, ge=1)
     feature_layer: int = -1
+    learn_scale: bool = Field(False, description="learn a gain on the soft vectors' norm (else the token embeddings' "
+                              "mean norm, fixed)")
 
     @model_validator(mode="after")
     def _sizes(self) -> "MemorySection":

@@ -68,7 +68,8 @@ def prepare(cfg: TrainConfig) -> PreparedRun:
     report = build_datasets(data, str(actor), storage / "data", DataConfig(
         max_history_tokens=d.max_history_tokens, max_target_tokens=d.max_target_tokens,
         max_observation_chars=d.max_observation_chars, span_tokens=d.span_tokens, val_fraction=d.val_fraction,
-        budget=d.budget, memory_tokens=d.memory_tokens, soft_slots=slots), policy, d.embedder)
+        budget=d.budget, memory_tokens=d.memory_tokens, soft_slots=slots, recall_sessions=d.recall_sessions,
+        seed=cfg.optim.seed), policy, d.embedder)
     if cfg.optim.stage2_steps and not report["counts"]["stage2"]["train"]:
         raise ConfigError(f"{data}: no Stage II training sample (all boundaries fell in the validation split)")
     if cfg.optim.stage1_steps and not report["counts"]["stage1"]["train"]:

@@ -166,6 +166,8 @@ class PrefixCache:
     the KV cache of the context before the soft slot and the actor's features of what the memory reads.
     Bounded by ``rows`` (least recently used out): a KV cache of 2K SmolLM2 positions is ~90 MB."""
 
+    KINDS = 2  # entries per row: the context's KV cache and the memory's features
+
     def __init__(self, rows: int = 4):
         self.rows = rows
         self.entries: OrderedDict[tuple, Any] = OrderedDict()
@@ -184,7 +186,7 @@ class PrefixCache:
         value = make()
         if self.rows > 0:
             self.entries[key] = value
-            while len(self.entries) > self.rows:
+            while len(self.entries) > self.KINDS * self.rows:
                 self.entries.popitem(last=False)
         return value
 
