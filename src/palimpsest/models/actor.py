@@ -85,14 +85,15 @@ class FrozenActor(nn.Module):
         finally:
             past.crop(n_prefix)
 
-    def after_prefix(self, past, inputs_embeds: torch.Tensor, last: int = 0) -> torch.Tensor:
+    def after_prefix(self, past, inputs_embeds: torch.Tensor, last: int = 0, keep: bool = True) -> torch.Tensor:
         """Logits (T, V) of ``inputs_embeds`` (T, d) continuing a prefilled prefix (``prefill``), differentiable in
         the embeddings: training's constant prefix (the context before the soft slot) is then run once without a
-        graph, and the gradient goes through the suffix only. The prefix's cache is left as it was (the forward
-        runs on a copy of it), so it serves every later step."""
+        graph, and the gradient goes through the suffix only. ``keep``: the prefix's cache is left as it was (the
+        forward runs on a copy of it), so it serves every later step; otherwise it is used up."""
         import copy
 
-        out = self.model(inputs_embeds=inputs_embeds[None], past_key_values=copy.deepcopy(past), use_cache=True,
+        out = self.model(inputs_embeds=inputs_embeds[None], past_key_values=copy.deepcopy(past) if keep else past,
+                         use_cache=True,
                          logits_to_keep=last)
         return out.logits[0]
 

@@ -104,9 +104,8 @@ def stage2_student(memnet: MemoryNetwork, actor: FrozenActor, sample: StageIISam
         return actor(inputs_embeds=suffix[None], last=r + 1)[0, :r]
     if prefix is not None:
         past = prefix.get(prefix.key("context", context), lambda: actor.prefill(context)[0])
-    else:
-        past = actor.prefill(context)[0]
-    return actor.after_prefix(past, suffix, last=r + 1)[:r]
+        return actor.after_prefix(past, suffix, last=r + 1)[:r]
+    return actor.after_prefix(actor.prefill(context)[0], suffix, last=r + 1, keep=False)[:r]  # used once
 
 
 def stage2_loss(memnet: MemoryNetwork, actor: FrozenActor, sample: StageIISample, decay: float = 0.05,
