@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -79,7 +79,7 @@ def grad_norms(net: MemoryNetwork, grad_of: Callable[[torch.nn.Parameter], torch
     return out
 
 
-class Backend:
+class Backend(Protocol):
     """Turns a loss into an update. ``module`` is what the loss calls (the wrapper, so its hooks apply)."""
 
     module: Any
@@ -87,13 +87,10 @@ class Backend:
 
     def update(self, loss: torch.Tensor) -> dict[str, float]:
         """Backward, measure, clip, step; returns the gradient figures of this step."""
-        raise NotImplementedError
-
-    def state(self) -> dict:
-        raise NotImplementedError
+        ...
 
 
-class LocalBackend(Backend):
+class LocalBackend:
     """The network and AdamW in this process (the ladder, the tests); also DDP's update (see below)."""
 
     def __init__(self, net: MemoryNetwork, lr: float, weight_decay: float = 0.0, grad_clip: float = 1.0,
@@ -126,7 +123,7 @@ class DDPBackend(LocalBackend):
         super().__init__(net, lr, weight_decay, grad_clip, module=torch.nn.parallel.DistributedDataParallel(net))
 
 
-class DeepSpeedBackend(Backend):
+class DeepSpeedBackend:
     """A DeepSpeed engine around the network (``launcher.ds_config``: AdamW, clipping, the ZeRO stage)."""
 
     def __init__(self, net: MemoryNetwork, config: dict):
@@ -191,20 +188,10 @@ class PrefixCache:
         return value
 
 
-def evaluate(net: MemoryNetwork, actor: FrozenActor, samples: Sequence[dict], stage: int, decay: float = 0.05,
-             teachers: Sequence | None = None) -> float:
-    """The mean loss over ``samples`` in eval mode, no gradient."""
-    net.eval()
-    with torch.no_grad():
-        losses = [float(sample_loss(net, actor, s, stage, decay=decay, teacher=teachers[i] if teachers else None))
-                  for i, s in enumerate(samples)]
-    return sum(losses) / max(len(losses), 1)
-
-
 def init_stage2_from_stage1(stage2: MemoryNetwork, stage1_state: dict) -> None:
     """Stage II starts from the Stage I weights: same architecture, every tensor copied (strict)."""
     stage2.load_state_dict(stage1_state, strict=True)
 
 
-__all__ = ["Backend", "DDPBackend", "DeepSpeedBackend", "LocalBackend", "PrefixCache", "Step", "evaluate",
+__all__ = ["Backend", "DDPBackend", "DeepSpeedBackend", "LocalBackend", "PrefixCache", "Step",
            "grad_norms", "init_stage2_from_stage1", "module_groups", "sample_loss", "sample_tensors", "unwrap"]
