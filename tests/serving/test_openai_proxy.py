@@ -193,3 +193,19 @@ def test_what_claude_code_sends_is_read_and_what_would_change_the_actor_is_refus
                          ({"context_management": []}, "context_management")):
         with pytest.raises(anthropic_proxy.AnthropicInputError, match=re.escape(field)):
             anthropic_proxy.read_request({**base, **patch})
+
+
+def test_a_messages_field_of_any_wrong_json_type_is_a_400_naming_it_never_a_crash():
+    """Every field of a Messages body, given each JSON type it does not take (a number for ``tools``, a string for
+    ``messages``...), is refused by name as the caller's error: the checks before vLLM's model read the value
+    by its type and must not fail on a value of another one."""
+    from palimpsest.serving import anthropic_proxy
+
+    anthropic_proxy.load()
+    base = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    for field in sorted(anthropic_proxy.FIELDS):
+        for value in (1133455, -3.5, "x", True, {"a": 1}, [1], [None], [{"type": 7}]):
+            try:
+                anthropic_proxy.read_request({**base, field: value})
+            except anthropic_proxy.AnthropicInputError as e:
+                assert field in str(e), (field, value, str(e))

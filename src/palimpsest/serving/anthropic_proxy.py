@@ -112,7 +112,10 @@ def check_request(raw: Any) -> None:
                                       "endpoint")
         allowed = {"text", "tool_use"} if m["role"] == "assistant" else {"text", "tool_result"}
         _check_blocks(m.get("content"), f"messages[{i}].content", allowed)
-    for k, t in enumerate(raw.get("tools") or []):
+    tools = raw.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise AnthropicInputError("tools: a list of client tools is needed")
+    for k, t in enumerate(tools or []):
         if not isinstance(t, dict) or set(t) - TOOL_FIELDS or t.get("type") not in (None, "custom"):
             raise AnthropicInputError(f"tools[{k}]: a client tool {{name, description, input_schema}} is served "
                                       "(server tools such as web search are not)")
