@@ -426,7 +426,10 @@ def _actions_table(result) -> None:
         table.add_row(label, f"{p['kl']:.4f} ({p['kl_ci'][0]:.4f}-{p['kl_ci'][1]:.4f})", f"{p['nll']:.3f}",
                       f"{p['top1']:.3f}", f"{p['positions']:.0f}", str(p["boundaries"]), "-" if g is None else f"{g:.3f}")
     out.print(table)
-    out.print(f"gap closed relative to {result.reference}")
+    out.print(f"gap closed relative to {result.reference}, on the boundaries each row was scored on")
+    for label, p in result.policies.items():
+        if p.get("in_sample"):
+            out.print(f"{label}: {p['in_sample']} boundaries left out, on trajectories its constants were fitted on")
 
 
 def _memory_base(label: str) -> str:

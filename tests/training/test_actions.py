@@ -102,3 +102,28 @@ def test_the_cli_prints_only_json_on_stdout(tmp_path, actor_dir, data):
     doc = json.loads(r.stdout)  # the whole of stdout is one JSON object
     assert set(doc["policies"]) == {"window", "pace"} and doc["reference"] == "pace"
     assert doc["policies"]["window"]["boundaries"] == 2 and len(doc["policies"]["pace"]["kl_ci"]) == 2
+
+
+def test_a_fitted_policy_is_never_scored_on_the_trajectories_it_was_fitted_on(tmp_path, actor_dir, data, monkeypatch):
+    """pace_plus's constants were fitted on half of dev: its row is scored on the other trajectories only, and
+    the boundaries left out for that reason are counted (a policy without a fit set is scored everywhere)."""
+    from palimpsest.platform.policies.pace_plus import FITTED_ON, PacePlusConfig
+
+    assert FITTED_ON and PacePlusConfig.fitted_on == FITTED_ON
+    monkeypatch.setattr(PacePlusConfig, "fitted_on", frozenset({"tr/1"}))
+    rt = open_runtime(tmp_path / "l.db", "hashing", str(actor_dir))
+    sessions = prepare_sessions(rt, read_trajectories(data).trajectories, False, file_sha256(data), [])
+    arms = [Arm("pace", parse_policy_config("pace")), Arm("pace_plus", parse_policy_config("pace_plus"))]
+    res = evaluate_actions(rt, sessions, arms, 1000, FrozenActor.from_pretrained(actor_dir), data_sha=file_sha256(data),
+                           actor_key=str(actor_dir), window=2048, max_target_tokens=8, reference="pace")
+    plus = [r for r in res.boundaries if r["policy"] == "pace_plus"]
+    assert {r["trajectory"] for r in plus if r.get("kl") is not None} == {"tr/0", "tr/2"}
+    fitted = [r for r in plus if r["trajectory"] == "tr/1"]
+    assert fitted and all(r["in_sample"] and r.get("kl") is None for r in fitted)
+    assert res.policies["pace_plus"]["in_sample"] == len(fitted) and res.policies["pace"]["in_sample"] == 0
+    assert res.policies["pace_plus"]["boundaries"] == res.policies["pace"]["boundaries"] - len(fitted)
+    assert res.policies["pace_plus"]["trajectories"] == 2
+    # its gap is taken against the reference on the boundaries it was scored on
+    kept = [r for r in res.boundaries if r["policy"] == "pace" and r["trajectory"] != "tr/1" and r.get("kl") is not None]
+    base = sum(r["kl"] for r in kept) / len(kept)
+    assert res.gap_closed["pace_plus"] == pytest.approx(1 - res.policies["pace_plus"]["kl"] / base, rel=1e-6)

@@ -18,6 +18,8 @@ Teacher distributions are cached as their top-k plus the tail mass (Parquet, key
 and boundary), so each teacher pass is computed once; the KL is then taken over the partition {the
 teacher's top-k tokens, the rest}, a lower bound of the full KL that is exact as k grows (docs/metrics.md).
 Means come with bootstrap 95% intervals over trajectories; ``gap_closed`` is 1 - KL(policy) / KL(reference).
+A policy whose constants were fitted on trajectories (``fitted_on`` of its config: pace_plus's fit half of dev)
+is not scored on them: those boundaries are counted as ``in_sample`` and left out of its row.
 """
 
 from __future__ import annotations
@@ -143,6 +145,9 @@ def evaluate_actions(rt, sessions, arms: list[Arm], budget: int, actor, *, data_
                     continue
                 target = torch.tensor(ts[rs.t], dtype=torch.long)
                 row = {"policy": arm.label, "trajectory": sid, "t": rs.t, "budget": budget}
+                if sid in getattr(arm.config, "fitted_on", ()):  # the policy's constants were fitted here
+                    rows.append({**row, "skipped": None, "in_sample": True})
+                    continue
                 if isinstance(turn, BudgetError):
                     rows.append({**row, "skipped": str(turn)})
                     continue
@@ -175,7 +180,7 @@ def evaluate_actions(rt, sessions, arms: list[Arm], budget: int, actor, *, data_
 def summarize_actions(rows: list[dict], labels: list[str], reference: str | None, seed: int = 0) -> ActionsResult:
     policies: dict[str, dict] = {}
     for label in labels:
-        ok = [r for r in rows if r["policy"] == label and r.get("skipped") is None]
+        ok = [r for r in rows if r["policy"] == label and r.get("skipped") is None and not r.get("in_sample")]
         groups: dict[str, list[float]] = {}
         for r in ok:
             groups.setdefault(r["trajectory"], []).append(r["kl"])
@@ -184,11 +189,16 @@ def summarize_actions(rows: list[dict], labels: list[str], reference: str | None
         policies[label] = {"kl": mean("kl"), "kl_ci": list(bootstrap_ci(groups, seed=seed)), "nll": mean("nll"),
                            "top1": mean("top1"), "positions": mean("positions"), "boundaries": n,
                            "trajectories": len(groups),
-                           "skipped": sum(1 for r in rows if r["policy"] == label and r.get("skipped"))}
+                           "skipped": sum(1 for r in rows if r["policy"] == label and r.get("skipped")),
+                           "in_sample": sum(1 for r in rows if r["policy"] == label and r.get("in_sample"))}
     ref = reference if reference in policies else None
+    ref_kl = {(r["trajectory"], r["t"]): r["kl"] for r in rows if r["policy"] == ref and r.get("kl") is not None}
     gap: dict[str, float | None] = {}
     for label, p in policies.items():
-        base = policies[ref]["kl"] if ref else float("nan")
+        # against the reference on the same boundaries (a row may leave some out: skipped, or in-sample)
+        mine = [(r["trajectory"], r["t"]) for r in rows if r["policy"] == label and r.get("kl") is not None]
+        paired = [ref_kl[b] for b in mine if b in ref_kl]
+        base = float(np.mean(paired)) if paired else float("nan")
         gap[label] = (1.0 - p["kl"] / base) if ref and base > 0 and not math.isnan(p["kl"]) else None
     return ActionsResult(policies, gap, ref or "")
 

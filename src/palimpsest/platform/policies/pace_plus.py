@@ -46,11 +46,19 @@ if TYPE_CHECKING:
 _LEVELS = (Resolution.DROP, Resolution.PLACEHOLDER, Resolution.BRIEF, Resolution.DETAILED, Resolution.FULL)
 
 
+#: The dev trajectories ``coverage``, ``fill`` and ``price`` were fitted on (``benchmarks/fit_pace_plus.py``'s fit
+#: half, recorded in ``benchmarks/results/dev/pace_plus_fit.json``): eval-actions never scores this policy on them.
+FITTED_ON: frozenset[str] = frozenset({
+    "mswea-gemini3pro/sympy__sympy-13091", "mswea-gemini3pro/scikit-learn__scikit-learn-12682",
+    "smolagents-gpt4o-code/gaia-051941bcd5", "taubench-gpt4o-airline/task3-trial0"})
+
+
 class PacePlusConfig(PolicyConfigBase):
     """PACE + identifier-aware hybrid scores + knapsack allocation of resolutions."""
 
     type: Literal["pace_plus"] = "pace_plus"
     name: ClassVar[str] = "pace_plus"
+    fitted_on: ClassVar[frozenset[str]] = FITTED_ON  # its constants' fit set: out of every evaluation of it
     recent: int = Field(2, ge=1, le=64, description="N: the most recent steps, always full")
     query: QueryLayout = Field("recent_first", description="query text: recent_first (the last N steps are never "
                                "cut by the embedder's window) or task_first (the paper's order)")
