@@ -33,6 +33,7 @@ from palimpsest.pipelines.replay import run_replay
 from palimpsest.pipelines.trajectories import import_trajectory, read_trajectories
 from palimpsest.platform.abstraction import extract_salient
 from palimpsest.platform.policies import parse_policy_config
+from palimpsest.platform.policies.pace_plus import FITTED_ON
 from palimpsest.platform.types import Resolution
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -115,6 +116,9 @@ def main() -> None:
     fill, price = max(votes, key=lambda fp: (votes[fp], -fp[0]))
     fitted = {"coverage": coverage, "fill": fill, "price": price}
     print(f"fitted without labels: {fitted}", flush=True)
+    if set(ids["fit"]) != FITTED_ON:  # eval-actions leaves the policy's fit set out by this constant
+        print(f"the fit half differs from pace_plus.FITTED_ON: set it to {sorted(ids['fit'])} with these constants",
+              flush=True)
 
     policies = {
         "full": parse_policy_config("full"),
