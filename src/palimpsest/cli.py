@@ -542,7 +542,7 @@ def eval_memory(
     if not data.is_file():
         raise PalimpsestError(f"trajectory file not found: {data}")
     with _json_stdout(as_json):
-        from palimpsest.models.encoder import load_memory
+        from palimpsest.models.registry import load_memory
         from palimpsest.models.registry import memory_meta, resolve_memory_ref
 
         ref = resolve_memory_ref(model)

@@ -77,7 +77,7 @@ class Progress:
 def ensure_memory(out: Console, train_config: Path, data: Path) -> str | None:
     """The registered memory model for SmolLM2, training the demo one first when there is none."""
     from palimpsest.models.assets import smollm2_dir
-    from palimpsest.models.encoder import load_memory
+    from palimpsest.models.registry import load_memory
     from palimpsest.models.registry import resolve_memory_ref
 
     ref = resolve_memory_ref("auto")

@@ -158,7 +158,7 @@ def test_old_history_folds_into_range_lines_and_the_recent_window_stays_whole(ru
     recent = np.arange(600 - bound.recent_window, 600)
     # nothing in the recent window was degraded (old steps went first): it is shown as the policy planned it
     assert not any(int(d.t) in set(recent.tolist()) for d in plan.degradations)
-    assert f"TOKEN599" in prompt.text
+    assert "TOKEN599" in prompt.text
     covered = np.zeros(600, dtype=bool)
     for seg in prompt.segments:
         if seg.kind == "step":

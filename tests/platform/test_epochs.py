@@ -125,7 +125,7 @@ def test_two_replicas_build_identical_prompts_after_a_restart(tmp_path):
 
 def test_every_step_stays_glimpseable_and_the_soft_slot_is_the_boundary(runtime):
     sid = _session(runtime)
-    t = 0
+    t, turn = 0, None
     while t < 40 or turn.compacted:  # end on an append-only turn after some boundaries
         _grow(runtime, sid, t)
         turn = runtime.turn(sid, "pace", BUDGET, reserve=RESERVE)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 import socket
-from pathlib import Path
 
 import pytest
 import torch
@@ -33,7 +32,7 @@ def tiny_dir(tmp_path_factory):
 def tiny_memory(tiny_dir, tmp_path_factory):
     """A memory bundle for the tiny actor, as training exports it (random weights: the plumbing is under test)."""
     from palimpsest.models.actor import FrozenActor
-    from palimpsest.models.encoder import BUNDLE_META, BUNDLE_WEIGHTS
+    from palimpsest.models.registry import BUNDLE_META, BUNDLE_WEIGHTS
     from palimpsest.models.memory import MemoryConfig, MemoryNetwork
 
     actor = FrozenActor.from_pretrained(tiny_dir)

@@ -5,7 +5,8 @@ import sys
 import pytest
 import torch
 
-from palimpsest.models.encoder import MemoryEncoder, load_bundle, load_memory
+from palimpsest.models.encoder import MemoryEncoder
+from palimpsest.models.registry import load_bundle, load_memory
 from palimpsest.platform.types import ConfigError
 from tests.models.tiny import tiny_actor
 from tests.models.tiny_tokenizer import tiny_tokenizer

@@ -119,9 +119,9 @@ def _check_run(summary, marker, tracking, store):
     import mlflow
     import torch
 
-    from palimpsest.models.encoder import load_memory
+    from palimpsest.models.registry import load_memory
     from palimpsest.models.registry import resolve_memory_ref
-    from palimpsest.training.launcher import load_bundle
+    from palimpsest.models.registry import load_bundle
 
     assert marker.exists()  # the worker was killed once ...
     assert summary["metrics"]["step"] == 6  # ... and the run still finished,
@@ -175,7 +175,8 @@ def test_zero3_and_ddp_train_and_export_the_same_architecture(tmp_path, actor_di
     import ray
     import torch
 
-    from palimpsest.training.launcher import launch, load_bundle
+    from palimpsest.models.registry import load_bundle
+    from palimpsest.training.launcher import launch
 
     monkeypatch.chdir(tmp_path)
     cfg = config(tmp_path, actor_dir, distributed=dist, optim={"stage1_steps": 2, "stage2_steps": 2,

@@ -1,17 +1,34 @@
-"""Where models are found: the actor's folder, the MLflow tracking store, and the registered memory network.
+"""Where models are found and how a memory model is kept: the actor's folder, the MLflow tracking store (one
+session helper for every run Palimpsest logs), the memory bundle format, and its registration.
 
-One module owns these lookups so that training, serving, evaluation and the demo resolve a name the same
-way (nothing here imports from ``pipelines``; the tracking helpers there build on this one).
+One module owns these so that training, serving, evaluation and the demo resolve a name, read a bundle and
+open a tracking run the same way. Nothing here imports from ``pipelines`` or ``serving``, and torch and MLflow
+are imported only inside the functions that need them.
+
+A memory **bundle** is a directory with ``memory.json`` (the network's config, the actor's embedding norm,
+the actor, the policy the samples were compiled with and the data split) and ``memory.pt`` (full weights):
+loadable without DeepSpeed. A **model reference** is a bundle directory or an MLflow model URI
+(``models:/palimpsest-memory/latest``, ``runs:/...``).
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from palimpsest.platform.types import ConfigError
+from palimpsest.platform.types import ConfigError, PalimpsestError
+
+if TYPE_CHECKING:
+    from palimpsest.models.memory import MemoryNetwork
 
 REGISTERED_MODEL = "palimpsest-memory"  # the MLflow registry name training registers under
+BUNDLE_WEIGHTS = "memory.pt"
+BUNDLE_META = "memory.json"
+
+
+# ---------------------------------------------------------------------------------------------- tracking
 
 
 def tracking_uri() -> str:
@@ -22,6 +39,32 @@ def tracking_uri() -> str:
     root = Path(".palimpsest").resolve()
     root.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{root / 'mlflow.db'}"
+
+
+def experiment_id(mlflow, name: str) -> str:
+    """The id of experiment ``name``, created (artifacts beside a local store) when it does not exist."""
+    exp = mlflow.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    artifacts = os.environ.get("PALIMPSEST_MLFLOW_ARTIFACTS")
+    if artifacts is None and tracking_uri().startswith("sqlite:"):
+        artifacts = (Path(".palimpsest") / "mlartifacts").resolve().as_uri()
+    return mlflow.create_experiment(name, artifact_location=artifacts)
+
+
+def mlflow_experiment(name: str) -> tuple[Any, str]:
+    """``(mlflow, experiment id)`` with the tracking URI set: the one way a run is opened. A store that cannot be
+    used (an unreachable server, an unwritable database) is a clear error naming it, not a stack trace."""
+    import mlflow
+
+    try:
+        mlflow.set_tracking_uri(tracking_uri())
+        return mlflow, experiment_id(mlflow, name)
+    except Exception as e:
+        raise PalimpsestError(f"MLflow tracking at {tracking_uri()} is not usable: {e}") from None
+
+
+# ---------------------------------------------------------------------------------------------- lookups
 
 
 def resolve_actor_path(model: str) -> Path:
@@ -56,13 +99,8 @@ def resolve_memory_ref(model: str | None) -> str | None:
 
 
 def memory_meta(ref: str | None) -> dict:
-    """What a memory model's bundle records (``memory.json``: its config, actor, the policy its samples were
-    compiled with and its data split), for a bundle directory or a registered ``models:/NAME/VERSION``
-    (read from the checkpoint its run logged); {} when there is none to read."""
-    import json
-
-    from palimpsest.models.encoder import BUNDLE_META
-
+    """What a memory model's bundle records (``memory.json``), for a bundle directory or a registered
+    ``models:/NAME/VERSION`` (read from the checkpoint its run logged); {} when there is none to read."""
     if not ref:
         return {}
     local = Path(str(ref), BUNDLE_META)
@@ -83,3 +121,79 @@ def memory_meta(ref: str | None) -> dict:
         return json.loads(Path(path).read_text())
     except Exception:  # an older registration without a logged checkpoint, or no store: nothing recorded
         return {}
+
+
+# ---------------------------------------------------------------------------------------------- the bundle
+
+
+def write_bundle(out: Path, state: dict, meta: dict) -> None:
+    """Write a bundle: full weights (a state dict of CPU tensors) and what they are (``meta``)."""
+    import torch
+
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save(state, out / BUNDLE_WEIGHTS)
+    (out / BUNDLE_META).write_text(json.dumps(meta, indent=2))
+
+
+def load_bundle(path: str | Path) -> "MemoryNetwork":
+    """A MemoryNetwork from a bundle; a checkpoint of another architecture is a clear error."""
+    import torch
+
+    from palimpsest.models.memory import MemoryConfig, MemoryNetwork
+
+    path = Path(path)
+    meta_file, weights = path / BUNDLE_META, path / BUNDLE_WEIGHTS
+    if not meta_file.is_file() or not weights.is_file():
+        raise ConfigError(f"{path} holds no memory bundle ({BUNDLE_META} and {BUNDLE_WEIGHTS} expected)")
+    meta = json.loads(meta_file.read_text())
+    try:
+        net = MemoryNetwork(MemoryConfig(**meta["memory"]), embed_norm=meta["embed_norm"])
+        net.load_state_dict(torch.load(weights, weights_only=True), strict=True)
+    except (TypeError, ValueError, RuntimeError, KeyError) as e:
+        raise ConfigError(f"{path}: the checkpoint does not match a memory network of its config: {e}") from None
+    return net.eval()
+
+
+def load_memory(ref: str | Path) -> "MemoryNetwork":
+    """From a bundle directory or an MLflow model URI (the tracking store from $MLFLOW_TRACKING_URI, else the
+    project's local one)."""
+    from palimpsest.models.memory import MemoryNetwork
+
+    if Path(ref).is_dir():
+        return load_bundle(ref)
+    ref = str(ref)
+    if not ref.startswith(("models:/", "runs:/")):
+        raise ConfigError(f"{ref!r} is neither a checkpoint directory nor an MLflow model URI")
+    import mlflow
+
+    mlflow.set_tracking_uri(tracking_uri())
+    try:
+        net = mlflow.pytorch.load_model(ref)
+    except Exception as e:
+        raise ConfigError(f"cannot load memory model {ref}: {e}") from None
+    if not isinstance(net, MemoryNetwork):
+        raise ConfigError(f"{ref} is a {type(net).__name__}, not a memory network")
+    return net.eval()
+
+
+def register_bundle(bundle: Path, run_id: str, register_as: str | None, tags: dict[str, str]) -> str | None:
+    """Log a bundle to its training run (``checkpoint/``, and the policy record as ``policy.json``) and, with
+    ``register_as``, register it as an MLflow model with ``tags``; returns 'models:/NAME/VERSION'."""
+    import mlflow
+
+    mlflow.set_tracking_uri(tracking_uri())
+    with mlflow.start_run(run_id=run_id):
+        mlflow.log_artifacts(str(bundle), artifact_path="checkpoint")
+        # the resolved policy config the samples were compiled with, content and hash, beside the checkpoint
+        policy = json.loads((bundle / BUNDLE_META).read_text()).get("policy") or {}
+        mlflow.log_dict(policy, "policy.json")
+        if not register_as:
+            return None
+        info = mlflow.pytorch.log_model(load_bundle(bundle), name="memory", serialization_format="pickle",
+                                        pip_requirements=[], registered_model_name=register_as)
+    version = str(info.registered_model_version)
+    client = mlflow.MlflowClient()
+    for key, value in {**tags, "policy_hash": policy.get("hash")}.items():
+        if value:
+            client.set_model_version_tag(register_as, version, key, value)
+    return f"models:/{register_as}/{version}"

@@ -376,15 +376,9 @@ def summary_markdown(s: dict) -> str:
 
 def log_ab(summary: dict, experiment: str, params: dict[str, Any], markdown: str) -> tuple[str, str]:
     """One MLflow run for the comparison; returns (run id, tracking URI)."""
-    import mlflow
+    from palimpsest.models.registry import mlflow_experiment, tracking_uri
 
-    from palimpsest.pipelines.tracking import experiment_id, tracking_uri
-
-    try:
-        mlflow.set_tracking_uri(tracking_uri())
-        exp = experiment_id(mlflow, experiment)
-    except Exception as e:
-        raise PalimpsestError(f"MLflow tracking at {tracking_uri()} is not usable: {e}") from None
+    mlflow, exp = mlflow_experiment(experiment)
     with mlflow.start_run(experiment_id=exp, run_name="ab-" + "-vs-".join(summary["arms"])) as run:
         mlflow.log_params({k: str(v)[:500] for k, v in params.items()})
         metrics = {}

@@ -18,9 +18,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from palimpsest.models.registry import tracking_uri  # noqa: F401  (one owner; re-exported here)
 from typing import Any
 
+from palimpsest.models.registry import mlflow_experiment, tracking_uri
 from palimpsest.platform.types import PalimpsestError
 
 EXPERIMENT_REPLAY = "palimpsest-replay"
@@ -54,16 +54,6 @@ def check(uri: str | None = None, timeout_s: float = 5.0) -> None:
     raise PalimpsestError(f"cannot reach the MLflow tracking server at {uri}: {reason}")
 
 
-def experiment_id(mlflow, name: str) -> str:
-    exp = mlflow.get_experiment_by_name(name)
-    if exp is not None:
-        return exp.experiment_id
-    artifacts = os.environ.get("PALIMPSEST_MLFLOW_ARTIFACTS")
-    if artifacts is None and tracking_uri().startswith("sqlite:"):
-        artifacts = (Path(".palimpsest") / "mlartifacts").resolve().as_uri()
-    return mlflow.create_experiment(name, artifact_location=artifacts)
-
-
 def _flat(prefix: str, value: Any, out: dict[str, float]) -> None:
     if isinstance(value, dict):
         for k, v in value.items():
@@ -74,13 +64,7 @@ def _flat(prefix: str, value: Any, out: dict[str, float]) -> None:
 
 def log_replay(summary: dict, out_dir: Path) -> str:
     """One parent run per replay, one child run per policy; returns the parent run id."""
-    import mlflow
-
-    try:
-        mlflow.set_tracking_uri(tracking_uri())
-        exp = experiment_id(mlflow, EXPERIMENT_REPLAY)
-    except Exception as e:  # an unreachable server is a clear error, not a stack trace
-        raise PalimpsestError(f"MLflow tracking at {tracking_uri()} is not usable: {e}") from None
+    mlflow, exp = mlflow_experiment(EXPERIMENT_REPLAY)
     data = summary["data"]
     with mlflow.start_run(experiment_id=exp, run_name=f"replay-{Path(data['file']).stem}-{summary['budget']}") as run:
         mlflow.log_params({"data.file": data["file"], "data.sha256": data["sha256"], "budget": summary["budget"],
@@ -104,13 +88,7 @@ def log_replay(summary: dict, out_dir: Path) -> str:
 
 def log_actions(result: dict, configs: dict[str, dict]) -> str:
     """One run per `eval-actions`: the parameters, every policy's figures as metrics, the result as JSON."""
-    import mlflow
-
-    try:
-        mlflow.set_tracking_uri(tracking_uri())
-        exp = experiment_id(mlflow, EXPERIMENT_ACTIONS)
-    except Exception as e:
-        raise PalimpsestError(f"MLflow tracking at {tracking_uri()} is not usable: {e}") from None
+    mlflow, exp = mlflow_experiment(EXPERIMENT_ACTIONS)
     with mlflow.start_run(experiment_id=exp, run_name=f"eval-actions-{Path(result['data']['file']).stem}-{result['budget']}") as run:
         mlflow.log_params({"data.file": result["data"]["file"], "data.sha256": result["data"]["sha256"],
                            "budget": result["budget"], "reference": result["reference"],

@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from palimpsest.models.encoder import BUNDLE_META, BUNDLE_WEIGHTS, load_bundle
+from palimpsest.models.registry import mlflow_experiment, register_bundle, write_bundle
 from palimpsest.platform.types import ConfigError, PalimpsestError
 from palimpsest.training.config import TrainConfig
 
-__all__ = ["launch", "load_bundle", "prepare", "register", "train_loop"]
+__all__ = ["launch", "prepare", "register", "train_loop"]
 
 
 @dataclass(frozen=True)
@@ -243,7 +243,6 @@ def train_loop(loop_config: dict) -> None:
 
 def _export_bundle(cfg: TrainConfig, module, actor, out: Path, engine, data_dir: str | None = None) -> None:
     """Full weights + config for loading without DeepSpeed (gathered under ZeRO-3)."""
-    import torch
 
     params = list(module.parameters())
     if engine is not None and cfg.distributed.zero_stage == 3:
@@ -253,14 +252,13 @@ def _export_bundle(cfg: TrainConfig, module, actor, out: Path, engine, data_dir:
             state = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
     else:
         state = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
-    torch.save(state, out / BUNDLE_WEIGHTS)
     report = _data_report(data_dir)
     meta = {"memory": {"d_actor": actor.hidden_size, **cfg.memory.model_dump()}, "embed_norm": actor.embed_norm(),
             "actor": cfg.actor.model_dump(), "policy_config": cfg.tracking.policy_config, "name": cfg.name,
             # the resolved policy config the samples were compiled with (content and hash)
             "policy": {"file": cfg.tracking.policy_config, **(report.get("policy") or {})},
             "data": {**cfg.data.model_dump(), "sha256": report.get("data_sha256"), **_splits(data_dir)}}
-    (out / BUNDLE_META).write_text(json.dumps(meta, indent=2))
+    write_bundle(out, state, meta)
 
 
 def _data_report(data_dir: str | None) -> dict:
@@ -332,21 +330,14 @@ def launch(cfg: TrainConfig, fault: dict | None = None, track: bool = True) -> d
     timings = {"prepare_s": round(time.perf_counter() - t_prep, 1)}  # data rows (the serving code) + teachers
     mlflow_spec, run_id = None, None
     if track:
-        import mlflow
-
         from palimpsest.models.registry import tracking_uri
-        from palimpsest.pipelines.tracking import check, configure, experiment_id
+        from palimpsest.pipelines.tracking import check, configure
 
         configure(cfg.tracking.uri, cfg.tracking.artifact_location)
         check()
-
-        try:
-            mlflow.set_tracking_uri(tracking_uri())
-            exp = experiment_id(mlflow, cfg.tracking.experiment)
-            run_id = mlflow.start_run(experiment_id=exp, run_name=cfg.name).info.run_id
-            mlflow.end_run()
-        except Exception as e:
-            raise PalimpsestError(f"MLflow tracking at {tracking_uri()} is not usable: {e}") from None
+        mlflow, exp = mlflow_experiment(cfg.tracking.experiment)  # a store that cannot be used is a clear error
+        run_id = mlflow.start_run(experiment_id=exp, run_name=cfg.name).info.run_id
+        mlflow.end_run()
         mlflow_spec = {"uri": tracking_uri(), "run_id": run_id}
     if os.environ.get("RAY_TMPDIR"):
         Path(os.environ["RAY_TMPDIR"]).mkdir(parents=True, exist_ok=True)
@@ -383,25 +374,6 @@ def launch(cfg: TrainConfig, fault: dict | None = None, track: bool = True) -> d
 
 def register(cfg: TrainConfig, checkpoint, run_id: str) -> str | None:
     """Log the final bundle to the run and register it; returns 'models:/NAME/VERSION'."""
-    import mlflow
-
-    from palimpsest.models.registry import tracking_uri
-
-    mlflow.set_tracking_uri(tracking_uri())
-    with checkpoint.as_directory() as d, mlflow.start_run(run_id=run_id):
-        mlflow.log_artifacts(d, artifact_path="checkpoint")
-        # The resolved policy config the samples were compiled with, content and hash, beside the checkpoint.
-        policy = json.loads((Path(d) / BUNDLE_META).read_text()).get("policy") or {}
-        mlflow.log_dict(policy, "policy.json")
-        if not cfg.tracking.register_as:
-            return None
-        model = load_bundle(Path(d))
-        info = mlflow.pytorch.log_model(model, name="memory", serialization_format="pickle", pip_requirements=[],
-                                        registered_model_name=cfg.tracking.register_as)
-    version = info.registered_model_version
-    client = mlflow.MlflowClient()
-    client.set_model_version_tag(cfg.tracking.register_as, str(version), "policy_config", cfg.tracking.policy_config)
-    if policy.get("hash"):
-        client.set_model_version_tag(cfg.tracking.register_as, str(version), "policy_hash", policy["hash"])
-    client.set_model_version_tag(cfg.tracking.register_as, str(version), "actor", cfg.actor.path)
-    return f"models:/{cfg.tracking.register_as}/{version}"
+    with checkpoint.as_directory() as d:
+        return register_bundle(Path(d), run_id, cfg.tracking.register_as,
+                               {"policy_config": cfg.tracking.policy_config, "actor": cfg.actor.path})
