@@ -41,24 +41,36 @@ def prepared_rows(cfg, fresh: bool = False):
     and the data config are those of the last build)."""
     from dataclasses import asdict
 
-    from palimpsest.pipelines.remory_data import DataConfig
     from palimpsest.pipelines.trajectories import file_sha256
-    from palimpsest.training.launcher import _load_rows, prepare, resolve_actor
+    from palimpsest.training.launcher import _load_rows, data_config, prepare, resolve_actor
 
     data_dir = Path(cfg.storage).expanduser().resolve() / cfg.name / "data"
     report = data_dir / "report.json"
     if not fresh and report.is_file():
         old = json.loads(report.read_text())
-        d = cfg.data
-        want = asdict(DataConfig(max_history_tokens=d.max_history_tokens, max_target_tokens=d.max_target_tokens,
-                                 max_observation_chars=d.max_observation_chars, span_tokens=d.span_tokens,
-                                 val_fraction=d.val_fraction, budget=d.budget, memory_tokens=d.memory_tokens,
-                                 soft_slots=old["config"]["soft_slots"], recall_sessions=d.recall_sessions,
-                                 seed=cfg.optim.seed))
-        if old.get("data_sha256") == file_sha256(Path(d.file)) and old["config"] == want:
+        if old.get("data_sha256") == file_sha256(Path(cfg.data.file)) and old["config"] == asdict(data_config(cfg)):
             return str(resolve_actor(cfg)), data_dir, old, _load_rows(str(data_dir), 2)
     run = prepare(cfg.model_copy(update={"optim": cfg.optim.model_copy(update={"teacher_cache": False})}))
     return run.actor_path, data_dir, run.data_report, _load_rows(str(data_dir), 2)
+
+
+def free_span(net):
+    """The memory network with its output replaced by free vectors: as many soft positions as it would give, each
+    scaled to the same norm, trained directly and reading nothing (the slot's capacity without a network). Its
+    other parameters stay and get no gradient."""
+    import torch
+    from torch import nn
+
+    class FreeSpan(type(net)):
+        def forward(self, features, summary=None, min_passes=0):
+            out = self.free[: self.slots_for(features.shape[0])]
+            return out * (self.embed_norm / out.norm(dim=-1, keepdim=True).clamp(min=1e-6))
+
+    net.__class__ = FreeSpan
+    for p in net.parameters():
+        p.requires_grad_(False)
+    net.free = nn.Parameter(torch.randn(net.cfg.max_slots, net.cfg.d_actor) / net.cfg.d_actor ** 0.5)
+    return net
 
 
 def main() -> None:
@@ -72,6 +84,12 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="resampler layers (default: the config's)")
     ap.add_argument("--learn-scale", action="store_true", help="learn a gain on the soft vectors' norm")
     ap.add_argument("--schedule", choices=("constant", "cosine"), default="constant", help="the learning rate over steps")
+    ap.add_argument("--kl-decay", type=float, default=None,
+                    help="position weights of the loss, 1 / (1 + d * j) (default: the config's; 0 is the metric's "
+                         "uniform mean over the target tokens)")
+    ap.add_argument("--free-span", action="store_true",
+                    help="the ceiling of the slot: train free soft vectors in the memory's positions (as many, the "
+                         "same norm) instead of the network, reading nothing")
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fresh-data", action="store_true", help="build the rows again even when the last build fits")
@@ -116,6 +134,8 @@ def main() -> None:
     torch.manual_seed(cfg.optim.seed)
     actor = FrozenActor.from_pretrained(actor_path, dtype=cfg.actor.dtype)
     net = build_memory(cfg, actor)
+    if args.free_span:
+        net = free_span(net)
     params = net.num_parameters()
     samples = [sample_tensors(r, 2) for r in chosen]
     cache = TeacherCache(data_dir / TEACHERS)
@@ -139,7 +159,8 @@ def main() -> None:
         return sum(kls) / len(kls)
 
     backend = LocalBackend(net, lr, cfg.optim.weight_decay, cfg.optim.grad_clip)
-    step = Step(backend, actor, cfg.optim.kl_decay, prefix)
+    kl_decay = cfg.optim.kl_decay if args.kl_decay is None else args.kl_decay
+    step = Step(backend, actor, kl_decay, prefix)
     curve, evals = [], [{"step": 0, "kl_memory": memory_kl()}]
     print(f"memory network: {params:,} parameters ({params / sum(p.numel() for p in actor.parameters()):.2%} of "
           f"the actor); KL(pace+memory) at init {evals[0]['kl_memory']:.4f}", flush=True)
@@ -183,6 +204,7 @@ def main() -> None:
     target = TARGETS[args.rung]
     out = {"rung": args.rung, "config": str(args.config), "memory": cfg.memory.model_dump(), "parameters": params, "schedule": args.schedule,
            "actor_parameters": sum(p.numel() for p in actor.parameters()), "lr": lr, "steps": args.steps,
+           "kl_decay": kl_decay, "free_span": args.free_span,
            "boundaries": [{"trajectory": r["trajectory"], "t": r["t"], "context": len(r["context"]),
                            "memory": len(r["memory"]), "bridge": len(r["bridge"]), "teacher": len(r["teacher"])}
                           for r in chosen],

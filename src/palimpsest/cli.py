@@ -624,8 +624,8 @@ def demo(
                                                          "with --control or --full)"),
     control: bool = typer.Option(False, "--control", help="the positive control: `pace` against the weak `last2` "
                                                          "(the report must show a significant difference)"),
-    full: bool = typer.Option(False, "--full", help="the larger run: LLM summaries of every step, every trajectory "
-                                                   "to its end, two turns per session from step 4 (BENCHMARKS.md: "
+    full: bool = typer.Option(False, "--full", help="the larger run: every trajectory, two turns per session from "
+                                                   "step 4, LLM summaries of every step appended (BENCHMARKS.md: "
                                                    "its time)"),
 ) -> None:
     """The main job: models, memory training if needed, the composed app, live A/B traffic, the report."""

@@ -16,7 +16,8 @@ machine it runs on (2 CPU cores: about ten minutes after the install, BENCHMARKS
 
 ``--control`` runs the positive control instead: `pace` against `last2`, a deliberately weak arm, so that the
 report must show a significant difference (if it cannot, it cannot see anything). ``--full`` is the larger run:
-LLM summaries of every step, every trajectory to its end, two turns per session from step 4.
+every trajectory, two turns per session (steps 4 and 12), LLM summaries of every step appended; as in the default
+run, a session ends at its last turn (the steps after it would be summarised for no turn to read).
 """
 
 from __future__ import annotations
@@ -256,7 +257,7 @@ def run_main_demo(out: Console, data: Path, serve_config: Path = DEMO_SERVE, tra
 
         # every session at once by default: vLLM batches their prefills and no core waits for a session's appends
         res = drive(server.url, trajs, prefix=prefix, every=every, first=first, max_turns=max_turns,
-                    concurrency=concurrency or min(total, 16), on_session=on_session, arms=arms, tail=full)
+                    concurrency=concurrency or min(total, 16), on_session=on_session, arms=arms, tail=False)
         timings["traffic_s"] = res.wall_s
         out.print(f"{len(res.sessions)} sessions (each trajectory once per arm), {res.turns} turns in {res.wall_s:.0f} s; "
                   f"{len(res.errors)} errors")

@@ -121,3 +121,40 @@ def test_the_data_builder_and_the_served_turn_hand_the_memory_identical_ids(tmp_
     asyncio.run(run_turn(rt, req, generate, 0, memory_for))
     assert seen["memory"] == (row["memory"], row["summary"])
     assert (seen["context"], seen["bridge"]) == (row["context"], row["bridge"])
+
+
+def test_a_stage1_corpus_adds_reconstruction_spans_split_by_file(tmp_path, tok_dir):
+    """Stage I reads a text corpus beside the trajectories: every span of its text files, a file wholly on one
+    side of the split, installed packages and test suites left out, at most ``stage1_chunks`` spans."""
+    from palimpsest.pipelines.remory_data import corpus_root, corpus_samples
+    from palimpsest.platform.tokens import get_tokenizer
+
+    tok = get_tokenizer(tok_dir)
+    corpus = tmp_path / "corpus"
+    for name in ("a.py", "b.md", "pkg/c.txt", "pkg/d.rst"):
+        (corpus / name).parent.mkdir(parents=True, exist_ok=True)
+        (corpus / name).write_text(f"def {name.replace('/', '_').replace('.', '_')}(x):\n    return x * 2\n" * 20)
+    for skip in ("site-packages/e.py", "tests/f.py", "g.json"):
+        (corpus / skip).parent.mkdir(parents=True, exist_ok=True)
+        (corpus / skip).write_text("skipped text " * 50)
+    cfg = DataConfig(span_tokens=32, val_fraction=0.5, **WINDOW)
+    rows = list(corpus_samples(str(corpus), tok, cfg))
+    files = {r["trajectory"] for r in rows}
+    assert files == {"corpus/a.py", "corpus/b.md", "corpus/pkg/c.txt", "corpus/pkg/d.rst"}
+    assert all(8 <= len(r["span"]) <= 32 and r["split"] == split_of(r["trajectory"], 0.5) for r in rows)
+    assert "skipped" not in tok.decode([i for r in rows for i in r["span"]])
+    text = (corpus / "a.py").read_text()
+    assert tok.decode([i for r in rows if r["trajectory"] == "corpus/a.py" for i in r["span"]]) == text  # every span
+    assert len(list(corpus_samples(str(corpus), tok, DataConfig(span_tokens=32, stage1_chunks=5, **WINDOW)))) == 5
+    assert corpus_root("stdlib").joinpath("json", "__init__.py").is_file()  # offline on every machine
+    with pytest.raises(PalimpsestError, match="not a directory"):
+        list(corpus_samples(str(tmp_path / "none"), tok, cfg))
+    # built with the trajectories, and counted apart
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps(traj(f"tr/{i}", n=10, obs=30)) for i in range(6)) + "\n")
+    report = build_datasets(data, tok_dir, tmp_path / "ds", DataConfig(val_fraction=0.34, stage1_corpus=str(corpus),
+                                                                        **WINDOW), parse_policy_config("window"), "hashing")
+    spans = pq.read_table(tmp_path / "ds" / "stage1.parquet").to_pylist()
+    n_corpus = sum(report["counts"]["stage1_corpus"].values())
+    assert n_corpus == sum(1 for s in spans if s["trajectory"].startswith("corpus/")) > 0
+    assert sum(report["counts"]["stage1"].values()) == len(spans) > n_corpus

@@ -49,6 +49,8 @@ class DataConfig:
     memory_tokens: int = 1024  # the memory reads at most this many tokens (serving's memory.max_history_tokens)
     soft_slots: int = 64  # soft positions the budget reserves for the memory (the network's slots_for(memory_tokens))
     recall_sessions: int = 0  # programmatic sessions (``pipelines.recall_sessions``) added to Stage II's trajectories
+    stage1_corpus: str | None = None  # text files added to Stage I: a directory, or "stdlib" (see corpus_root)
+    stage1_chunks: int = 0  # at most this many corpus spans (0: every span of every file)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -56,6 +58,8 @@ class DataConfig:
             raise ValueError("val_fraction must be within [0, 1)")
         if self.recall_sessions < 0:
             raise ValueError("recall_sessions must be >= 0")
+        if self.stage1_chunks < 0:
+            raise ValueError("stage1_chunks must be >= 0")
         for name in ("max_history_tokens", "max_target_tokens", "min_history_steps", "stride", "span_tokens",
                      "budget", "memory_tokens"):
             if getattr(self, name) < 1:
@@ -122,6 +126,52 @@ def stage1_samples(traj: Trajectory, tokenizer, cfg: DataConfig) -> Iterator[dic
                            "instruction": instruction, "history_len": len(span)}
 
 
+CORPUS_SUFFIXES = (".py", ".md", ".rst", ".txt")
+
+
+def corpus_root(corpus: str) -> Path:
+    """The directory of a Stage I corpus: ``stdlib`` is the running interpreter's standard library (Python
+    source that every machine running this code has, offline, and no evaluation set contains); anything
+    else is a directory."""
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"]) if corpus == "stdlib" else Path(corpus).expanduser()
+    if not root.is_dir():
+        raise PalimpsestError(f"stage1_corpus {corpus!r}: {root} is not a directory")
+    return root.resolve()
+
+
+def corpus_samples(corpus: str, tokenizer, cfg: DataConfig) -> Iterator[dict[str, Any]]:
+    """Stage I spans of a text corpus: every ``span_tokens`` tokens of its files (``CORPUS_SUFFIXES``; installed
+    packages and test suites left out), files in a seeded order, at most ``stage1_chunks`` spans. A file is
+    one "trajectory" (``corpus/<path>``) for the split, so its spans are all train or all validation."""
+    import random
+
+    root = corpus_root(corpus)
+    files = sorted(p for p in root.rglob("*") if p.suffix in CORPUS_SUFFIXES and p.is_file()
+                   and not {"site-packages", "dist-packages", "test", "tests", "idlelib"} & set(p.relative_to(root).parts))
+    random.Random(cfg.seed).shuffle(files)
+    instruction = tokenizer.encode("\n" + REPEAT_INSTRUCTION + "\n")
+    n = 0
+    for f in files:
+        name = f"corpus/{f.relative_to(root).as_posix()}"
+        split = split_of(name, cfg.val_fraction)
+        try:
+            text = f.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        ids = tokenizer.encode(text)
+        for k, start in enumerate(range(0, len(ids), cfg.span_tokens)):
+            span = ids[start: start + cfg.span_tokens]
+            if len(span) < 8:
+                continue
+            yield {"trajectory": name, "t": k, "split": split, "span": span, "instruction": instruction,
+                   "history_len": len(span)}
+            n += 1
+            if cfg.stage1_chunks and n >= cfg.stage1_chunks:
+                return
+
+
 def build_datasets(data: Path, tokenizer: str, out: Path, cfg: DataConfig, policy,
                    embedder: str = "minilm") -> dict[str, Any]:
     """Write stage1.parquet and stage2.parquet into ``out`` (rows sorted by history length: the
@@ -152,6 +202,8 @@ def build_datasets(data: Path, tokenizer: str, out: Path, cfg: DataConfig, polic
         rows2: list[dict] = []
         for traj in read.trajectories:
             rows1 += stage1_samples(traj, tok, cfg)
+        if cfg.stage1_corpus:
+            rows1 += corpus_samples(cfg.stage1_corpus, tok, cfg)
         for sess in sessions:
             rows2 += stage2_samples(rt, sess, policy, cfg)
     finally:
@@ -166,6 +218,8 @@ def build_datasets(data: Path, tokenizer: str, out: Path, cfg: DataConfig, polic
         pq.write_table(pa.Table.from_pylist(rows), out / f"{name}.parquet")
     counts = {name: {sp: sum(1 for r in rows if r["split"] == sp) for sp in ("train", "val")}
               for name, rows in (("stage1", rows1), ("stage2", rows2))}
+    counts["stage1_corpus"] = {sp: sum(1 for r in rows1 if r["split"] == sp and r["trajectory"].startswith("corpus/"))
+                               for sp in ("train", "val")}
     counts["stage2_recall"] = {sp: sum(1 for r in rows2 if r["split"] == sp and r["trajectory"].startswith("recall/"))
                                for sp in ("train", "val")}
     report = {"config": asdict(cfg), "counts": counts, "skipped": errors, "embedder": embedder,

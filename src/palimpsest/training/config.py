@@ -38,6 +38,9 @@ class DataSection(_Strict):
     recall_sessions: int = Field(0, ge=0, le=100_000, description="programmatic sessions added to Stage II: a fact "
                                  "shown early that a later action needs, around real steps of the training split "
                                  "(pipelines.recall_sessions)")
+    stage1_corpus: str | None = Field(None, description="text added to Stage I's reconstruction spans: a directory "
+                                      "of .py/.md/.rst/.txt files, or 'stdlib' (the interpreter's standard library)")
+    stage1_chunks: int = Field(0, ge=0, le=10_000_000, description="at most this many corpus spans (0: all)")
 
 
 class MemorySection(_Strict):

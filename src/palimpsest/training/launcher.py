@@ -47,11 +47,24 @@ def resolve_actor(cfg: TrainConfig) -> Path:
     return resolve_actor_path(cfg.actor.path)
 
 
+def data_config(cfg: TrainConfig):
+    """The data builder's config of a training config (``pipelines.remory_data.DataConfig``)."""
+    from palimpsest.pipelines.remory_data import DataConfig
+
+    d, m = cfg.data, cfg.memory
+    slots = min(math.ceil(d.memory_tokens / m.block_size) * m.queries, m.max_slots)  # MemoryNetwork.slots_for
+    return DataConfig(max_history_tokens=d.max_history_tokens, max_target_tokens=d.max_target_tokens,
+                      max_observation_chars=d.max_observation_chars, span_tokens=d.span_tokens,
+                      val_fraction=d.val_fraction, budget=d.budget, memory_tokens=d.memory_tokens, soft_slots=slots,
+                      recall_sessions=d.recall_sessions, stage1_corpus=d.stage1_corpus,
+                      stage1_chunks=d.stage1_chunks, seed=cfg.optim.seed)
+
+
 def prepare(cfg: TrainConfig) -> PreparedRun:
     """Everything that can fail on bad input, on the driver: actor path, data, sizes."""
     from transformers import AutoConfig
 
-    from palimpsest.pipelines.remory_data import DataConfig, build_datasets
+    from palimpsest.pipelines.remory_data import build_datasets
     from palimpsest.platform.policies import load_policy_file
 
     actor = resolve_actor(cfg)
@@ -63,13 +76,7 @@ def prepare(cfg: TrainConfig) -> PreparedRun:
         raise ConfigError(f"training data not found: {data}")
     storage = Path(cfg.storage).expanduser().resolve() / cfg.name
     policy = load_policy_file(cfg.tracking.policy_config)
-    d, m = cfg.data, cfg.memory
-    slots = min(math.ceil(d.memory_tokens / m.block_size) * m.queries, m.max_slots)  # MemoryNetwork.slots_for
-    report = build_datasets(data, str(actor), storage / "data", DataConfig(
-        max_history_tokens=d.max_history_tokens, max_target_tokens=d.max_target_tokens,
-        max_observation_chars=d.max_observation_chars, span_tokens=d.span_tokens, val_fraction=d.val_fraction,
-        budget=d.budget, memory_tokens=d.memory_tokens, soft_slots=slots, recall_sessions=d.recall_sessions,
-        seed=cfg.optim.seed), policy, d.embedder)
+    report = build_datasets(data, str(actor), storage / "data", data_config(cfg), policy, cfg.data.embedder)
     if cfg.optim.stage2_steps and not report["counts"]["stage2"]["train"]:
         raise ConfigError(f"{data}: no Stage II training sample (all boundaries fell in the validation split)")
     if cfg.optim.stage1_steps and not report["counts"]["stage1"]["train"]:
