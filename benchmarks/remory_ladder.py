@@ -83,6 +83,8 @@ def main() -> None:
     ap.add_argument("--d-model", type=int, default=None, help="the memory network's width (default: the config's)")
     ap.add_argument("--layers", type=int, default=None, help="resampler layers (default: the config's)")
     ap.add_argument("--learn-scale", action="store_true", help="learn a gain on the soft vectors' norm")
+    ap.add_argument("--recall-sessions", type=int, default=None,
+                    help="programmatic recall sessions added to the data (default: the config's data.recall_sessions)")
     ap.add_argument("--schedule", choices=("constant", "cosine"), default="constant", help="the learning rate over steps")
     ap.add_argument("--kl-decay", type=float, default=None,
                     help="position weights of the loss, 1 / (1 + d * j) (default: the config's; 0 is the metric's "
@@ -116,6 +118,8 @@ def main() -> None:
                                   ("learn_scale", args.learn_scale or None)) if v is not None}
     if mem_over:
         cfg = cfg.model_copy(update={"memory": cfg.memory.model_copy(update=mem_over)})
+    if args.recall_sessions is not None:
+        cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"recall_sessions": args.recall_sessions})})
     lr = args.lr or cfg.optim.lr
     n = 1 if args.rung == 1 else (args.boundaries or 64)
     t0 = time.perf_counter()

@@ -63,13 +63,20 @@ def memory_of(memnet: MemoryNetwork, actor: FrozenActor, history: torch.Tensor,
     return memnet(feats, actor.embed(summary) if summary is not None and summary.numel() else None, min_passes)
 
 
-def stage1_loss(memnet: MemoryNetwork, actor: FrozenActor, sample: StageISample, min_passes: int = 0) -> torch.Tensor:
+def stage1_logits(memnet: MemoryNetwork | None, actor: FrozenActor, sample: StageISample,
+                  min_passes: int = 0) -> torch.Tensor:
+    """(T, V) the actor's logits on a span given [memory of the span; "repeat" instruction; span so far]
+    (teacher forcing). ``memnet`` None: the instruction alone (the reconstruction check's no-memory baseline)."""
     span, instr = sample["span"], sample["instruction"]
-    mem = memory_of(memnet, actor, span, None, min_passes)  # (M, d)
-    embeds = torch.cat([mem, actor.embed(instr), actor.embed(span)])[None]  # (1, M + I + T, d)
+    parts = [actor.embed(instr), actor.embed(span)]
+    if memnet is not None:
+        parts.insert(0, memory_of(memnet, actor, span, None, min_passes))  # (M, d)
     t = span.shape[0]
-    logits = actor(inputs_embeds=embeds, last=t + 1)[0, :t]  # (T, V): the positions that predict the span
-    return F.cross_entropy(logits.float(), span)
+    return actor(inputs_embeds=torch.cat(parts)[None], last=t + 1)[0, :t]  # the positions that predict the span
+
+
+def stage1_loss(memnet: MemoryNetwork, actor: FrozenActor, sample: StageISample, min_passes: int = 0) -> torch.Tensor:
+    return F.cross_entropy(stage1_logits(memnet, actor, sample, min_passes).float(), sample["span"])
 
 
 @torch.no_grad()
