@@ -7,8 +7,9 @@ Starts the composed app with ``--config``, drives the dev trajectories through i
 (turn prefill and decode, step summaries, the elasticizer) with their tokens and request-seconds, the memory
 encoder's encodings and the shadow lane's scorings, beside the turns served and the shadow samples still
 queued. It then stops. A run that would take an hour is described by its first minutes; the demo's own
-breakdown (`palimpsest demo`) covers a whole run. ``--full`` drives as ``palimpsest demo --full`` (every step
-appended, two turns per session from step 4, every trajectory); without it, as the default demo.
+breakdown (`palimpsest demo`) covers a whole run. ``--full`` drives as the demo did before it was sized (every
+trajectory, two turns per session from step 4, every step of each trajectory appended, LLM summaries); without
+it, as the default demo.
 """
 
 from __future__ import annotations
