@@ -13,7 +13,13 @@ from tests.pipelines.test_remory_data import WINDOW, tok_dir, traj  # noqa: F401
 
 
 def sources(n=8):
-    return [Trajectory.model_validate(traj(f"src/{i}", n=9, obs=20)) for i in range(n)]
+    out = []
+    for i in range(n):
+        t = traj(f"src/{i}", n=9, obs=20)
+        for s in t["steps"]:
+            s["kind"] = ("bash", "code", "tool_call")[i % 3]  # whatever the source agent ran
+        out.append(Trajectory.model_validate(t))
+    return out
 
 
 def test_the_fact_is_shown_first_and_needed_last_and_fillers_come_from_the_training_split():
@@ -30,18 +36,29 @@ def test_the_fact_is_shown_first_and_needed_last_and_fillers_come_from_the_train
         src = next(t for t in trajs if t.id == s.model_extra["meta"]["source"])
         a, b = s.model_extra["meta"]["source_steps"]
         assert [x.action for x in s.steps[1:-1]] == [x.action for x in src.steps[a:b]]  # real steps, in order
+        assert [x.kind for x in s.steps[1:-1]] == [x.kind for x in src.steps[a:b]]  # as they were, not relabelled
     again = recall_sessions(trajs, 40, val_fraction=0.4, seed=1)
     assert [s.model_dump() for s in again] == [s.model_dump() for s in sessions]  # seeded
     assert recall_sessions(trajs, 0, 0.4) == []
+    short = recall_sessions(trajs, 5, val_fraction=0.4, seed=1, max_observation_chars=30)
+    assert max(len(x.observation or "") for s in short for x in s.steps[1:-1]) == 30
 
 
-def test_the_data_builder_adds_recall_rows_split_by_session(tmp_path, tok_dir):  # noqa: F811
+def test_the_data_builder_adds_recall_rows_split_by_session(tmp_path, tok_dir, monkeypatch):  # noqa: F811
     data = tmp_path / "d.jsonl"
     data.write_text("\n".join(json.dumps(traj(f"tr/{i}", n=10, obs=30)) for i in range(6)) + "\n")
     cfg = DataConfig(val_fraction=0.34, recall_sessions=30, **WINDOW)
     report = build_datasets(data, tok_dir, tmp_path / "ds", cfg, parse_policy_config("window"), "hashing")
     rows = pq.read_table(tmp_path / "ds" / "stage2.parquet").to_pylist()
     recall = [r for r in rows if r["trajectory"].startswith("recall/")]
+    # fillers are cut where the run cuts what the memory reads (data.max_observation_chars), not at a constant
+    from palimpsest.pipelines import recall_sessions as module
+
+    made = []
+    monkeypatch.setattr(module, "recall_sessions", lambda *a, **k: made.append(k) or recall_sessions(*a, **k))
+    cut = DataConfig(val_fraction=0.34, recall_sessions=3, max_observation_chars=64, **WINDOW)
+    build_datasets(data, tok_dir, tmp_path / "cut", cut, parse_policy_config("window"), "hashing")
+    assert made and made[0]["max_observation_chars"] == 64
     assert recall and report["counts"]["stage2_recall"]["train"] + report["counts"]["stage2_recall"]["val"] == len(recall)
     assert all(r["split"] == split_of(r["trajectory"], 0.34) for r in recall)
     spans = pq.read_table(tmp_path / "ds" / "stage1.parquet").to_pylist()

@@ -168,3 +168,48 @@ def test_a_step_reports_the_gradient_of_every_module_and_the_gate():
     for _ in range(3):
         last = step(sample2(), stage=2)
     assert last["loss"] < first["loss"]
+
+
+ZERO3_GATE = r"""
+import os, torch, deepspeed
+from tests.models.tiny import tiny_actor
+from tests.training.test_losses import memnet, sample2
+from palimpsest.training.step import DeepSpeedBackend, Step
+
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+deepspeed.init_distributed(dist_backend="gloo")
+actor = tiny_actor()
+net = memnet(actor)
+with torch.no_grad():
+    net.summary_attn.gate.fill_(0.3)
+config = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0,
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+          "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+backend = DeepSpeedBackend(net, config)
+assert net.summary_attn.gate.numel() == 0  # partitioned: nothing of it is held whole here
+figures = Step(backend, actor)(sample2(), stage=2)
+print("GATE", figures["gate"])
+"""
+
+
+@pytest.mark.slow
+def test_the_step_reads_the_whole_gate_under_zero3_with_every_parameter_partitioned(tmp_path):
+    """ZeRO-3 keeps each rank's partition of a parameter (nothing of a one-element gate, with a persistence
+    threshold of 0): the step reports the gathered value, one optimizer step away from where it started."""
+    import math
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PORT": str(port), "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(root)}
+    r = subprocess.run([sys.executable, "-c", ZERO3_GATE], capture_output=True, text=True, env=env, cwd=tmp_path,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    gate = float(next(line for line in r.stdout.splitlines() if line.startswith("GATE")).split()[1])
+    assert abs(gate - math.tanh(0.3)) <= math.tanh(0.3 + 0.011) - math.tanh(0.3)  # lr 1e-2: one step moves it

@@ -5,8 +5,9 @@ trajectories give a few dozen at the budgets this machine can train at; these se
 
     step 0       the agent reads a file or runs a command whose output holds a fact (``API_TOKEN=3f9c1e07a2``,
                  a port, a branch, a build artifact), among lines of real observations;
-    steps 1..k   real steps of one source trajectory, in order (its actions and observations, cut to
-                 ``max_observation_chars``): the work a session does between seeing a fact and using it;
+    steps 1..k   real steps of one source trajectory, in order and of their own kind (shell, code, tool call;
+                 actions and observations cut to ``max_observation_chars``, the run's
+                 ``data.max_observation_chars``): the work a session does between seeing a fact and using it;
     step k+1     the action that needs the fact (``curl -H "Authorization: Bearer 3f9c1e07a2" ...``).
 
 The value is drawn at random (seeded), so only the history can tell it: the actor given the whole history can
@@ -26,8 +27,8 @@ from typing import Any
 
 from palimpsest.pipelines.trajectories import Trajectory
 
-SYSTEM = ("You are a software engineering agent working in a Linux shell. Each turn, think briefly, then run "
-          "exactly one bash command. Use the values the commands showed you exactly as shown.")
+SYSTEM = ("You are an agent working in a Linux shell and with tools. Each turn, think briefly, then take exactly "
+          "one action: a bash command, code, or a tool call. Use the values earlier steps showed you exactly as shown.")
 
 
 def _hex(rng: random.Random, n: int) -> str:
@@ -99,7 +100,7 @@ def recall_session(i: int, sources: list[Trajectory], rng: random.Random, min_fi
     for j, s in enumerate(src.steps[start:start + k], 1):
         action = s.action or s.thought or "true"
         obs = (s.observation or "")[:max_observation_chars]
-        steps.append({"t": j, "kind": "bash", "thought": (s.thought or "")[:400], "action": action[:600],
+        steps.append({"t": j, "kind": s.kind, "thought": (s.thought or "")[:400], "action": action[:600],
                       "observation": obs, "obs_source": "tool"})
     steps.append({"t": k + 1, "kind": "bash", "thought": fact["thought"], "action": fact["use"],
                   "observation": "ok", "obs_source": "tool",

@@ -188,7 +188,8 @@ def build_datasets(data: Path, tokenizer: str, out: Path, cfg: DataConfig, polic
 
     read = read_trajectories(data)
     # Stage II also reads programmatic recall sessions, their fillers from the training split only
-    recall = recall_sessions(read.trajectories, cfg.recall_sessions, cfg.val_fraction, cfg.seed)
+    recall = recall_sessions(read.trajectories, cfg.recall_sessions, cfg.val_fraction, cfg.seed,
+                             max_observation_chars=cfg.max_observation_chars)
     out.mkdir(parents=True, exist_ok=True)
     ledger = out / "ledger.db"
     for f in out.glob("ledger.db*"):  # built afresh: the ledger is this build's scratch space

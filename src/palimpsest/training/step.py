@@ -89,6 +89,10 @@ class Backend(Protocol):
         """Backward, measure, clip, step; returns the gradient figures of this step."""
         ...
 
+    def gate(self) -> float:
+        """tanh of the summary gate, whole on every rank (a collective where parameters are partitioned)."""
+        ...
+
 
 class LocalBackend:
     """The network and AdamW in this process (the ladder, the tests); also DDP's update (see below)."""
@@ -107,6 +111,9 @@ class LocalBackend:
         norm = torch.nn.utils.clip_grad_norm_(self.net.parameters(), self.grad_clip)
         self.optimizer.step()
         return {"grad_norm": float(norm), **figures}
+
+    def gate(self) -> float:
+        return float(torch.tanh(self.net.summary_attn.gate.detach()).reshape(-1)[0])
 
     def state(self) -> dict:
         return {"model": self.net.state_dict(), "optim": self.optimizer.state_dict()}
@@ -142,6 +149,13 @@ class DeepSpeedBackend:
         norm = self.engine.get_global_grad_norm()
         return {"grad_norm": float(norm) if norm is not None else float("nan"), **figures}
 
+    def gate(self) -> float:
+        # under ZeRO-3 a parameter is a partition of it on each rank (empty unless kept whole by the persistence
+        # threshold): the optimizer's full fp32 copy is gathered (every rank calls it)
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        return float(torch.tanh(safe_get_full_fp32_param(self.net.summary_attn.gate)).reshape(-1)[0])
+
 
 class Step:
     """One training step on one row: loss (through the frozen actor), update, figures."""
@@ -154,8 +168,7 @@ class Step:
         loss = sample_loss(self.backend.module, self.actor, sample, stage, decay=self.kl_decay, passes=passes,
                            teacher=teacher, prefix=self.prefix)
         figures = self.backend.update(loss)
-        gate = float(torch.tanh(self.backend.net.summary_attn.gate.detach()).reshape(-1)[0])
-        return {"loss": float(loss.detach()), "gate": gate, **figures}
+        return {"loss": float(loss.detach()), "gate": self.backend.gate(), **figures}
 
 
 class PrefixCache:
