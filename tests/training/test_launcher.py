@@ -32,7 +32,7 @@ def config(tmp_path, actor_dir, **over):
                      "budget": 800, "memory_tokens": 200, "embedder": "hashing"},
             "tracking": {"policy_config": str(POLICY)},
             "memory": {"d_model": 32, "n_heads": 4, "n_layers": 1, "block_size": 64, "queries": 4, "max_slots": 16},
-            "optim": {"stage1_steps": 2, "stage2_steps": 4, "checkpoint_every": 2},
+            "optim": {"stage1_steps": 2, "stage2_steps": 4, "checkpoint_every": 2, "prefix_cache_rows": 2},
             "distributed": {"num_workers": 2, "zero_stage": 2, "max_failures": 2},
             "storage": str(tmp_path / "runs")}
     for k, v in over.items():

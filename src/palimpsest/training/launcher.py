@@ -169,7 +169,7 @@ def train_loop(loop_config: dict) -> None:
     import torch.distributed as dist
 
     from palimpsest.models.actor import FrozenActor
-    from palimpsest.training.step import DDPBackend, DeepSpeedBackend, Step, sample_tensors
+    from palimpsest.training.step import DDPBackend, DeepSpeedBackend, PrefixCache, Step, sample_tensors
 
     cfg = TrainConfig.model_validate(loop_config["train"])
     ctx = ray.train.get_context()
@@ -181,7 +181,8 @@ def train_loop(loop_config: dict) -> None:
     backend = (DeepSpeedBackend(memnet, ds_config(cfg)) if cfg.distributed.strategy == "deepspeed"
                else DDPBackend(memnet, o.lr, o.weight_decay, o.grad_clip))  # plain DDP, for comparison
     engine = getattr(backend, "engine", None)
-    run_step = Step(backend, actor, o.kl_decay)  # the step the ladder and the tests run
+    prefix = PrefixCache(rows=o.prefix_cache_rows) if o.prefix_cache_rows else None
+    run_step = Step(backend, actor, o.kl_decay, prefix)  # the step the ladder and the tests run
 
     step = 0
     ckpt = ray.train.get_checkpoint()
