@@ -83,6 +83,7 @@ def main() -> None:
     ap.add_argument("--d-model", type=int, default=None, help="the memory network's width (default: the config's)")
     ap.add_argument("--layers", type=int, default=None, help="resampler layers (default: the config's)")
     ap.add_argument("--learn-scale", action="store_true", help="learn a gain on the soft vectors' norm")
+    ap.add_argument("--slot-embedding", action="store_true", help="learn an embedding of each soft position's index")
     ap.add_argument("--recall-sessions", type=int, default=None,
                     help="programmatic recall sessions added to the data (default: the config's data.recall_sessions)")
     ap.add_argument("--schedule", choices=("constant", "cosine"), default="constant", help="the learning rate over steps")
@@ -115,7 +116,8 @@ def main() -> None:
 
     cfg = load_train_config(args.config)
     mem_over = {k: v for k, v in (("d_model", args.d_model), ("n_layers", args.layers),
-                                  ("learn_scale", args.learn_scale or None)) if v is not None}
+                                  ("learn_scale", args.learn_scale or None),
+                                  ("slot_embedding", args.slot_embedding or None)) if v is not None}
     if mem_over:
         cfg = cfg.model_copy(update={"memory": cfg.memory.model_copy(update=mem_over)})
     if args.recall_sessions is not None:

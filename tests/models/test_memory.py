@@ -132,3 +132,21 @@ def test_a_shared_prefill_gives_the_logits_of_a_whole_forward_and_is_left_as_it_
         shared = torch.cat([last[None], actor.continue_from(past, len(ref), reply[:-1])])
         assert torch.allclose(shared, whole, atol=1e-4), (shared - whole).abs().max()
         assert past.get_seq_length() == len(ref)
+
+
+def test_a_slot_embedding_starts_as_no_change_and_tells_blocks_of_the_same_content_apart():
+    """The blocks of a history share their queries, so two blocks of the same content give the same soft
+    tokens; a slot embedding (zero at the start) lets each soft position have its own, and is trained with
+    every other parameter (the learnability ladder's rung 1 found the shared queries a limit)."""
+    block = torch.randn(16, 64)
+    feats = torch.cat([block, block])  # two blocks, one content
+    plain, slotted = net(), net(slot_embedding=True)
+    assert torch.equal(plain(feats), slotted(feats))  # zero at the start: nothing changes
+    out = plain(feats)
+    assert torch.allclose(out[:4], out[4:], atol=1e-6)  # shared queries: the same tokens twice
+    with torch.no_grad():
+        slotted.slot_pos.normal_()
+    out = slotted(feats)
+    assert not torch.allclose(out[:4], out[4:], atol=1e-3)
+    slotted(feats).sum().backward()
+    assert slotted.slot_pos.grad is not None and slotted.slot_pos.grad[:8].abs().sum() > 0

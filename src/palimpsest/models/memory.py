@@ -34,6 +34,7 @@ class MemoryConfig:
     mlp_ratio: int = 4
     dropout: float = 0.0
     learn_scale: bool = False  # a learned gain on the soft vectors' norm (starts at the token embeddings' mean norm)
+    slot_embedding: bool = False  # a learned embedding of each soft position's index (starts at 0: no change)
 
     def __post_init__(self) -> None:
         problems = []
@@ -120,6 +121,8 @@ class MemoryNetwork(nn.Module):
         self.register_buffer("embed_norm", torch.tensor(float(embed_norm)))
         if cfg.learn_scale:  # the log of a learned gain over embed_norm
             self.log_scale = nn.Parameter(torch.zeros(1))
+        if cfg.slot_embedding:  # which soft position a token is: the blocks share their queries, not their place
+            self.slot_pos = nn.Parameter(torch.zeros(cfg.max_slots, d))
 
     def _resample(self, src: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
         """(L, d) source -> (ceil(L / B) * Q, d): every block of <= B positions becomes Q tokens, in order."""
@@ -192,6 +195,8 @@ class MemoryNetwork(nn.Module):
         idle = mem.new_zeros(())
         for _ in range(passes, min_passes):  # keep collective calls in step across ranks (see above)
             idle = idle + 0.0 * self._resample(mem[:1], self.merge_queries).sum()
+        if getattr(self.cfg, "slot_embedding", False):  # (bundles pickled before the option lack it)
+            mem = mem + self.slot_pos[: mem.shape[0]]
         mem = self.summary_attn(mem[None], summary)[0]  # (S, d)
         out = self.out_proj(self.out_norm(mem))  # (S, d_actor)
         out = out * (self.embed_norm / out.norm(dim=-1, keepdim=True).clamp(min=1e-6))

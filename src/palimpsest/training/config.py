@@ -53,6 +53,8 @@ class MemorySection(_Strict):
     feature_layer: int = -1
     learn_scale: bool = Field(False, description="learn a gain on the soft vectors' norm (else the token embeddings' "
                               "mean norm, fixed)")
+    slot_embedding: bool = Field(False, description="learn an embedding of each soft position's index, added before "
+                                 "the output (every block of the history shares the same queries)")
 
     @model_validator(mode="after")
     def _sizes(self) -> "MemorySection":
