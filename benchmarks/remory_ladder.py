@@ -193,10 +193,9 @@ def main() -> None:
     policy = load_policy_file(cfg.tracking.policy_config)
     wanted = {r["trajectory"] for r in chosen}
     read = read_trajectories(Path(cfg.data.file))
-    ledger = data_dir / f"ladder-{args.rung}.db"
-    for f in data_dir.glob(f"ladder-{args.rung}.db*"):
-        f.unlink()
-    rt = open_runtime(ledger, cfg.data.embedder, actor_path)
+    # the data build's own ledger: a step's id is the ledger's (``[#296 bash ls]``, ``glimpse(#296)``), so a fresh
+    # ledger would number the steps from 1 and hand the arms a prompt 12 ids away from the rows trained on
+    rt = open_runtime(data_dir / "ledger.db", cfg.data.embedder, actor_path)
     sessions = prepare_sessions(rt, [t for t in read.trajectories if t.id in wanted], False,
                                 file_sha256(Path(cfg.data.file)), [])
     arm = MemoryArm(MemoryEncoder(net.eval(), actor), cfg.data.memory_tokens, cfg.data.max_observation_chars)
