@@ -84,6 +84,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="resampler layers (default: the config's)")
     ap.add_argument("--learn-scale", action="store_true", help="learn a gain on the soft vectors' norm")
     ap.add_argument("--slot-embedding", action="store_true", help="learn an embedding of each soft position's index")
+    ap.add_argument("--budget", type=int, default=None,
+                    help="the student's budget (default: the config's data.budget); the dev prefixes take 1.4-3K "
+                         "tokens, so below ~2.5K the rows are the recall sessions'")
     ap.add_argument("--recall-sessions", type=int, default=None,
                     help="programmatic recall sessions added to the data (default: the config's data.recall_sessions)")
     ap.add_argument("--schedule", choices=("constant", "cosine"), default="constant", help="the learning rate over steps")
@@ -120,8 +123,9 @@ def main() -> None:
                                   ("slot_embedding", args.slot_embedding or None)) if v is not None}
     if mem_over:
         cfg = cfg.model_copy(update={"memory": cfg.memory.model_copy(update=mem_over)})
-    if args.recall_sessions is not None:
-        cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"recall_sessions": args.recall_sessions})})
+    data_over = {k: v for k, v in (("recall_sessions", args.recall_sessions), ("budget", args.budget)) if v is not None}
+    if data_over:
+        cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update=data_over)})
     lr = args.lr or cfg.optim.lr
     n = 1 if args.rung == 1 else (args.boundaries or 64)
     t0 = time.perf_counter()
