@@ -112,7 +112,8 @@ def main() -> None:
     from palimpsest.platform.policies import load_policy_file
     from palimpsest.training.actions import Arm, MemoryArm, TeacherCache, evaluate_actions
     from palimpsest.training.config import load_train_config
-    from palimpsest.training.launcher import TEACHERS, _teacher_key, build_memory
+    from palimpsest.pipelines.remory_data import stage2_recall
+    from palimpsest.training.launcher import TEACHERS, _teacher_key, build_memory, data_config
     from palimpsest.training.losses import stage2_student
     from palimpsest.training.step import LocalBackend, PrefixCache, Step, sample_tensors
     from palimpsest.training.teachers import TOP_K, actor_key, compute_teacher, score
@@ -200,8 +201,8 @@ def main() -> None:
     # the data build's own ledger: a step's id is the ledger's (``[#296 bash ls]``, ``glimpse(#296)``), so a fresh
     # ledger would number the steps from 1 and hand the arms a prompt 12 ids away from the rows trained on
     rt = open_runtime(data_dir / "ledger.db", cfg.data.embedder, actor_path)
-    sessions = prepare_sessions(rt, [t for t in read.trajectories if t.id in wanted], False,
-                                file_sha256(Path(cfg.data.file)), [])
+    pool = read.trajectories + stage2_recall(read.trajectories, data_config(cfg))  # as the rows were built
+    sessions = prepare_sessions(rt, [t for t in pool if t.id in wanted], False, file_sha256(Path(cfg.data.file)), [])
     arm = MemoryArm(MemoryEncoder(net.eval(), actor), cfg.data.memory_tokens, cfg.data.max_observation_chars)
     arms = [Arm("pace", policy), Arm("pace+empty", policy, arm, inject=False), Arm("pace+memory", policy, arm)]
     result = evaluate_actions(rt, sessions, arms, cfg.data.budget, actor, data_sha=data_sha,

@@ -172,6 +172,16 @@ def corpus_samples(corpus: str, tokenizer, cfg: DataConfig) -> Iterator[dict[str
                 return
 
 
+def stage2_recall(trajectories: list[Trajectory], cfg: DataConfig) -> list[Trajectory]:
+    """The programmatic recall sessions Stage II reads beside ``trajectories`` (``data.recall_sessions``, their
+    fillers from the training split only): the same sessions for the same file and config, so an evaluation
+    of the rows can import them again."""
+    from palimpsest.pipelines.recall_sessions import recall_sessions
+
+    return recall_sessions(trajectories, cfg.recall_sessions, cfg.val_fraction, cfg.seed,
+                           max_observation_chars=cfg.max_observation_chars)
+
+
 def build_datasets(data: Path, tokenizer: str, out: Path, cfg: DataConfig, policy,
                    embedder: str = "minilm") -> dict[str, Any]:
     """Write stage1.parquet and stage2.parquet into ``out`` (rows sorted by history length: the
@@ -184,12 +194,8 @@ def build_datasets(data: Path, tokenizer: str, out: Path, cfg: DataConfig, polic
     from palimpsest.pipelines.environment import open_runtime
     from palimpsest.pipelines.replay import Skipped, prepare_sessions
 
-    from palimpsest.pipelines.recall_sessions import recall_sessions
-
     read = read_trajectories(data)
-    # Stage II also reads programmatic recall sessions, their fillers from the training split only
-    recall = recall_sessions(read.trajectories, cfg.recall_sessions, cfg.val_fraction, cfg.seed,
-                             max_observation_chars=cfg.max_observation_chars)
+    recall = stage2_recall(read.trajectories, cfg)
     out.mkdir(parents=True, exist_ok=True)
     ledger = out / "ledger.db"
     for f in out.glob("ledger.db*"):  # built afresh: the ledger is this build's scratch space
