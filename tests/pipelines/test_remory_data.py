@@ -158,3 +158,9 @@ def test_a_stage1_corpus_adds_reconstruction_spans_split_by_file(tmp_path, tok_d
     n_corpus = sum(report["counts"]["stage1_corpus"].values())
     assert n_corpus == sum(1 for s in spans if s["trajectory"].startswith("corpus/")) > 0
     assert sum(report["counts"]["stage1"].values()) == len(spans) > n_corpus
+    # Stage I comes in a seeded order, not by length: a run of a few steps sees full spans of every source
+    lengths = [len(s["span"]) for s in spans]
+    assert lengths[:10] != sorted(lengths)[:10]
+    build_datasets(data, tok_dir, tmp_path / "again", DataConfig(val_fraction=0.34, stage1_corpus=str(corpus),
+                                                                 **WINDOW), parse_policy_config("window"), "hashing")
+    assert pq.read_table(tmp_path / "again" / "stage1.parquet").to_pylist() == spans  # the same order each build

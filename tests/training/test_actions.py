@@ -20,6 +20,7 @@ from palimpsest.training.actions import (
     bootstrap_ci,
     evaluate_actions,
     score,
+    summarize_actions,
     teacher_of,
 )
 from tests.models.tiny import tiny_actor
@@ -127,3 +128,8 @@ def test_a_fitted_policy_is_never_scored_on_the_trajectories_it_was_fitted_on(tm
     kept = [r for r in res.boundaries if r["policy"] == "pace" and r["trajectory"] != "tr/1" and r.get("kl") is not None]
     base = sum(r["kl"] for r in kept) / len(kept)
     assert res.gap_closed["pace_plus"] == pytest.approx(1 - res.policies["pace_plus"]["kl"] / base, rel=1e-6)
+    # and the other way round: a fitted reference compares each row on the reference's boundaries only
+    flipped = summarize_actions(res.boundaries, ["pace", "pace_plus"], "pace_plus")
+    own = [r["kl"] for r in res.boundaries if r["policy"] == "pace" and r["trajectory"] != "tr/1"]
+    assert flipped.gap_closed["pace"] == pytest.approx(1 - (sum(own) / len(own)) / res.policies["pace_plus"]["kl"],
+                                                       rel=1e-6)

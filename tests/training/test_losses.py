@@ -192,7 +192,7 @@ print("GATE", figures["gate"])
 """
 
 
-@pytest.mark.slow
+@pytest.mark.deepspeed
 def test_the_step_reads_the_whole_gate_under_zero3_with_every_parameter_partitioned(tmp_path):
     """ZeRO-3 keeps each rank's partition of a parameter (nothing of a one-element gate, with a persistence
     threshold of 0): the step reports the gathered value, one optimizer step away from where it started."""

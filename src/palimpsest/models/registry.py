@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -52,16 +53,25 @@ def experiment_id(mlflow, name: str) -> str:
     return mlflow.create_experiment(name, artifact_location=artifacts)
 
 
-def mlflow_experiment(name: str) -> tuple[Any, str]:
-    """``(mlflow, experiment id)`` with the tracking URI set: the one way a run is opened. A store that cannot be
-    used (an unreachable server, an unwritable database) is a clear error naming it, not a stack trace."""
-    import mlflow
-
+@contextmanager
+def tracking_errors():
+    """A tracking store that cannot be used (an unreachable server, an unwritable database) inside this block is
+    a clear error naming it, not a stack trace."""
     try:
-        mlflow.set_tracking_uri(tracking_uri())
-        return mlflow, experiment_id(mlflow, name)
+        yield
+    except PalimpsestError:
+        raise
     except Exception as e:
         raise PalimpsestError(f"MLflow tracking at {tracking_uri()} is not usable: {e}") from None
+
+
+def mlflow_experiment(name: str) -> tuple[Any, str]:
+    """``(mlflow, experiment id)`` with the tracking URI set: the one way a run is opened."""
+    import mlflow
+
+    with tracking_errors():
+        mlflow.set_tracking_uri(tracking_uri())
+        return mlflow, experiment_id(mlflow, name)
 
 
 # ---------------------------------------------------------------------------------------------- lookups

@@ -6,8 +6,9 @@ trajectories give a few dozen at the budgets this machine can train at; these se
     step 0       the agent reads a file or runs a command whose output holds a fact (``API_TOKEN=3f9c1e07a2``,
                  a port, a branch, a build artifact), among lines of real observations;
     steps 1..k   real steps of one source trajectory, in order and of their own kind (shell, code, tool call;
-                 actions and observations cut to ``max_observation_chars``, the run's
-                 ``data.max_observation_chars``): the work a session does between seeing a fact and using it;
+                 observations cut to ``max_observation_chars``, the run's ``data.max_observation_chars``,
+                 actions to 600 characters and thoughts to 400): the work a session does between seeing a fact
+                 and using it;
     step k+1     the action that needs the fact (``curl -H "Authorization: Bearer 3f9c1e07a2" ...``).
 
 The value is drawn at random (seeded), so only the history can tell it: the actor given the whole history can

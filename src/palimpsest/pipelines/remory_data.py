@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -145,8 +146,6 @@ def corpus_samples(corpus: str, tokenizer, cfg: DataConfig) -> Iterator[dict[str
     """Stage I spans of a text corpus: every ``span_tokens`` tokens of its files (``CORPUS_SUFFIXES``; installed
     packages and test suites left out), files in a seeded order, at most ``stage1_chunks`` spans. A file is
     one "trajectory" (``corpus/<path>``) for the split, so its spans are all train or all validation."""
-    import random
-
     root = corpus_root(corpus)
     files = sorted(p for p in root.rglob("*") if p.suffix in CORPUS_SUFFIXES and p.is_file()
                    and not {"site-packages", "dist-packages", "test", "tests", "idlelib"} & set(p.relative_to(root).parts))
@@ -184,8 +183,8 @@ def stage2_recall(trajectories: list[Trajectory], cfg: DataConfig) -> list[Traje
 
 def build_datasets(data: Path, tokenizer: str, out: Path, cfg: DataConfig, policy,
                    embedder: str = "minilm") -> dict[str, Any]:
-    """Write stage1.parquet and stage2.parquet into ``out`` (rows sorted by history length: the
-    curriculum); returns counts per split, the trajectories of each split and the policy record.
+    """Write stage1.parquet (spans in a seeded order) and stage2.parquet (rows sorted by history length: the
+    curriculum) into ``out``; returns counts per split, the trajectories of each split and the policy record.
     ``tokenizer`` is the actor's (a folder or tokenizer.json), ``policy`` the memory's policy config,
     ``embedder`` the key embedder serving uses. An input with no usable sample is an error."""
     import pyarrow as pa
@@ -220,8 +219,12 @@ def build_datasets(data: Path, tokenizer: str, out: Path, cfg: DataConfig, polic
         raise PalimpsestError(f"{data}: no Stage II boundary: none fits max_history_tokens={cfg.max_history_tokens} "
                               f"with a compiled prompt at budget {cfg.budget} that leaves a step out"
                               + (f" ({'; '.join(errors[:2])})" if errors else ""))
+    # Stage II is a curriculum by history length (the seed's); Stage I spans come in a seeded order, so that a
+    # run of a few steps sees spans of every length and source (sorted, its first rows are the short tails)
+    rows2.sort(key=lambda r: (r["history_len"], r["trajectory"], r["t"]))
+    rows1.sort(key=lambda r: (r["trajectory"], r["t"]))
+    random.Random(cfg.seed).shuffle(rows1)
     for name, rows in (("stage1", rows1), ("stage2", rows2)):
-        rows.sort(key=lambda r: (r["history_len"], r["trajectory"], r["t"]))
         pq.write_table(pa.Table.from_pylist(rows), out / f"{name}.parquet")
     counts = {name: {sp: sum(1 for r in rows if r["split"] == sp) for sp in ("train", "val")}
               for name, rows in (("stage1", rows1), ("stage2", rows2))}

@@ -194,12 +194,13 @@ def summarize_actions(rows: list[dict], labels: list[str], reference: str | None
     ref = reference if reference in policies else None
     ref_kl = {(r["trajectory"], r["t"]): r["kl"] for r in rows if r["policy"] == ref and r.get("kl") is not None}
     gap: dict[str, float | None] = {}
-    for label, p in policies.items():
-        # against the reference on the same boundaries (a row may leave some out: skipped, or in-sample)
-        mine = [(r["trajectory"], r["t"]) for r in rows if r["policy"] == label and r.get("kl") is not None]
-        paired = [ref_kl[b] for b in mine if b in ref_kl]
-        base = float(np.mean(paired)) if paired else float("nan")
-        gap[label] = (1.0 - p["kl"] / base) if ref and base > 0 and not math.isnan(p["kl"]) else None
+    for label in policies:
+        # paired: both means over the boundaries both were scored on (either may leave some out: skipped,
+        # or in-sample for a policy fitted there)
+        pairs = [(r["kl"], ref_kl[(r["trajectory"], r["t"])]) for r in rows
+                 if r["policy"] == label and r.get("kl") is not None and (r["trajectory"], r["t"]) in ref_kl]
+        mine, base = (float(np.mean(v)) for v in zip(*pairs)) if pairs else (float("nan"), float("nan"))
+        gap[label] = (1.0 - mine / base) if ref and base > 0 and not math.isnan(mine) else None
     return ActionsResult(policies, gap, ref or "")
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from palimpsest.models.registry import mlflow_experiment, register_bundle, write_bundle
+from palimpsest.models.registry import mlflow_experiment, register_bundle, tracking_errors, write_bundle
 from palimpsest.platform.types import ConfigError, PalimpsestError
 from palimpsest.training.config import TrainConfig
 
@@ -343,9 +343,10 @@ def launch(cfg: TrainConfig, fault: dict | None = None, track: bool = True) -> d
 
         configure(cfg.tracking.uri, cfg.tracking.artifact_location)
         check()
-        mlflow, exp = mlflow_experiment(cfg.tracking.experiment)  # a store that cannot be used is a clear error
-        run_id = mlflow.start_run(experiment_id=exp, run_name=cfg.name).info.run_id
-        mlflow.end_run()
+        mlflow, exp = mlflow_experiment(cfg.tracking.experiment)
+        with tracking_errors():  # a store that cannot be used is a clear error
+            run_id = mlflow.start_run(experiment_id=exp, run_name=cfg.name).info.run_id
+            mlflow.end_run()
         mlflow_spec = {"uri": tracking_uri(), "run_id": run_id}
     if os.environ.get("RAY_TMPDIR"):
         Path(os.environ["RAY_TMPDIR"]).mkdir(parents=True, exist_ok=True)
