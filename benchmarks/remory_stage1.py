@@ -14,7 +14,9 @@ actor's argmax equals the span's next token) and NLL per token, for
 
 - **no memory**: the actor given the "repeat" instruction alone (what it guesses of the span from its
   own prefix: the baseline a memory must beat);
-- **memory**: [memory of the span; instruction; span so far], at initialisation and after training.
+- **memory**: [memory of the span; instruction; span so far], at initialisation and after training;
+- **another span's memory**: the same, each span given the memory of another: a memory that carries nothing
+  of its span (a learned generic prefix) does as well here as with its own.
 
 Results: ``benchmarks/results/remory_stage1.json``.
 """
@@ -51,8 +53,10 @@ def spans(cfg, actor_path: str, corpus: str | None, chunks: int) -> tuple[list[d
                   "files_or_trajectories": len({r["trajectory"] for r in rows})}
 
 
-def check(net, actor, samples: list[dict]) -> dict:
-    """Teacher-forced token accuracy and NLL per token on ``samples``, with ``net``'s memory (None: without)."""
+def check(net, actor, samples: list[dict], mismatched: bool = False) -> dict:
+    """Teacher-forced token accuracy and NLL per token on ``samples``, with ``net``'s memory (None: without);
+    ``mismatched``: each span with the memory of the next one (what a memory that does not depend on its
+    span, a learned generic prefix, would also give)."""
     import torch
     import torch.nn.functional as F
 
@@ -63,8 +67,9 @@ def check(net, actor, samples: list[dict]) -> dict:
     if net is not None:
         net.eval()
     with torch.no_grad():
-        for s in samples:
-            logits = stage1_logits(net, actor, s).float()
+        for i, s in enumerate(samples):
+            other = samples[(i + 1) % len(samples)]["span"] if mismatched else None
+            logits = stage1_logits(net, actor, s, source=other).float()
             hits += int((logits.argmax(-1) == s["span"]).sum())
             nll += float(F.cross_entropy(logits, s["span"], reduction="sum"))
             total += int(s["span"].numel())
@@ -123,10 +128,13 @@ def main() -> None:
         figures = step(s, 1, net.merge_passes(int(s["span"].numel())))
         curve.append({"step": i + 1, "loss": figures["loss"], "grad_norm": figures["grad_norm"]})
         if (i + 1) % args.eval_every == 0 or i + 1 == args.steps:
-            evals.append({"step": i + 1, **check(net, actor, val_t)})
+            evals.append({"step": i + 1, **check(net, actor, val_t),
+                          "mismatched": check(net, actor, val_t, mismatched=True)})
             recent = sum(c["loss"] for c in curve[-50:]) / len(curve[-50:])
             print(f"step {i + 1}: train loss (last 50) {recent:.3f}, grad norm {figures['grad_norm']:.2e}; "
-                  f"validation accuracy {evals[-1]['token_accuracy']:.3f}, NLL {evals[-1]['nll']:.3f}", flush=True)
+                  f"validation accuracy {evals[-1]['token_accuracy']:.3f}, NLL {evals[-1]['nll']:.3f} (another span's "
+                  f"memory: {evals[-1]['mismatched']['token_accuracy']:.3f}, {evals[-1]['mismatched']['nll']:.3f})",
+                  flush=True)
     train_s = time.perf_counter() - t_train
     params = net.num_parameters()
     out = {"config": str(args.config), "corpus": args.corpus, "chunks": args.chunks, "counts": counts,
@@ -141,6 +149,8 @@ def main() -> None:
     print(f"| no memory (instruction only) | {baseline['token_accuracy']:.3f} | {baseline['nll']:.3f} |")
     print(f"| memory at init | {evals[0]['token_accuracy']:.3f} | {evals[0]['nll']:.3f} |")
     print(f"| memory after {args.steps} steps | {evals[-1]['token_accuracy']:.3f} | {evals[-1]['nll']:.3f} |")
+    mm = evals[-1]["mismatched"]
+    print(f"| another span's memory after {args.steps} steps | {mm['token_accuracy']:.3f} | {mm['nll']:.3f} |")
     print(f"{params:,} parameters; {train_s:.0f} s of training; results: {args.out}")
 
 

@@ -64,13 +64,15 @@ def memory_of(memnet: MemoryNetwork, actor: FrozenActor, history: torch.Tensor,
 
 
 def stage1_logits(memnet: MemoryNetwork | None, actor: FrozenActor, sample: StageISample,
-                  min_passes: int = 0) -> torch.Tensor:
+                  min_passes: int = 0, source: torch.Tensor | None = None) -> torch.Tensor:
     """(T, V) the actor's logits on a span given [memory of the span; "repeat" instruction; span so far]
-    (teacher forcing). ``memnet`` None: the instruction alone (the reconstruction check's no-memory baseline)."""
+    (teacher forcing). ``memnet`` None: the instruction alone (the reconstruction check's no-memory baseline);
+    ``source``: the ids the memory reads instead of the span (another span: the check's mismatched control)."""
     span, instr = sample["span"], sample["instruction"]
     parts = [actor.embed(instr), actor.embed(span)]
     if memnet is not None:
-        parts.insert(0, memory_of(memnet, actor, span, None, min_passes))  # (M, d)
+        read = span if source is None else source
+        parts.insert(0, memory_of(memnet, actor, read, None, min_passes))  # (M, d)
     t = span.shape[0]
     return actor(inputs_embeds=torch.cat(parts)[None], last=t + 1)[0, :t]  # the positions that predict the span
 
