@@ -37,19 +37,16 @@ def spans(cfg, actor_path: str, corpus: str | None, chunks: int) -> tuple[list[d
     """The Stage I rows of a training config with ``corpus`` added: (rows, counts)."""
     from dataclasses import replace
 
-    from palimpsest.pipelines.remory_data import corpus_samples, stage1_samples
+    from palimpsest.pipelines.remory_data import stage1_rows
     from palimpsest.pipelines.trajectories import read_trajectories
     from palimpsest.platform.tokens import get_tokenizer
     from palimpsest.training.launcher import data_config
 
     dcfg = replace(data_config(cfg), stage1_corpus=corpus, stage1_chunks=chunks)
-    tok = get_tokenizer(actor_path)
-    rows = [r for t in read_trajectories(Path(cfg.data.file)).trajectories for r in stage1_samples(t, tok, dcfg)]
-    n_traj = len(rows)
-    if corpus:
-        rows += corpus_samples(corpus, tok, dcfg)
+    rows = stage1_rows(read_trajectories(Path(cfg.data.file)).trajectories, get_tokenizer(actor_path), dcfg)
+    n_corpus = sum(1 for r in rows if r["trajectory"].startswith("corpus/"))
     counts = {sp: sum(1 for r in rows if r["split"] == sp) for sp in ("train", "val")}
-    return rows, {"trajectory_spans": n_traj, "corpus_spans": len(rows) - n_traj, **counts,
+    return rows, {"trajectory_spans": len(rows) - n_corpus, "corpus_spans": n_corpus, **counts,
                   "files_or_trajectories": len({r["trajectory"] for r in rows})}
 
 

@@ -171,6 +171,14 @@ def corpus_samples(corpus: str, tokenizer, cfg: DataConfig) -> Iterator[dict[str
                 return
 
 
+def stage1_rows(trajectories: list[Trajectory], tokenizer, cfg: DataConfig) -> list[dict[str, Any]]:
+    """Every Stage I span: the trajectories' actions and observations, then ``stage1_corpus`` when set."""
+    rows = [r for traj in trajectories for r in stage1_samples(traj, tokenizer, cfg)]
+    if cfg.stage1_corpus:
+        rows += corpus_samples(cfg.stage1_corpus, tokenizer, cfg)
+    return rows
+
+
 def stage2_recall(trajectories: list[Trajectory], cfg: DataConfig) -> list[Trajectory]:
     """The programmatic recall sessions Stage II reads beside ``trajectories`` (``data.recall_sessions``, their
     fillers from the training split only): the same sessions for the same file and config, so an evaluation
@@ -204,12 +212,8 @@ def build_datasets(data: Path, tokenizer: str, out: Path, cfg: DataConfig, polic
         skipped: list[Skipped] = []
         sessions = prepare_sessions(rt, read.trajectories + recall, False, file_sha256(data), skipped)
         tok = rt.ledger.tokenizer
-        rows1: list[dict] = []
         rows2: list[dict] = []
-        for traj in read.trajectories:
-            rows1 += stage1_samples(traj, tok, cfg)
-        if cfg.stage1_corpus:
-            rows1 += corpus_samples(cfg.stage1_corpus, tok, cfg)
+        rows1 = stage1_rows(read.trajectories, tok, cfg)
         for sess in sessions:
             rows2 += stage2_samples(rt, sess, policy, cfg)
     finally:
