@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import time
 from pathlib import Path
@@ -84,6 +83,10 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="resampler layers (default: the config's)")
     ap.add_argument("--learn-scale", action="store_true", help="learn a gain on the soft vectors' norm")
     ap.add_argument("--slot-embedding", action="store_true", help="learn an embedding of each soft position's index")
+    ap.add_argument("--slot-bias", action="store_true",
+                    help="a free vector per soft position in the actor's input space beside the network's output")
+    ap.add_argument("--feature-skip", action="store_true",
+                    help="each soft position also carries the mean of the actor's states over its share of the source")
     ap.add_argument("--budget", type=int, default=None,
                     help="the student's budget (default: the config's data.budget); the dev prefixes take 1.4-3K "
                          "tokens, so below ~2.5K the rows are the recall sessions'")
@@ -97,6 +100,9 @@ def main() -> None:
                     help="the ceiling of the slot: train free soft vectors in the memory's positions (as many, the "
                          "same norm) instead of the network, reading nothing")
     ap.add_argument("--eval-every", type=int, default=10)
+    ap.add_argument("--device", default=None,
+                    help="where the actor and the network run (default: cuda when the config's distributed.use_gpu "
+                         "is set and a GPU is there, else cpu)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fresh-data", action="store_true", help="build the rows again even when the last build fits")
     ap.add_argument("--out", type=Path, default=None)
@@ -115,13 +121,15 @@ def main() -> None:
     from palimpsest.pipelines.remory_data import stage2_recall
     from palimpsest.training.launcher import TEACHERS, _teacher_key, build_memory, data_config
     from palimpsest.training.losses import stage2_student
-    from palimpsest.training.step import LocalBackend, PrefixCache, Step, sample_tensors
+    from palimpsest.training.step import LocalBackend, PrefixCache, Step, lr_at, sample_tensors
     from palimpsest.training.teachers import TOP_K, actor_key, compute_teacher, score
 
     cfg = load_train_config(args.config)
     mem_over = {k: v for k, v in (("d_model", args.d_model), ("n_layers", args.layers),
                                   ("learn_scale", args.learn_scale or None),
-                                  ("slot_embedding", args.slot_embedding or None)) if v is not None}
+                                  ("slot_embedding", args.slot_embedding or None),
+                                  ("slot_bias", args.slot_bias or None),
+                                  ("feature_skip", args.feature_skip or None)) if v is not None}
     if mem_over:
         cfg = cfg.model_copy(update={"memory": cfg.memory.model_copy(update=mem_over)})
     data_over = {k: v for k, v in (("recall_sessions", args.recall_sessions), ("budget", args.budget)) if v is not None}
@@ -143,12 +151,14 @@ def main() -> None:
 
     torch.set_num_threads(max(torch.get_num_threads(), 1))
     torch.manual_seed(cfg.optim.seed)
-    actor = FrozenActor.from_pretrained(actor_path, dtype=cfg.actor.dtype)
+    device = args.device or ("cuda" if cfg.distributed.use_gpu and torch.cuda.is_available() else "cpu")
+    actor = FrozenActor.from_pretrained(actor_path, dtype=cfg.actor.dtype, device=device)
     net = build_memory(cfg, actor)
     if args.free_span:
         net = free_span(net)
+    net = net.to(device)
     params = net.num_parameters()
-    samples = [sample_tensors(r, 2) for r in chosen]
+    samples = [sample_tensors(r, 2, device) for r in chosen]
     cache = TeacherCache(data_dir / TEACHERS)
     data_sha = report["data_sha256"]
     teachers = []
@@ -178,9 +188,7 @@ def main() -> None:
     t_train = time.perf_counter()
     for i in range(args.steps):
         j = i % len(samples)
-        if args.schedule == "cosine":
-            for group in backend.optimizer.param_groups:
-                group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * i / args.steps))
+        backend.set_lr(lr_at(i, args.steps, lr, args.schedule))
         s0 = time.perf_counter()
         passes = net.merge_passes(int(samples[j]["memory"].numel()))
         figures = step(samples[j], 2, passes, teachers[j])
@@ -212,7 +220,7 @@ def main() -> None:
     rt.ledger.close()
     gap = result.gap_closed.get("pace+memory")
     target = TARGETS[args.rung]
-    out = {"rung": args.rung, "config": str(args.config), "memory": cfg.memory.model_dump(), "parameters": params, "schedule": args.schedule,
+    out = {"rung": args.rung, "config": str(args.config), "device": device, "memory": cfg.memory.model_dump(), "parameters": params, "schedule": args.schedule,
            "actor_parameters": sum(p.numel() for p in actor.parameters()), "lr": lr, "steps": args.steps,
            "kl_decay": kl_decay, "free_span": args.free_span,
            "boundaries": [{"trajectory": r["trajectory"], "t": r["t"], "context": len(r["context"]),

@@ -150,3 +150,43 @@ def test_a_slot_embedding_starts_as_no_change_and_tells_blocks_of_the_same_conte
     assert not torch.allclose(out[:4], out[4:], atol=1e-3)
     slotted(feats).sum().backward()
     assert slotted.slot_pos.grad is not None and slotted.slot_pos.grad[:8].abs().sum() > 0
+
+
+def test_a_slot_bias_starts_as_no_change_and_is_a_free_vector_per_position():
+    """The ladder's rung 1 found free vectors in the memory's positions close 97% of the gap where the network
+    closed 73%; a per-position vector in the actor's input space beside the network makes that a special case."""
+    feats = torch.randn(40, 64)
+    plain, biased = net(), net(slot_bias=True)
+    assert torch.allclose(plain(feats), biased(feats), atol=1e-6)  # zero at the start
+    with torch.no_grad():
+        biased.slot_bias.normal_(std=100.0)  # a bias far larger than the network's output decides the direction
+    out = biased(feats)
+    want = biased.slot_bias[: out.shape[0]]
+    cos = torch.nn.functional.cosine_similarity(out, want, dim=-1)
+    assert cos.min() > 0.99
+    assert torch.allclose(out.norm(dim=-1), torch.full((out.shape[0],), biased.embed_norm.item()), atol=1e-4)
+    biased(feats).sum().backward()
+    assert biased.slot_bias.grad[: out.shape[0]].abs().sum() > 0
+    assert biased.slot_bias.grad[out.shape[0]:].abs().sum() == 0  # positions not used get nothing
+
+
+def test_the_feature_skip_carries_each_share_of_the_source_in_order():
+    """Each soft position carries the mean of its share of the source, so two sources that differ only in one
+    share give soft spans that differ most where that share lands; a short source still gives no empty share."""
+    n = net(feature_skip=True)
+    with torch.no_grad():  # silence the network's own path: what remains is the skip
+        n.out_proj.weight.zero_()
+        n.out_proj.bias.zero_()
+    a = torch.randn(32, 64)
+    b = a.clone()
+    b[-8:] = torch.randn(8, 64)  # only the last quarter differs
+    out_a, out_b = n(a), n(b)
+    S = out_a.shape[0]
+    diff = (out_a - out_b).norm(dim=-1)
+    assert diff[: S * 3 // 4].max() < 1e-5 and diff[S * 3 // 4:].min() > 1e-2
+    share = a[: 32 // S].mean(0)
+    assert torch.allclose(out_a[0] / out_a[0].norm(), share / share.norm(), atol=1e-5)
+    short = n(torch.randn(2, 64))  # fewer positions than soft tokens
+    assert torch.isfinite(short).all() and short.shape[0] == n.slots_for(2)
+    n(a).sum().backward()
+    assert n.skip.weight.grad is not None and n.skip.weight.grad.abs().sum() > 0

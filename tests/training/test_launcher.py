@@ -44,6 +44,7 @@ def config(tmp_path, actor_dir, **over):
     ("memory", {"queries": 128, "block_size": 64}, "queries (128) must not exceed block_size (64)"),
     ("memory", {"max_slots": 2}, "max_slots (2) must be at least queries"),
     ("optim", {"unknown_key": 1}, "Extra inputs are not permitted"),
+    ("optim", {"schedule": "linear"}, "Input should be 'constant' or 'cosine'"),
 ])
 def test_bad_configs_are_refused_before_any_worker(tmp_path, actor_dir, section, value, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -78,7 +79,8 @@ def test_training_survives_a_killed_worker_resumes_and_registers(tmp_path, actor
         monkeypatch.delenv(var)
     store = tmp_path / "object-store"
     with mlflow_server(tmp_path) as tracking:
-        cfg = config(tmp_path, actor_dir, tracking={"uri": tracking, "artifact_location": store.as_uri()})
+        cfg = config(tmp_path, actor_dir, tracking={"uri": tracking, "artifact_location": store.as_uri()},
+                     optim={"schedule": "cosine", "lr": 0.01})
         marker = tmp_path / "killed"
         try:
             summary = launch(cfg, fault={"rank": 1, "step": 5, "marker": str(marker)})
@@ -98,7 +100,15 @@ def _check_same_step(cfg, actor_dir, summary, tracking):
     from palimpsest.training.launcher import _load_rows, build_memory
     from palimpsest.training.step import grad_norms, sample_loss, sample_tensors
 
+    from palimpsest.training.step import lr_at
+
     client = mlflow.MlflowClient(tracking)
+    # each stage's updates follow the config's schedule from its own first step (Stage I: steps 1-2, II: 3-6)
+    lrs = {m.step: m.value for m in client.get_metric_history(summary["mlflow_run_id"], "lr")}
+    o = cfg.optim
+    want = [lr_at(i, o.stage1_steps, o.lr, "cosine") for i in range(o.stage1_steps)] + \
+        [lr_at(i, o.stage2_steps, o.lr, "cosine") for i in range(o.stage2_steps)]
+    assert [lrs[k] for k in sorted(lrs)] == pytest.approx(want) and want[0] == want[2] == o.lr > want[3]
     logged = {k: {m.step: m.value for m in client.get_metric_history(summary["mlflow_run_id"], k)}[1]
               for k in ("loss", "grad/out_proj", "grad/blocks", "grad/in_proj", "grad_norm")}
     torch.manual_seed(cfg.optim.seed)
@@ -179,8 +189,10 @@ def test_zero3_and_ddp_train_and_export_the_same_architecture(tmp_path, actor_di
     from palimpsest.training.launcher import launch
 
     monkeypatch.chdir(tmp_path)
+    # with the per-position vector and the feature skip: their parameters partitioned, gathered and exported too
     cfg = config(tmp_path, actor_dir, distributed=dist, optim={"stage1_steps": 2, "stage2_steps": 2,
-                                                               "checkpoint_every": 2})
+                                                               "checkpoint_every": 2},
+                 memory={"slot_bias": True, "feature_skip": True})
     try:
         summary = launch(cfg, track=False)
     finally:
@@ -188,6 +200,9 @@ def test_zero3_and_ddp_train_and_export_the_same_architecture(tmp_path, actor_di
     assert summary["metrics"]["step"] == 4 and summary["metrics"]["loss"] == summary["metrics"]["loss"]
     net = load_bundle(Path(summary["checkpoint"]))  # gathered full weights, loadable without DeepSpeed
     assert net(torch.randn(50, 64)).shape == (4, 64)
+    assert net.cfg.slot_bias and net.cfg.feature_skip
+    assert net.slot_bias.abs().sum() > 0  # trained (it starts at zero)
+    assert not torch.equal(net.skip.weight, torch.eye(64))  # trained (it starts at identity)
 
 
 def test_each_stage_walks_its_own_rows_from_the_shortest_history_epoch_by_epoch():

@@ -213,3 +213,17 @@ def test_the_step_reads_the_whole_gate_under_zero3_with_every_parameter_partitio
     assert r.returncode == 0, r.stderr[-3000:]
     gate = float(next(line for line in r.stdout.splitlines() if line.startswith("GATE")).split()[1])
     assert abs(gate - math.tanh(0.3)) <= math.tanh(0.3 + 0.011) - math.tanh(0.3)  # lr 1e-2: one step moves it
+
+
+def test_the_learning_rate_schedule_runs_each_stage_from_lr_to_zero_and_reaches_the_optimizer():
+    from palimpsest.training.step import LocalBackend, lr_at
+
+    assert [lr_at(i, 4, 0.1, "constant") for i in range(4)] == [0.1] * 4
+    cos = [lr_at(i, 4, 0.1, "cosine") for i in range(5)]
+    assert cos[0] == 0.1 and cos[2] == pytest.approx(0.05) and cos[4] == pytest.approx(0.0)
+    assert all(a > b for a, b in zip(cos, cos[1:]))
+    with pytest.raises(ValueError, match="linear"):
+        lr_at(0, 4, 0.1, "linear")
+    backend = LocalBackend(torch.nn.Linear(2, 2), lr=0.1)
+    backend.set_lr(0.025)
+    assert [g["lr"] for g in backend.optimizer.param_groups] == [0.025]

@@ -54,7 +54,7 @@ class FrozenActor(nn.Module):
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """(T,) or (N, T) token ids -> their input embeddings (..., d)."""
-        return self.model.get_input_embeddings()(ids)
+        return self.model.get_input_embeddings()(ids.to(self.device))
 
     def embed_norm(self) -> float:
         """Mean L2 norm of the token embedding table: the scale soft tokens are given."""
@@ -73,7 +73,7 @@ class FrozenActor(nn.Module):
     def prefill(self, ids: torch.Tensor):
         """(T,) ids -> (their KV cache, the logits (V,) after the last one): a prefix that several continuations
         share (the shadow lane's reference, scored once for every arm of a paired trajectory)."""
-        out = self.model(input_ids=ids[None], use_cache=True, logits_to_keep=1)
+        out = self.model(input_ids=ids.to(self.device)[None], use_cache=True, logits_to_keep=1)
         return out.past_key_values, out.logits[0, -1]
 
     @torch.no_grad()
@@ -81,7 +81,7 @@ class FrozenActor(nn.Module):
         """Logits (T, V) at each of ``ids`` (T,) after a prefilled prefix of ``n_prefix`` positions; the cache is cut
         back to the prefix afterwards, so the next continuation starts from it again."""
         try:
-            return self.model(input_ids=ids[None], past_key_values=past, use_cache=True).logits[0]
+            return self.model(input_ids=ids.to(self.device)[None], past_key_values=past, use_cache=True).logits[0]
         finally:
             past.crop(n_prefix)
 
@@ -100,5 +100,5 @@ class FrozenActor(nn.Module):
     @torch.no_grad()
     def hidden_states(self, ids: torch.Tensor, layer: int = -1) -> torch.Tensor:
         """(T,) ids -> (T, d) hidden states of ``layer`` (what the memory network reads)."""
-        out = self.model(input_ids=ids[None], output_hidden_states=True, use_cache=False)
+        out = self.model(input_ids=ids.to(self.device)[None], output_hidden_states=True, use_cache=False)
         return out.hidden_states[layer][0]

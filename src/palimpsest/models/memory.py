@@ -35,6 +35,8 @@ class MemoryConfig:
     dropout: float = 0.0
     learn_scale: bool = False  # a learned gain on the soft vectors' norm (starts at the token embeddings' mean norm)
     slot_embedding: bool = False  # a learned embedding of each soft position's index (starts at 0: no change)
+    slot_bias: bool = False  # a learned vector per soft position in the actor's input space (starts at 0: no change)
+    feature_skip: bool = False  # each soft position also carries the mean of the features of its share of the source
 
     def __post_init__(self) -> None:
         problems = []
@@ -55,6 +57,10 @@ class MemoryConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _unit(x: torch.Tensor) -> torch.Tensor:
+    return x / x.norm(dim=-1, keepdim=True).clamp(min=1e-6)
 
 
 class _Block(nn.Module):
@@ -123,6 +129,12 @@ class MemoryNetwork(nn.Module):
             self.log_scale = nn.Parameter(torch.zeros(1))
         if cfg.slot_embedding:  # which soft position a token is: the blocks share their queries, not their place
             self.slot_pos = nn.Parameter(torch.zeros(cfg.max_slots, d))
+        if cfg.slot_bias:  # a free vector per soft position beside the network's output: the free span is its special case
+            self.slot_bias = nn.Parameter(torch.zeros(cfg.max_slots, cfg.d_actor))
+        if cfg.feature_skip:  # the actor's own states of the source, pooled per soft position, mapped (identity at start)
+            self.skip = nn.Linear(cfg.d_actor, cfg.d_actor, bias=False)
+            with torch.no_grad():
+                self.skip.weight.copy_(torch.eye(cfg.d_actor))
 
     def _resample(self, src: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
         """(L, d) source -> (ceil(L / B) * Q, d): every block of <= B positions becomes Q tokens, in order."""
@@ -199,6 +211,13 @@ class MemoryNetwork(nn.Module):
             mem = mem + self.slot_pos[: mem.shape[0]]
         mem = self.summary_attn(mem[None], summary)[0]  # (S, d)
         out = self.out_proj(self.out_norm(mem))  # (S, d_actor)
+        skip, bias = getattr(self.cfg, "feature_skip", False), getattr(self.cfg, "slot_bias", False)
+        if skip or bias:  # terms in the actor's input space, each of unit norm at the start (the network's too),
+            out = _unit(out)  # so a per-position vector moves as fast as the ladder's free span does
+            if skip:
+                out = out + self.skip(_unit(self._pooled(features.to(out.dtype), out.shape[0])))
+            if bias:
+                out = out + self.slot_bias[: out.shape[0]]
         out = out * (self.embed_norm / out.norm(dim=-1, keepdim=True).clamp(min=1e-6))
         if self.cfg.learn_scale:
             out = out * self.log_scale.exp()
@@ -208,6 +227,19 @@ class MemoryNetwork(nn.Module):
         if not passes and torch.is_grad_enabled():
             out = out + 0.0 * self.merge_queries.sum()
         return out + idle
+
+    def _pooled(self, features: torch.Tensor, slots: int) -> torch.Tensor:
+        """(T, d_actor) -> (slots, d_actor): the mean of each of ``slots`` contiguous, near-equal shares of the
+        source, in order. The actor's last hidden state is what it would feed back
+        as its next input (Coconut's continuous thought), so each soft position starts as its share of the source
+        in the actor's own terms, and the network learns what to add."""
+        T = features.shape[0]
+        k = torch.arange(slots, device=features.device)
+        start = k * T // slots
+        end = torch.maximum((k + 1) * T // slots, start + 1).clamp(max=T)  # a short source: shares overlap, never empty
+        start = torch.minimum(start, end - 1)
+        sums = torch.cat([features.new_zeros(1, features.shape[1]), features.cumsum(0)])
+        return (sums[end] - sums[start]) / (end - start)[:, None].to(features.dtype)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad)

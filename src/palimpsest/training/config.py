@@ -55,6 +55,10 @@ class MemorySection(_Strict):
                               "mean norm, fixed)")
     slot_embedding: bool = Field(False, description="learn an embedding of each soft position's index, added before "
                                  "the output (every block of the history shares the same queries)")
+    slot_bias: bool = Field(False, description="learn a free vector per soft position in the actor's input space, "
+                            "added to the network's output (the ladder's free span is its special case)")
+    feature_skip: bool = Field(False, description="each soft position also carries the mean of the actor's states "
+                               "over its share of the source, through a learned map that starts at identity")
 
     @model_validator(mode="after")
     def _sizes(self) -> "MemorySection":
@@ -74,6 +78,8 @@ class OptimSection(_Strict):
     stage1_steps: int = Field(40, ge=0)
     stage2_steps: int = Field(80, ge=0)
     lr: float = Field(1e-3, gt=0)
+    schedule: Literal["constant", "cosine"] = Field("constant", description="the learning rate over each stage's "
+                                                    "steps: constant, or cosine from lr to 0 (training.step.lr_at)")
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
     kl_decay: float = Field(0.05, ge=0, description="w_j proportional to 1 / (1 + kl_decay * j)")

@@ -169,14 +169,20 @@ def train_loop(loop_config: dict) -> None:
     import torch.distributed as dist
 
     from palimpsest.models.actor import FrozenActor
-    from palimpsest.training.step import DDPBackend, DeepSpeedBackend, PrefixCache, Step, sample_tensors
+    from palimpsest.training.step import DDPBackend, DeepSpeedBackend, PrefixCache, Step, lr_at, sample_tensors
 
     cfg = TrainConfig.model_validate(loop_config["train"])
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.manual_seed(cfg.optim.seed)  # identical initial weights on every rank
-    actor = FrozenActor.from_pretrained(loop_config["actor_path"], dtype=cfg.actor.dtype)
-    memnet = build_memory(cfg, actor)
+    # the actor, the rows and the network on the worker's device (Ray Train assigns each GPU worker its own)
+    device = torch.device("cpu")
+    if cfg.distributed.use_gpu:
+        import ray.train.torch
+
+        device = ray.train.torch.get_device()
+    actor = FrozenActor.from_pretrained(loop_config["actor_path"], dtype=cfg.actor.dtype, device=str(device))
+    memnet = build_memory(cfg, actor).to(device)
     o = cfg.optim
     backend = (DeepSpeedBackend(memnet, ds_config(cfg)) if cfg.distributed.strategy == "deepspeed"
                else DDPBackend(memnet, o.lr, o.weight_decay, o.grad_clip))  # plain DDP, for comparison
@@ -211,19 +217,21 @@ def train_loop(loop_config: dict) -> None:
         data = rows[stage]
         row_index = curriculum_row(step, cfg.optim.stage1_steps, world, rank, len(data))[1]
         row = data[row_index]
-        sample = sample_tensors(row, stage)
+        sample = sample_tensors(row, stage, device)
         t0 = time.perf_counter()
         # Every rank runs as many merge passes as the rank that needs most (ZeRO-3 gathers per call).
         src = sample["span"] if stage == 1 else sample["memory"]
-        passes = torch.tensor(memnet.merge_passes(int(src.numel())))
+        passes = torch.tensor(memnet.merge_passes(int(src.numel())), device=device)  # NCCL reduces device tensors
         if dist.is_initialized():
             dist.all_reduce(passes, op=dist.ReduceOp.MAX)
         teacher = (teachers.get(_teacher_key(cfg, loop_config["actor_path"], data_sha, row))
                    if stage == 2 and teachers is not None else None)  # None: a full teacher pass
+        start, steps = (0, cfg.optim.stage1_steps) if stage == 1 else (cfg.optim.stage1_steps, cfg.optim.stage2_steps)
+        backend.set_lr(lr_at(step - start, steps, cfg.optim.lr, cfg.optim.schedule))
         figures = run_step(sample, stage, int(passes), teacher)
         step += 1
         tokens = sum(int(v.numel()) for v in sample.values())
-        metrics = {"step": step, "stage": stage, **figures, "resumed_from": resumed_from,
+        metrics = {"step": step, "stage": stage, **figures, "lr": lr_at(step - 1 - start, steps, cfg.optim.lr, cfg.optim.schedule), "resumed_from": resumed_from,
                    "seconds": time.perf_counter() - t0, "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                    "tokens_per_s": tokens / max(time.perf_counter() - t0, 1e-9),
                    "teacher_cached": float(teacher is not None), "row": float(row_index)}

@@ -25,6 +25,10 @@ class Teacher:
     logp: torch.Tensor  # (R, k) their log-probabilities
     tail: torch.Tensor  # (R,) log of the probability mass outside the top k
 
+    def to(self, device) -> "Teacher":
+        """The same teacher on ``device`` (a cached one is read on the CPU; the student may be on a GPU)."""
+        return Teacher(self.ids.to(device), self.logp.to(device), self.tail.to(device))
+
 
 #: The least log-mass a cached tail is taken to have (a teacher that put none outside its top k).
 _MIN_LOG_TAIL = -69.0  # ~1e-30
@@ -47,6 +51,7 @@ def coarse_kl(q_logits: torch.Tensor, teacher: Teacher) -> torch.Tensor:
     of the full-vocabulary KL, exact as k grows (k = the vocabulary: the full KL). Differentiable in
     ``q_logits`` (Stage II trains on it)."""
     log_q = F.log_softmax(q_logits.float(), -1)
+    teacher = teacher.to(log_q.device)
     q_k = log_q.gather(-1, teacher.ids)
     q_rest = _log_rest(log_q, teacher.ids)
     some = torch.isfinite(q_rest)  # no rest at all (k = the vocabulary): that term is 0
@@ -60,6 +65,7 @@ def coarse_kl(q_logits: torch.Tensor, teacher: Teacher) -> torch.Tensor:
 def score(q_logits: torch.Tensor, target: torch.Tensor, teacher: Teacher) -> dict[str, float]:
     """KL(q || p) over {teacher top-k, rest}, NLL of the target under q, top-1 agreement; means per token."""
     log_q = F.log_softmax(q_logits.float(), -1)
+    teacher, target = teacher.to(log_q.device), target.to(log_q.device)
     nll = -log_q.gather(-1, target[:, None])[:, 0]
     top1 = (log_q.argmax(-1) == teacher.ids[:, 0]).float()
     return {"kl": float(coarse_kl(q_logits, teacher).mean()), "nll": float(nll.mean()), "top1": float(top1.mean())}
