@@ -81,11 +81,12 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=None, help="default: the config's optim.lr")
     ap.add_argument("--d-model", type=int, default=None, help="the memory network's width (default: the config's)")
     ap.add_argument("--layers", type=int, default=None, help="resampler layers (default: the config's)")
-    ap.add_argument("--learn-scale", action="store_true", help="learn a gain on the soft vectors' norm")
-    ap.add_argument("--slot-embedding", action="store_true", help="learn an embedding of each soft position's index")
-    ap.add_argument("--slot-bias", action="store_true",
+    on_off = argparse.BooleanOptionalAction  # each default: the config's
+    ap.add_argument("--learn-scale", action=on_off, help="learn a gain on the soft vectors' norm")
+    ap.add_argument("--slot-embedding", action=on_off, help="learn an embedding of each soft position's index")
+    ap.add_argument("--slot-bias", action=on_off,
                     help="a free vector per soft position in the actor's input space beside the network's output")
-    ap.add_argument("--feature-skip", action="store_true",
+    ap.add_argument("--feature-skip", action=on_off,
                     help="each soft position also carries the mean of the actor's states over its share of the source")
     ap.add_argument("--budget", type=int, default=None,
                     help="the student's budget (default: the config's data.budget); the dev prefixes take 1.4-3K "
@@ -126,10 +127,9 @@ def main() -> None:
 
     cfg = load_train_config(args.config)
     mem_over = {k: v for k, v in (("d_model", args.d_model), ("n_layers", args.layers),
-                                  ("learn_scale", args.learn_scale or None),
-                                  ("slot_embedding", args.slot_embedding or None),
-                                  ("slot_bias", args.slot_bias or None),
-                                  ("feature_skip", args.feature_skip or None)) if v is not None}
+                                  ("learn_scale", args.learn_scale), ("slot_embedding", args.slot_embedding),
+                                  ("slot_bias", args.slot_bias), ("feature_skip", args.feature_skip))
+                if v is not None}
     if mem_over:
         cfg = cfg.model_copy(update={"memory": cfg.memory.model_copy(update=mem_over)})
     data_over = {k: v for k, v in (("recall_sessions", args.recall_sessions), ("budget", args.budget)) if v is not None}

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import time
 from pathlib import Path
@@ -90,7 +89,7 @@ def main() -> None:
     from palimpsest.models.actor import FrozenActor
     from palimpsest.training.config import load_train_config
     from palimpsest.training.launcher import build_memory, resolve_actor
-    from palimpsest.training.step import LocalBackend, Step, sample_tensors
+    from palimpsest.training.step import LocalBackend, Step, lr_at, sample_tensors
 
     cfg = load_train_config(args.config)
     lr = args.lr or cfg.optim.lr
@@ -119,8 +118,7 @@ def main() -> None:
     curve = []
     t_train = time.perf_counter()
     for i, j in enumerate(order):
-        for group in backend.optimizer.param_groups:  # cosine over the run
-            group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * i / args.steps))
+        backend.set_lr(lr_at(i, args.steps, lr, "cosine"))  # cosine over the run
         s = sample_tensors(train[j], 1)
         figures = step(s, 1, net.merge_passes(int(s["span"].numel())))
         curve.append({"step": i + 1, "loss": figures["loss"], "grad_norm": figures["grad_norm"]})

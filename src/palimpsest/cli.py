@@ -290,6 +290,7 @@ SeedOpt = typer.Option(0, "--seed")
 TeacherCacheOpt = typer.Option(None, "--cache", help="teacher cache (Parquet; default .palimpsest/teachers.parquet)")
 ReplayLedgerOpt = typer.Option(None, "--ledger", help="cache ledger (default .palimpsest/replay-<tokenizer>.db)")
 EvalMlflowOpt = typer.Option(True, "--mlflow/--no-mlflow", help="log the evaluation as an MLflow run")
+DeviceOpt = typer.Option("cpu", "--device", help="where the actor and the memory run (cpu, cuda, cuda:1)")
 
 
 @app.command()
@@ -398,12 +399,14 @@ def eval_actions(
     embedder: str = EmbedderOpt,
     tokenizer: str = TokenizerOpt,
     mlflow: bool = EvalMlflowOpt,
+    device: str = DeviceOpt,
     as_json: bool = typer.Option(False, "--json", help="print the result JSON to stdout and nothing else"),
 ) -> None:
     """Action fidelity: KL to the actor given the whole history, NLL of the recorded action, top-1 agreement."""
     import json as _json
 
     Budget(budget)
+    _check_device(device)
     if not data.is_file():
         raise PalimpsestError(f"trajectory file not found: {data}")
     names = [n.strip() for n in policy.split(",") if n.strip()]
@@ -412,7 +415,7 @@ def eval_actions(
     with _json_stdout(as_json):
         out_json, result = _eval_actions_run(
             data, names, configs, budget, memory, include_train, max_target_tokens, window, seed, cache, ledger,
-            embedder, tokenizer, mlflow, max_boundaries, reference)
+            embedder, tokenizer, mlflow, max_boundaries, reference, device)
     if as_json:
         sys.stdout.write(_json.dumps(out_json) + "\n")
         return
@@ -441,8 +444,22 @@ def _memory_base(label: str) -> str:
     return label
 
 
+def _check_device(device: str) -> None:
+    """``--device``: a torch device this machine has, else a clear error before any model loads."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise PalimpsestError(f"--device {device!r} is not a device (cpu, cuda, cuda:N): {e}") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise PalimpsestError(f"--device {device!r}: this machine has no CUDA device")
+    if dev.type not in ("cpu", "cuda"):
+        raise PalimpsestError(f"--device {device!r}: only cpu and cuda are supported")
+
+
 def _eval_actions_run(data, names, configs, budget, memory, include_train, max_target_tokens, window, seed, cache,
-                      ledger, embedder, tokenizer, mlflow, max_boundaries, reference):
+                      ledger, embedder, tokenizer, mlflow, max_boundaries, reference, device="cpu"):
     from palimpsest.models.actor import FrozenActor
     from palimpsest.models.registry import resolve_actor_path
     from palimpsest.pipelines.environment import open_runtime
@@ -472,7 +489,7 @@ def _eval_actions_run(data, names, configs, budget, memory, include_train, max_t
             mem_tokens = int(meta.get("memory_tokens", mem_tokens))
             mem_chars = int(meta.get("max_observation_chars", mem_chars))
     actor_path = str(resolve_actor_path("smollm2" if tokenizer == "smollm2" else tokenizer))
-    act = FrozenActor.from_pretrained(actor_path)
+    act = FrozenActor.from_pretrained(actor_path, device=device)
     mem_arm = None
     if ref is not None:
         from palimpsest.models.encoder import MemoryEncoder
@@ -501,7 +518,7 @@ def _eval_actions_run(data, names, configs, budget, memory, include_train, max_t
                               cache=teacher_cache, allowed=allowed,
                               on_progress=lambda sid: err.print(f"scored {sid}", highlight=False))
     rt.ledger.close()
-    out_json = result.to_json() | {"budget": budget, "data": {"file": str(data), "sha256": file_sha256(data)},
+    out_json = result.to_json() | {"budget": budget, "device": str(act.device), "data": {"file": str(data), "sha256": file_sha256(data)},
                                    "teacher_cache": {"hits": teacher_cache.hits, "misses": teacher_cache.misses},
                                    "held_out_only": mem_arm is not None and not include_train,
                                    "skipped": [{"trajectory": s.trajectory, "reason": s.reason} for s in skipped]}
@@ -531,6 +548,7 @@ def eval_memory(
     embedder: str = EmbedderOpt,
     tokenizer: str = TokenizerOpt,
     mlflow: bool = EvalMlflowOpt,
+    device: str = DeviceOpt,
     as_json: bool = typer.Option(False, "--json", help="print the result JSON to stdout and nothing else"),
 ) -> None:
     """eval-actions for one memory: POLICY (the memory's positions as text), POLICY+empty (its text alone) and
@@ -539,6 +557,7 @@ def eval_memory(
 
     if budget is not None:
         Budget(budget)
+    _check_device(device)
     if not data.is_file():
         raise PalimpsestError(f"trajectory file not found: {data}")
     with _json_stdout(as_json):
@@ -567,7 +586,7 @@ def eval_memory(
         names = [base, f"{base}+empty", f"{base}+memory"]
         out_json, result = _eval_actions_run(
             data, names, configs, budget, model, include_train, max_target_tokens, window, seed, cache, ledger,
-            embedder, tokenizer, mlflow, max_boundaries, base)
+            embedder, tokenizer, mlflow, max_boundaries, base, device)
     if as_json:
         sys.stdout.write(_json.dumps(out_json) + "\n")
         return

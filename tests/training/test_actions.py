@@ -103,6 +103,23 @@ def test_the_cli_prints_only_json_on_stdout(tmp_path, actor_dir, data):
     doc = json.loads(r.stdout)  # the whole of stdout is one JSON object
     assert set(doc["policies"]) == {"window", "pace"} and doc["reference"] == "pace"
     assert doc["policies"]["window"]["boundaries"] == 2 and len(doc["policies"]["pace"]["kl_ci"]) == 2
+    assert doc["device"] == "cpu"  # where the figures were computed, in the record
+
+
+@pytest.mark.parametrize("device,message", [("nope", "is not a device"), ("meta", "only cpu and cuda"),
+                                            ("cuda", "no CUDA device")])
+def test_a_device_the_machine_lacks_is_refused_by_name_before_any_model_loads(tmp_path, data, device, message):
+    import subprocess
+    import sys
+
+    import torch
+
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    for cmd in (["eval-actions", "--policy", "pace", "--budget", "1000"], ["eval-memory", "--model", "x"]):
+        r = subprocess.run([sys.executable, "-m", "palimpsest.cli", *cmd, "--data", str(data), "--device", device],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode != 0 and "--device" in r.stderr and message in r.stderr, r.stderr[-1000:]
 
 
 def test_a_fitted_policy_is_never_scored_on_the_trajectories_it_was_fitted_on(tmp_path, actor_dir, data, monkeypatch):

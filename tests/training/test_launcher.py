@@ -103,7 +103,8 @@ def _check_same_step(cfg, actor_dir, summary, tracking):
     from palimpsest.training.step import lr_at
 
     client = mlflow.MlflowClient(tracking)
-    # each stage's updates follow the config's schedule from its own first step (Stage I: steps 1-2, II: 3-6)
+    # each stage's updates follow the config's schedule from its own first step (Stage I: steps 1-2, II: 3-6),
+    # as the DeepSpeed optimizer held it (read back from the engine, not recomputed)
     lrs = {m.step: m.value for m in client.get_metric_history(summary["mlflow_run_id"], "lr")}
     o = cfg.optim
     want = [lr_at(i, o.stage1_steps, o.lr, "cosine") for i in range(o.stage1_steps)] + \

@@ -226,4 +226,4 @@ def test_the_learning_rate_schedule_runs_each_stage_from_lr_to_zero_and_reaches_
         lr_at(0, 4, 0.1, "linear")
     backend = LocalBackend(torch.nn.Linear(2, 2), lr=0.1)
     backend.set_lr(0.025)
-    assert [g["lr"] for g in backend.optimizer.param_groups] == [0.025]
+    assert [g["lr"] for g in backend.optimizer.param_groups] == [0.025] and backend.lr() == 0.025

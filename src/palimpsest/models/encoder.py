@@ -22,7 +22,7 @@ class MemoryEncoder:
     def __init__(self, memory: MemoryNetwork, actor: FrozenActor):
         if memory.cfg.d_actor != actor.hidden_size:
             raise ConfigError(f"memory was trained for hidden size {memory.cfg.d_actor}, the actor has {actor.hidden_size}")
-        self.memory = memory.eval()
+        self.memory = memory.to(actor.device).eval()  # beside the actor, whose states it reads
         self.actor = actor
 
     @classmethod

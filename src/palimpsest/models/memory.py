@@ -233,13 +233,14 @@ class MemoryNetwork(nn.Module):
         source, in order. The actor's last hidden state is what it would feed back
         as its next input (Coconut's continuous thought), so each soft position starts as its share of the source
         in the actor's own terms, and the network learns what to add."""
+        dtype, features = features.dtype, features.float()  # differences of running sums: in fp32 even under bf16
         T = features.shape[0]
         k = torch.arange(slots, device=features.device)
         start = k * T // slots
         end = torch.maximum((k + 1) * T // slots, start + 1).clamp(max=T)  # a short source: shares overlap, never empty
         start = torch.minimum(start, end - 1)
         sums = torch.cat([features.new_zeros(1, features.shape[1]), features.cumsum(0)])
-        return (sums[end] - sums[start]) / (end - start)[:, None].to(features.dtype)
+        return ((sums[end] - sums[start]) / (end - start)[:, None].float()).to(dtype)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad)

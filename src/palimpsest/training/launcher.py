@@ -231,7 +231,7 @@ def train_loop(loop_config: dict) -> None:
         figures = run_step(sample, stage, int(passes), teacher)
         step += 1
         tokens = sum(int(v.numel()) for v in sample.values())
-        metrics = {"step": step, "stage": stage, **figures, "lr": lr_at(step - 1 - start, steps, cfg.optim.lr, cfg.optim.schedule), "resumed_from": resumed_from,
+        metrics = {"step": step, "stage": stage, **figures, "lr": backend.lr(), "resumed_from": resumed_from,
                    "seconds": time.perf_counter() - t0, "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                    "tokens_per_s": tokens / max(time.perf_counter() - t0, 1e-9),
                    "teacher_cached": float(teacher is not None), "row": float(row_index)}
