@@ -185,6 +185,28 @@ def test_train_refuses_bad_configs_before_any_worker(tmp_path, body, message):
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
 
 
+def test_train_prints_its_summary_as_one_json_object_and_nothing_else(tmp_path, monkeypatch, capfd):
+    """The summary's long strings (a checkpoint path) were wrapped by the console, which broke the JSON."""
+    from typer.testing import CliRunner
+
+    import palimpsest.training.launcher as launcher
+    from palimpsest.cli import app
+
+    (tmp_path / "c.yaml").write_text("name: x\ndata: {file: d.jsonl}\n")
+    path = "/a/very/long/path/" + "x" * 200 + "/checkpoint_2026-12-03_17-56-56.324472"
+
+    def fake_launch(cfg, track=True):  # stands in for Ray Train: this test is about what reaches stdout
+        print("a library's notice")
+        return {"name": cfg.name, "checkpoint": path, "registered": "models:/palimpsest-memory/3"}
+
+    monkeypatch.setattr(launcher, "launch", fake_launch)
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(app, ["train", "--config", "c.yaml", "--no-mlflow"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["checkpoint"] == path and doc["registered"].endswith("/3")
+
+
 def test_eval_memory_refuses_what_is_not_a_model(tmp_path, data):
     r = cli("eval-memory", "--model", "not-a-model", "--data", str(data), cwd=tmp_path)
     assert r.returncode == 2 and "neither a checkpoint directory nor an MLflow model URI" in r.stderr

@@ -372,8 +372,10 @@ def train(config: Path = typer.Option(..., "--config", help="configs/train/<name
     from palimpsest.training.config import load_train_config
     from palimpsest.training.launcher import launch
 
-    summary = launch(load_train_config(config), track=track)
-    out.print(_json.dumps(summary, indent=2, default=str), markup=False, highlight=False)
+    with _json_stdout(True):  # what Ray, DeepSpeed and the workers print goes to stderr
+        summary = launch(load_train_config(config), track=track)
+    # plain JSON on stdout: a console would wrap long lines (the checkpoint path) inside strings
+    sys.stdout.write(_json.dumps(summary, indent=2, default=str) + "\n")
 
 
 @app.command("eval-actions")
