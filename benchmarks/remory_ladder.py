@@ -88,6 +88,12 @@ def main() -> None:
                     help="a free vector per soft position in the actor's input space beside the network's output")
     ap.add_argument("--feature-skip", action=on_off,
                     help="each soft position also carries the mean of the actor's states over its share of the source")
+    ap.add_argument("--skip-init", choices=("identity", "zero"), default=None,
+                    help="the feature skip's map at the start (default: the config's)")
+    ap.add_argument("--skip-pool", choices=("mean", "attention"), default=None,
+                    help="how the feature skip pools a share (default: the config's)")
+    ap.add_argument("--feature-layer", type=int, default=None,
+                    help="which hidden state of the actor the memory reads (0 = the input embeddings, -1 = the last)")
     ap.add_argument("--budget", type=int, default=None,
                     help="the student's budget (default: the config's data.budget); the dev prefixes take 1.4-3K "
                          "tokens, so below ~2.5K the rows are the recall sessions'")
@@ -117,7 +123,7 @@ def main() -> None:
     from palimpsest.pipelines.replay import prepare_sessions
     from palimpsest.pipelines.trajectories import file_sha256, read_trajectories
     from palimpsest.platform.policies import load_policy_file
-    from palimpsest.training.actions import Arm, MemoryArm, TeacherCache, evaluate_actions
+    from palimpsest.training.actions import Arm, MemoryArm, TeacherCache, evaluate_actions, summarize_actions
     from palimpsest.training.config import load_train_config
     from palimpsest.pipelines.remory_data import stage2_recall
     from palimpsest.training.launcher import TEACHERS, _teacher_key, build_memory, data_config
@@ -128,7 +134,9 @@ def main() -> None:
     cfg = load_train_config(args.config)
     mem_over = {k: v for k, v in (("d_model", args.d_model), ("n_layers", args.layers),
                                   ("learn_scale", args.learn_scale), ("slot_embedding", args.slot_embedding),
-                                  ("slot_bias", args.slot_bias), ("feature_skip", args.feature_skip))
+                                  ("slot_bias", args.slot_bias), ("feature_skip", args.feature_skip),
+                                  ("skip_init", args.skip_init), ("skip_pool", args.skip_pool),
+                                  ("feature_layer", args.feature_layer))
                 if v is not None}
     if mem_over:
         cfg = cfg.model_copy(update={"memory": cfg.memory.model_copy(update=mem_over)})
@@ -172,11 +180,16 @@ def main() -> None:
     cache.save()
     prefix = PrefixCache(rows=len(chosen))  # every row: its context's KV (~120 MB at 2.6K SmolLM2 ids) and features
 
-    def memory_kl() -> float:
+    def row_kls(rows=None) -> list[float]:
+        """KL(pace+memory) per chosen row, the training path's scoring (eval-actions' figure at these rows);
+        ``rows`` replaces each row's sample (the mismatched control)."""
         net.eval()
         with torch.no_grad():
-            kls = [score(stage2_student(net, actor, s, 0, prefix), s["target"], t)["kl"]
-                   for s, t in zip(samples, teachers)]
+            return [score(stage2_student(net, actor, s, 0, prefix), s["target"], t)["kl"]
+                    for s, t in zip(rows or samples, teachers)]
+
+    def memory_kl() -> float:
+        kls = row_kls()
         return sum(kls) / len(kls)
 
     backend = LocalBackend(net, lr, cfg.optim.weight_decay, cfg.optim.grad_clip)
@@ -202,14 +215,30 @@ def main() -> None:
                   f"grad norm {figures['grad_norm']:.3e}, gate {figures['gate']:+.4f}, per module {g}", flush=True)
     train_s = time.perf_counter() - t_train
 
+    # Does the memory read its input? Each row is scored again with the memory made from another row's left-out
+    # history (its own context, summary, bridge and target): a memory that ignores what it reads (a constant
+    # span) scores the same. Rung 1 pairs its row with each of up to 8 other training rows, rung 2 each row with
+    # the next chosen one.
+    own = row_kls()
+    donors = [[samples[(i + 1) % len(samples)]] for i in range(len(samples))] if len(samples) > 1 else \
+        [[sample_tensors(r, 2, device) for r in train[1:9]]]
+    mismatched = []
+    with torch.no_grad():
+        for i, (s, ds) in enumerate(zip(samples, donors)):
+            kls = [score(stage2_student(net, actor, {**s, "memory": d["memory"]}, 0, prefix), s["target"],
+                         teachers[i])["kl"] for d in ds]
+            mismatched.append(sum(kls) / len(kls))
+    read = read_trajectories(Path(cfg.data.file))
+    pool = read.trajectories + stage2_recall(read.trajectories, data_config(cfg))  # as the rows were built
+    last_step = {t.id: len(t.steps) - 1 for t in pool}
+    use = [r["trajectory"].startswith("recall/") and int(r["t"]) == last_step.get(r["trajectory"]) for r in chosen]
+
     # The official figure: eval-actions' own scoring of pace, pace+empty and pace+memory at these boundaries.
     policy = load_policy_file(cfg.tracking.policy_config)
     wanted = {r["trajectory"] for r in chosen}
-    read = read_trajectories(Path(cfg.data.file))
     # the data build's own ledger: a step's id is the ledger's (``[#296 bash ls]``, ``glimpse(#296)``), so a fresh
     # ledger would number the steps from 1 and hand the arms a prompt 12 ids away from the rows trained on
     rt = open_runtime(data_dir / "ledger.db", cfg.data.embedder, actor_path)
-    pool = read.trajectories + stage2_recall(read.trajectories, data_config(cfg))  # as the rows were built
     sessions = prepare_sessions(rt, [t for t in pool if t.id in wanted], False, file_sha256(Path(cfg.data.file)), [])
     arm = MemoryArm(MemoryEncoder(net.eval(), actor), cfg.data.memory_tokens, cfg.data.max_observation_chars)
     arms = [Arm("pace", policy), Arm("pace+empty", policy, arm, inject=False), Arm("pace+memory", policy, arm)]
@@ -220,13 +249,30 @@ def main() -> None:
     rt.ledger.close()
     gap = result.gap_closed.get("pace+memory")
     target = TARGETS[args.rung]
+    # the same figures over the recall boundaries (the action needs a fact only the left-out history holds) and
+    # over the others (ordinary continuations)
+    is_use = {(r["trajectory"], int(r["t"])): u for r, u in zip(chosen, use)}
+    by_kind = {}
+    for kind, flag in (("recall_use", True), ("other", False)):
+        rows_k = [b for b in result.boundaries if is_use.get((b["trajectory"], int(b["t"]))) == flag]
+        idx = [i for i, u in enumerate(use) if u == flag]
+        if not idx:
+            continue
+        part = summarize_actions(rows_k, [a.label for a in arms], "pace")
+        by_kind[kind] = {"boundaries": len(idx), "gap_closed": part.gap_closed.get("pace+memory"),
+                         "kl": {k: v["kl"] for k, v in part.policies.items()},
+                         "kl_own_memory": sum(own[i] for i in idx) / len(idx),
+                         "kl_mismatched_memory": sum(mismatched[i] for i in idx) / len(idx)}
+    control = {"kl_own_memory": sum(own) / len(own), "kl_mismatched_memory": sum(mismatched) / len(mismatched),
+               "donors_per_row": len(donors[0]), "by_kind": by_kind}
     out = {"rung": args.rung, "config": str(args.config), "device": device, "memory": cfg.memory.model_dump(), "parameters": params, "schedule": args.schedule,
            "actor_parameters": sum(p.numel() for p in actor.parameters()), "lr": lr, "steps": args.steps,
            "kl_decay": kl_decay, "free_span": args.free_span,
            "boundaries": [{"trajectory": r["trajectory"], "t": r["t"], "context": len(r["context"]),
-                           "memory": len(r["memory"]), "bridge": len(r["bridge"]), "teacher": len(r["teacher"])}
-                          for r in chosen],
-           "eval_actions": result.to_json(), "gap_closed": gap, "target": target,
+                           "memory": len(r["memory"]), "bridge": len(r["bridge"]), "teacher": len(r["teacher"]),
+                           "recall_use": u, "kl_own_memory": ko, "kl_mismatched_memory": km}
+                          for r, u, ko, km in zip(chosen, use, own, mismatched)],
+           "eval_actions": result.to_json(), "gap_closed": gap, "target": target, "input_control": control,
            "met": gap is not None and gap >= target, "curve": curve, "evals": evals,
            "seconds": {"data": round(prep_s, 1), "train": round(train_s, 1),
                        "per_step": round(train_s / max(args.steps, 1), 2)},
@@ -239,6 +285,12 @@ def main() -> None:
         g = result.gap_closed.get(label)
         print(f"| {label} | {p['kl']:.4f} | {p['nll']:.3f} | {p['top1']:.3f} | {p['positions']:.0f} | "
               f"{'-' if g is None else f'{g:+.3f}'} |")
+    print(f"\ninput control: KL with the row's own memory {control['kl_own_memory']:.4f}, with another row's "
+          f"{control['kl_mismatched_memory']:.4f} ({control['donors_per_row']} per row)")
+    for kind, k in by_kind.items():
+        g = "-" if k["gap_closed"] is None else f"{k['gap_closed']:+.3f}"
+        print(f"  {kind}: {k['boundaries']} boundaries, gap closed {g}, KL own {k['kl_own_memory']:.4f} "
+              f"/ mismatched {k['kl_mismatched_memory']:.4f}")
     print(f"\nrung {args.rung}: gap closed {gap if gap is None else f'{gap:.3f}'} (target {target:.2f}): "
           f"{'met' if out['met'] else 'NOT met'}; {train_s:.0f} s for {args.steps} steps; results: {path}")
 

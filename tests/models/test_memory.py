@@ -190,3 +190,35 @@ def test_the_feature_skip_carries_each_share_of_the_source_in_order():
     assert torch.isfinite(short).all() and short.shape[0] == n.slots_for(2)
     n(a).sum().backward()
     assert n.skip.weight.grad is not None and n.skip.weight.grad.abs().sum() > 0
+
+
+def test_a_skip_that_starts_at_zero_is_no_change_and_still_learns():
+    """The ladder's rung 2 found the identity start puts the span 0.20 nats further from the teacher than the
+    network alone; ``skip_init="zero"`` starts the term silent: the network's own span, and a gradient to grow."""
+    feats = torch.randn(24, 64)
+    plain, zero, ident = net(), net(feature_skip=True, skip_init="zero"), net(feature_skip=True)
+    assert torch.allclose(plain(feats), zero(feats), atol=1e-5)  # the network's span, unchanged
+    assert not torch.allclose(plain(feats), ident(feats), atol=1e-3)  # identity: the pooled states join it
+    loss = (zero(feats) * torch.randn(zero.slots_for(24), 64)).sum()
+    loss.backward()
+    assert zero.skip.weight.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="skip_init"):
+        net(feature_skip=True, skip_init="eye")
+
+
+def test_attention_pooling_starts_as_the_mean_and_learns_to_pick_a_state_within_its_share():
+    """``skip_pool="attention"``: a learned score per state, softmax within each share; zero at the start, so
+    the span is the mean pooling's; a score that prefers one state makes its share carry that state."""
+    feats = torch.randn(32, 64)
+    mean, att = net(feature_skip=True), net(feature_skip=True, skip_pool="attention")
+    assert torch.allclose(mean(feats), att(feats), atol=1e-5)
+    S = att.slots_for(32)
+    pooled = att._pooled(feats, S)
+    (pooled * torch.randn_like(pooled)).sum().backward()
+    assert att.skip_score.grad.abs().sum() > 0
+    with torch.no_grad():
+        att.skip_score.copy_(feats[5] * 50.0)  # state 5 scores far above the others of its share
+    share = 32 // S
+    assert torch.allclose(att._pooled(feats, S)[5 // share], feats[5], atol=1e-3)
+    with pytest.raises(ValueError, match="skip_pool"):
+        net(feature_skip=True, skip_pool="max")

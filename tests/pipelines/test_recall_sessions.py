@@ -4,6 +4,7 @@ training split only."""
 import json
 
 import pyarrow.parquet as pq
+import pytest
 
 from palimpsest.pipelines.recall_sessions import recall_sessions
 from palimpsest.pipelines.remory_data import DataConfig, build_datasets, split_of
@@ -58,8 +59,25 @@ def test_the_data_builder_adds_recall_rows_split_by_session(tmp_path, tok_dir, m
     monkeypatch.setattr(module, "recall_sessions", lambda *a, **k: made.append(k) or recall_sessions(*a, **k))
     cut = DataConfig(val_fraction=0.34, recall_sessions=3, max_observation_chars=64, **WINDOW)
     build_datasets(data, tok_dir, tmp_path / "cut", cut, parse_policy_config("window"), "hashing")
-    assert made and made[0]["max_observation_chars"] == 64
+    assert made and made[0]["max_observation_chars"] == 64 and made[0]["max_fill"] == 10  # data.recall_steps
     assert recall and report["counts"]["stage2_recall"]["train"] + report["counts"]["stage2_recall"]["val"] == len(recall)
     assert all(r["split"] == split_of(r["trajectory"], 0.34) for r in recall)
     spans = pq.read_table(tmp_path / "ds" / "stage1.parquet").to_pylist()
     assert not any(s["trajectory"].startswith("recall/") for s in spans)  # Stage I reads real text only
+
+
+def test_recall_steps_sets_how_many_real_steps_lie_between_the_fact_and_its_use():
+    """Longer sessions outgrow larger budgets (rows at 3,072 and longer teacher windows); the default keeps the
+    sessions every earlier build drew."""
+    trajs = [Trajectory.model_validate(traj(f"src/{i}", n=40, obs=20)) for i in range(8)]
+    default = recall_sessions(trajs, 30, val_fraction=0.4, seed=1)
+    assert [s.model_dump() for s in recall_sessions(trajs, 30, 0.4, seed=1, max_fill=10)] == \
+        [s.model_dump() for s in default]
+    fills = [len(s.steps) - 2 for s in default]
+    assert 4 <= min(fills) and max(fills) <= 10
+    long = [len(s.steps) - 2 for s in recall_sessions(trajs, 30, val_fraction=0.4, seed=1, max_fill=30)]
+    assert 4 <= min(long) and max(long) <= 30 and max(long) > 10
+    with pytest.raises(ValueError, match="max_fill"):
+        recall_sessions(trajs, 3, 0.4, max_fill=3)
+    with pytest.raises(ValueError, match="recall_steps"):
+        DataConfig(recall_steps=2)

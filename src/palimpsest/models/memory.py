@@ -37,6 +37,8 @@ class MemoryConfig:
     slot_embedding: bool = False  # a learned embedding of each soft position's index (starts at 0: no change)
     slot_bias: bool = False  # a learned vector per soft position in the actor's input space (starts at 0: no change)
     feature_skip: bool = False  # each soft position also carries the mean of the features of its share of the source
+    skip_init: str = "identity"  # the skip's map at the start: "identity" (the pooled states as they are) or "zero"
+    skip_pool: str = "mean"  # how a share is pooled: "mean", or "attention" (a learned score per state, 0 at start)
 
     def __post_init__(self) -> None:
         problems = []
@@ -52,6 +54,10 @@ class MemoryConfig:
         for name in ("d_actor", "d_model", "n_heads", "n_layers", "block_size", "queries", "max_slots", "mlp_ratio"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1")
+        if self.skip_pool not in ("mean", "attention"):
+            problems.append(f"skip_pool must be 'mean' or 'attention', got {self.skip_pool!r}")
+        if self.skip_init not in ("identity", "zero"):
+            problems.append(f"skip_init must be 'identity' or 'zero', got {self.skip_init!r}")
         if problems:
             raise ValueError("invalid memory config: " + "; ".join(problems))
 
@@ -131,10 +137,13 @@ class MemoryNetwork(nn.Module):
             self.slot_pos = nn.Parameter(torch.zeros(cfg.max_slots, d))
         if cfg.slot_bias:  # a free vector per soft position beside the network's output: the free span is its special case
             self.slot_bias = nn.Parameter(torch.zeros(cfg.max_slots, cfg.d_actor))
-        if cfg.feature_skip:  # the actor's own states of the source, pooled per soft position, mapped (identity at start)
+        if cfg.feature_skip:  # the actor's own states of the source, pooled per soft position, through a learned map
             self.skip = nn.Linear(cfg.d_actor, cfg.d_actor, bias=False)
-            with torch.no_grad():
-                self.skip.weight.copy_(torch.eye(cfg.d_actor))
+            with torch.no_grad():  # identity: the pooled states as they are; zero: the term starts silent
+                self.skip.weight.copy_(torch.eye(cfg.d_actor) if cfg.skip_init == "identity"
+                                       else torch.zeros(cfg.d_actor, cfg.d_actor))
+            if cfg.skip_pool == "attention":  # a score per state within its share: 0 at the start, so the mean
+                self.skip_score = nn.Parameter(torch.zeros(cfg.d_actor))
 
     def _resample(self, src: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
         """(L, d) source -> (ceil(L / B) * Q, d): every block of <= B positions becomes Q tokens, in order."""
@@ -239,6 +248,11 @@ class MemoryNetwork(nn.Module):
         start = k * T // slots
         end = torch.maximum((k + 1) * T // slots, start + 1).clamp(max=T)  # a short source: shares overlap, never empty
         start = torch.minimum(start, end - 1)
+        if getattr(self.cfg, "skip_pool", "mean") == "attention":  # softmax of a learned score within each share
+            i = torch.arange(T, device=features.device)
+            inside = (i[None] >= start[:, None]) & (i[None] < end[:, None])  # (slots, T)
+            scores = (features @ self.skip_score.float()).expand(slots, T).masked_fill(~inside, float("-inf"))
+            return (torch.softmax(scores, -1) @ features).to(dtype)
         sums = torch.cat([features.new_zeros(1, features.shape[1]), features.cumsum(0)])
         return ((sums[end] - sums[start]) / (end - start)[:, None].float()).to(dtype)
 

@@ -112,17 +112,20 @@ def recall_session(i: int, sources: list[Trajectory], rng: random.Random, min_fi
 
 
 def recall_sessions(trajectories: list[Trajectory], n: int, val_fraction: float, seed: int = 0,
-                    max_observation_chars: int = 1200) -> list[Trajectory]:
+                    max_observation_chars: int = 1200, max_fill: int = 10) -> list[Trajectory]:
     """``n`` sessions whose fillers come from the training split of ``trajectories`` only."""
     from palimpsest.pipelines.remory_data import split_of
 
     if n <= 0:
         return []
+    if max_fill < 4:
+        raise ValueError(f"max_fill must be >= 4 (a session has 4 to max_fill real steps), got {max_fill}")
     sources = [t for t in trajectories if split_of(t.id, val_fraction) == "train" and len(t.steps) > 4]
     if not sources:
         raise ValueError("recall sessions need training-split trajectories of more than 4 steps to draw steps from")
     rng = random.Random(seed)
-    return [Trajectory.model_validate(recall_session(i, sources, rng, max_observation_chars=max_observation_chars))
+    return [Trajectory.model_validate(recall_session(i, sources, rng, max_fill=max_fill,
+                                                     max_observation_chars=max_observation_chars))
             for i in range(n)]
 
 

@@ -50,6 +50,7 @@ class DataConfig:
     memory_tokens: int = 1024  # the memory reads at most this many tokens (serving's memory.max_history_tokens)
     soft_slots: int = 64  # soft positions the budget reserves for the memory (the network's slots_for(memory_tokens))
     recall_sessions: int = 0  # programmatic sessions (``pipelines.recall_sessions``) added to Stage II's trajectories
+    recall_steps: int = 10  # the most real steps between a recall session's fact and its use (at least 4)
     stage1_corpus: str | None = None  # text files added to Stage I: a directory, or "stdlib" (see corpus_root)
     stage1_chunks: int = 0  # at most this many corpus spans (0: every span of every file)
     seed: int = 0
@@ -59,6 +60,8 @@ class DataConfig:
             raise ValueError("val_fraction must be within [0, 1)")
         if self.recall_sessions < 0:
             raise ValueError("recall_sessions must be >= 0")
+        if self.recall_steps < 4:
+            raise ValueError("recall_steps must be >= 4 (a session has 4 to recall_steps real steps)")
         if self.stage1_chunks < 0:
             raise ValueError("stage1_chunks must be >= 0")
         for name in ("max_history_tokens", "max_target_tokens", "min_history_steps", "stride", "span_tokens",
@@ -186,7 +189,7 @@ def stage2_recall(trajectories: list[Trajectory], cfg: DataConfig) -> list[Traje
     from palimpsest.pipelines.recall_sessions import recall_sessions
 
     return recall_sessions(trajectories, cfg.recall_sessions, cfg.val_fraction, cfg.seed,
-                           max_observation_chars=cfg.max_observation_chars)
+                           max_observation_chars=cfg.max_observation_chars, max_fill=cfg.recall_steps)
 
 
 def build_datasets(data: Path, tokenizer: str, out: Path, cfg: DataConfig, policy,

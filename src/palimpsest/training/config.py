@@ -38,6 +38,9 @@ class DataSection(_Strict):
     recall_sessions: int = Field(0, ge=0, le=100_000, description="programmatic sessions added to Stage II: a fact "
                                  "shown early that a later action needs, around real steps of the training split "
                                  "(pipelines.recall_sessions)")
+    recall_steps: int = Field(10, ge=4, le=1000, description="the most real steps between a recall session's fact "
+                              "and its use: longer sessions give rows at larger budgets (their history outgrows "
+                              "the budget) and longer teacher windows")
     stage1_corpus: str | None = Field(None, description="text added to Stage I's reconstruction spans: a directory "
                                       "of .py/.md/.rst/.txt files, or 'stdlib' (the interpreter's standard library)")
     stage1_chunks: int = Field(0, ge=0, le=10_000_000, description="at most this many corpus spans (0: all)")
@@ -58,7 +61,12 @@ class MemorySection(_Strict):
     slot_bias: bool = Field(False, description="learn a free vector per soft position in the actor's input space, "
                             "added to the network's output (the ladder's free span is its special case)")
     feature_skip: bool = Field(False, description="each soft position also carries the mean of the actor's states "
-                               "over its share of the source, through a learned map that starts at identity")
+                               "over its share of the source, through a learned map (see skip_init)")
+    skip_init: Literal["identity", "zero"] = Field("identity", description="the feature skip's map at the start: "
+                                                   "identity (the pooled states as they are) or zero (silent)")
+    skip_pool: Literal["mean", "attention"] = Field("mean", description="how the feature skip pools a soft "
+                                                    "position's share: its mean, or attention with a learned score "
+                                                    "per state (zero at the start: the mean)")
 
     @model_validator(mode="after")
     def _sizes(self) -> "MemorySection":

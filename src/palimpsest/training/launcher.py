@@ -56,7 +56,7 @@ def data_config(cfg: TrainConfig):
     return DataConfig(max_history_tokens=d.max_history_tokens, max_target_tokens=d.max_target_tokens,
                       max_observation_chars=d.max_observation_chars, span_tokens=d.span_tokens,
                       val_fraction=d.val_fraction, budget=d.budget, memory_tokens=d.memory_tokens, soft_slots=slots,
-                      recall_sessions=d.recall_sessions, stage1_corpus=d.stage1_corpus,
+                      recall_sessions=d.recall_sessions, recall_steps=d.recall_steps, stage1_corpus=d.stage1_corpus,
                       stage1_chunks=d.stage1_chunks, seed=cfg.optim.seed)
 
 
