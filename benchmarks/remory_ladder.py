@@ -18,7 +18,9 @@ top-64 and the tail; ``pace`` is the policy's prompt at the whole budget (text i
 ``pace+empty`` the memory arm's text without the soft span, ``pace+memory`` with it; gap closed =
 1 - KL(pace+memory) / KL(pace). The run reports every step's loss, the gradient norm per module of the network
 and the summary gate tanh(g), so a rung that fails says where: no gradient, a gate that never opens, a loss
-that does not move.
+that does not move. After training every row is scored again with another row's memory (``input_control``): a
+memory that ignores what it reads scores the same; the figures are also split between the recall boundaries
+(the action needs a fact only the left-out history holds) and the others.
 
 Results: ``benchmarks/results/ladder_rung<N>.json``.
 """
@@ -99,6 +101,8 @@ def main() -> None:
                          "tokens, so below ~2.5K the rows are the recall sessions'")
     ap.add_argument("--recall-sessions", type=int, default=None,
                     help="programmatic recall sessions added to the data (default: the config's data.recall_sessions)")
+    ap.add_argument("--recall-steps", type=int, default=None,
+                    help="the most real steps between a recall session's fact and its use (default: the config's)")
     ap.add_argument("--schedule", choices=("constant", "cosine"), default="constant", help="the learning rate over steps")
     ap.add_argument("--kl-decay", type=float, default=None,
                     help="position weights of the loss, 1 / (1 + d * j) (default: the config's; 0 is the metric's "
@@ -140,7 +144,8 @@ def main() -> None:
                 if v is not None}
     if mem_over:
         cfg = cfg.model_copy(update={"memory": cfg.memory.model_copy(update=mem_over)})
-    data_over = {k: v for k, v in (("recall_sessions", args.recall_sessions), ("budget", args.budget)) if v is not None}
+    data_over = {k: v for k, v in (("recall_sessions", args.recall_sessions), ("budget", args.budget),
+                                                   ("recall_steps", args.recall_steps)) if v is not None}
     if data_over:
         cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update=data_over)})
     lr = args.lr or cfg.optim.lr

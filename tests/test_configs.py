@@ -117,3 +117,22 @@ def test_the_embedded_serve_default_is_the_complete_local_configuration(monkeypa
     # a template or parser named in a config, or another model, is taken as it is
     assert ActorConfig(chat_template=None).tool_parser is None
     assert ActorConfig(model="/models/other").chat_template is None
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("train/*.yaml")), ids=lambda p: p.name)
+def test_train_configs_reach_the_data_builder_and_the_network_whole(path):
+    """Every data field a training config sets is the one the data builder gets (a field the launcher forgot
+    would silently fall back to the builder's default), and its memory section builds a network."""
+    from dataclasses import fields
+
+    from palimpsest.models.memory import MemoryConfig
+    from palimpsest.pipelines.remory_data import DataConfig
+    from palimpsest.training.config import load_train_config
+    from palimpsest.training.launcher import data_config
+
+    cfg = load_train_config(path)
+    built = data_config(cfg)
+    shared = {f.name for f in fields(DataConfig)} & set(type(cfg.data).model_fields)
+    assert "recall_steps" in shared
+    assert {k: getattr(built, k) for k in shared} == {k: getattr(cfg.data, k) for k in shared}
+    MemoryConfig(d_actor=576, **cfg.memory.model_dump())
