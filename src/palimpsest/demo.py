@@ -216,7 +216,7 @@ def run_main_demo(out: Console, data: Path, serve_config: Path = DEMO_SERVE, tra
     timings: dict[str, float] = {}
     progress.stage("models")
     out.print(f"actor: {smollm2_dir()}\ntokenizer: {smollm2_tokenizer_dir()}\nembedder: {minilm_dir()}")
-    progress.stage("memory", expect_s=None if control else 200)
+    progress.stage("memory", expect_s=None if control else 100)
     t0 = time.perf_counter()
     if not control:
         ref = ensure_memory(out, train_config, data)
