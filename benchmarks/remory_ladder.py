@@ -220,23 +220,29 @@ def main() -> None:
                   f"grad norm {figures['grad_norm']:.3e}, gate {figures['gate']:+.4f}, per module {g}", flush=True)
     train_s = time.perf_counter() - t_train
 
-    # Does the memory read its input? Each row is scored again with the memory made from another row's left-out
-    # history (its own context, summary, bridge and target): a memory that ignores what it reads (a constant
-    # span) scores the same. Rung 1 pairs its row with each of up to 8 other training rows, rung 2 each row with
-    # the next chosen one.
+    # Does the memory read its input? Each row is scored again with the memory made from another trajectory's
+    # left-out history (its own context, summary, bridge and target): a memory that ignores what it reads (a
+    # constant span) scores the same. Rung 2 pairs each row with the next chosen row of another trajectory (a
+    # row of the same session would share most of its history), rung 1 with up to 8 training rows of others.
     own = row_kls()
-    donors = [[samples[(i + 1) % len(samples)]] for i in range(len(samples))] if len(samples) > 1 else \
-        [[sample_tensors(r, 2, device) for r in train[1:9]]]
-    mismatched = []
+    if len(chosen) > 1:
+        donor_rows = [[next((chosen[(i + k) % len(chosen)] for k in range(1, len(chosen))
+                             if chosen[(i + k) % len(chosen)]["trajectory"] != r["trajectory"]), None)]
+                      for i, r in enumerate(chosen)]
+    else:
+        donor_rows = [[d for d in train if d["trajectory"] != chosen[0]["trajectory"]][:8]]
+    donor_rows = [[d for d in ds if d is not None] for ds in donor_rows]
+    mismatched: list[float | None] = []
     with torch.no_grad():
-        for i, (s, ds) in enumerate(zip(samples, donors)):
-            kls = [score(stage2_student(net, actor, {**s, "memory": d["memory"]}, 0, prefix), s["target"],
-                         teachers[i])["kl"] for d in ds]
-            mismatched.append(sum(kls) / len(kls))
+        for i, (s, ds) in enumerate(zip(samples, donor_rows)):
+            kls = [score(stage2_student(net, actor, {**s, "memory": sample_tensors(d, 2, device)["memory"]}, 0,
+                                        prefix), s["target"], teachers[i])["kl"] for d in ds]
+            mismatched.append(sum(kls) / len(kls) if kls else None)  # None: no row of another trajectory
     read = read_trajectories(Path(cfg.data.file))
     pool = read.trajectories + stage2_recall(read.trajectories, data_config(cfg))  # as the rows were built
     last_step = {t.id: len(t.steps) - 1 for t in pool}
     use = [r["trajectory"].startswith("recall/") and int(r["t"]) == last_step.get(r["trajectory"]) for r in chosen]
+    fact = {t.id: (getattr(t, "meta", None) or {}).get("fact") for t in pool}
 
     # The official figure: eval-actions' own scoring of pace, pace+empty and pace+memory at these boundaries.
     policy = load_policy_file(cfg.tracking.policy_config)
@@ -251,12 +257,28 @@ def main() -> None:
                               actor_key=actor_key(actor_path, cfg.actor.dtype), window=cfg.data.max_history_tokens,
                               max_target_tokens=cfg.data.max_target_tokens, reference="pace", cache=cache,
                               only={(r["trajectory"], int(r["t"])) for r in chosen})
+    # whether the value a recall boundary needs is in what the memory read (a memory cannot carry what it
+    # never saw) and in the prompt's own text (then the memory has nothing to add)
+    tok = rt.ledger.tokenizer
+    fact_in = [None if not u else {"read": fact[r["trajectory"]] in tok.decode(r["memory"]),
+                                   "prompt": fact[r["trajectory"]] in tok.decode(r["context"] + r["bridge"])}
+               for r, u in zip(chosen, use)]
     rt.ledger.close()
     gap = result.gap_closed.get("pace+memory")
     target = TARGETS[args.rung]
     # the same figures over the recall boundaries (the action needs a fact only the left-out history holds) and
     # over the others (ordinary continuations)
     is_use = {(r["trajectory"], int(r["t"])): u for r, u in zip(chosen, use)}
+
+    def paired(idx) -> dict:
+        """Mean KL with the row's own memory and with another trajectory's, over the rows of ``idx`` that have
+        a donor (``rows``; None where none has)."""
+        has = [i for i in idx if mismatched[i] is not None]
+        if not has:
+            return {"rows": 0, "kl_own_memory": None, "kl_mismatched_memory": None}
+        return {"rows": len(has), "kl_own_memory": sum(own[i] for i in has) / len(has),
+                "kl_mismatched_memory": sum(mismatched[i] for i in has) / len(has)}
+
     by_kind = {}
     for kind, flag in (("recall_use", True), ("other", False)):
         rows_k = [b for b in result.boundaries if is_use.get((b["trajectory"], int(b["t"]))) == flag]
@@ -265,18 +287,20 @@ def main() -> None:
             continue
         part = summarize_actions(rows_k, [a.label for a in arms], "pace")
         by_kind[kind] = {"boundaries": len(idx), "gap_closed": part.gap_closed.get("pace+memory"),
-                         "kl": {k: v["kl"] for k, v in part.policies.items()},
-                         "kl_own_memory": sum(own[i] for i in idx) / len(idx),
-                         "kl_mismatched_memory": sum(mismatched[i] for i in idx) / len(idx)}
-    control = {"kl_own_memory": sum(own) / len(own), "kl_mismatched_memory": sum(mismatched) / len(mismatched),
-               "donors_per_row": len(donors[0]), "by_kind": by_kind}
+                         "kl": {k: v["kl"] for k, v in part.policies.items()}, **paired(idx)}
+        if flag:
+            by_kind[kind]["fact_in_read"] = sum(fact_in[i]["read"] for i in idx)
+            by_kind[kind]["fact_in_prompt"] = sum(fact_in[i]["prompt"] for i in idx)
+    control = {**paired(range(len(chosen))), "donors_per_row": max(len(ds) for ds in donor_rows),
+               "by_kind": by_kind}
     out = {"rung": args.rung, "config": str(args.config), "device": device, "memory": cfg.memory.model_dump(), "parameters": params, "schedule": args.schedule,
            "actor_parameters": sum(p.numel() for p in actor.parameters()), "lr": lr, "steps": args.steps,
            "kl_decay": kl_decay, "free_span": args.free_span,
            "boundaries": [{"trajectory": r["trajectory"], "t": r["t"], "context": len(r["context"]),
                            "memory": len(r["memory"]), "bridge": len(r["bridge"]), "teacher": len(r["teacher"]),
-                           "recall_use": u, "kl_own_memory": ko, "kl_mismatched_memory": km}
-                          for r, u, ko, km in zip(chosen, use, own, mismatched)],
+                           "recall_use": u, "fact": fi, "kl_own_memory": ko, "kl_mismatched_memory": km,
+                           "donors": [{"trajectory": d["trajectory"], "t": d["t"]} for d in ds]}
+                          for r, u, fi, ko, km, ds in zip(chosen, use, fact_in, own, mismatched, donor_rows)],
            "eval_actions": result.to_json(), "gap_closed": gap, "target": target, "input_control": control,
            "met": gap is not None and gap >= target, "curve": curve, "evals": evals,
            "seconds": {"data": round(prep_s, 1), "train": round(train_s, 1),
@@ -290,12 +314,18 @@ def main() -> None:
         g = result.gap_closed.get(label)
         print(f"| {label} | {p['kl']:.4f} | {p['nll']:.3f} | {p['top1']:.3f} | {p['positions']:.0f} | "
               f"{'-' if g is None else f'{g:+.3f}'} |")
-    print(f"\ninput control: KL with the row's own memory {control['kl_own_memory']:.4f}, with another row's "
-          f"{control['kl_mismatched_memory']:.4f} ({control['donors_per_row']} per row)")
+    def pair(k: dict) -> str:
+        if not k["rows"]:
+            return "no row of another trajectory to swap in"
+        return (f"KL with the row's own memory {k['kl_own_memory']:.4f}, another trajectory's "
+                f"{k['kl_mismatched_memory']:.4f} ({k['rows']} rows)")
+
+    print(f"\ninput control: {pair(control)}")
     for kind, k in by_kind.items():
         g = "-" if k["gap_closed"] is None else f"{k['gap_closed']:+.3f}"
-        print(f"  {kind}: {k['boundaries']} boundaries, gap closed {g}, KL own {k['kl_own_memory']:.4f} "
-              f"/ mismatched {k['kl_mismatched_memory']:.4f}")
+        seen = f", the fact in the read {k['fact_in_read']}, in the prompt {k['fact_in_prompt']}" \
+            if "fact_in_read" in k else ""
+        print(f"  {kind}: {k['boundaries']} boundaries, gap closed {g}{seen}; {pair(k)}")
     print(f"\nrung {args.rung}: gap closed {gap if gap is None else f'{gap:.3f}'} (target {target:.2f}): "
           f"{'met' if out['met'] else 'NOT met'}; {train_s:.0f} s for {args.steps} steps; results: {path}")
 

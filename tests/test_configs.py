@@ -122,7 +122,7 @@ def test_the_embedded_serve_default_is_the_complete_local_configuration(monkeypa
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("train/*.yaml")), ids=lambda p: p.name)
 def test_train_configs_reach_the_data_builder_and_the_network_whole(path):
     """Every data field a training config sets is the one the data builder gets (a field the launcher forgot
-    would silently fall back to the builder's default), and its memory section builds a network."""
+    would silently fall back to the builder's default), and its memory section is a valid MemoryConfig whole."""
     from dataclasses import fields
 
     from palimpsest.models.memory import MemoryConfig

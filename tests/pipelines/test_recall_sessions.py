@@ -57,9 +57,9 @@ def test_the_data_builder_adds_recall_rows_split_by_session(tmp_path, tok_dir, m
 
     made = []
     monkeypatch.setattr(module, "recall_sessions", lambda *a, **k: made.append(k) or recall_sessions(*a, **k))
-    cut = DataConfig(val_fraction=0.34, recall_sessions=3, max_observation_chars=64, **WINDOW)
+    cut = DataConfig(val_fraction=0.34, recall_sessions=3, max_observation_chars=64, recall_steps=12, **WINDOW)
     build_datasets(data, tok_dir, tmp_path / "cut", cut, parse_policy_config("window"), "hashing")
-    assert made and made[0]["max_observation_chars"] == 64 and made[0]["max_fill"] == 10  # data.recall_steps
+    assert made and made[0]["max_observation_chars"] == 64 and made[0]["max_fill"] == 12  # data.recall_steps
     assert recall and report["counts"]["stage2_recall"]["train"] + report["counts"]["stage2_recall"]["val"] == len(recall)
     assert all(r["split"] == split_of(r["trajectory"], 0.34) for r in recall)
     spans = pq.read_table(tmp_path / "ds" / "stage1.parquet").to_pylist()

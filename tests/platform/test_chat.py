@@ -107,6 +107,39 @@ def test_a_degraded_step_keeps_its_place_and_roles(smol_dir, tmp_path):
     led.close()
 
 
+def test_the_memory_reads_every_left_out_step_when_they_exceed_its_tokens(smol_dir, tmp_path):
+    """Left-out text over ``max_history_tokens``: every step keeps its head and tail (an equal share of
+    characters a field), the oldest included, in order; it is the front cut only when not even the
+    smallest share fits."""
+    from palimpsest.platform.chat import MIN_SHARE_CHARS, memory_input
+    from palimpsest.platform.render import COMPACT_ELISION
+
+    led = Ledger(str(tmp_path / "l.db"), smol_dir)
+    rt = Runtime(led)
+    led.create_session("m", TASK)
+    filler = "\n".join(f"settings/module_{i}.py: def handler_{i}(env): return env['key_{i}']" for i in range(20))
+    for t in range(10):
+        rt.append("m", step(t, STEP_ACTION.format(t), f"HEAD_{t}\n{filler}\nTAIL_{t}"))
+    snap = rt.snapshot("m")
+    res = np.full(snap.t, Resolution.FULL, dtype=np.int8)
+    res[:8] = Resolution.PLACEHOLDER
+    tok = led.tokenizer
+    whole, _ = memory_input(tok, snap.session, snap.steps, res, [], 4000, 100_000)
+    assert len(whole) > 1200 and COMPACT_ELISION not in tok.decode(whole)  # 8 steps of ~300 ids each
+    history, _ = memory_input(tok, snap.session, snap.steps, res, [], 4000, 1200)
+    text = tok.decode(history)
+    assert len(history) <= 1200 and COMPACT_ELISION in text and "elided" not in text
+    marks = [f"{w}_{t}" for t in range(8) for w in ("HEAD", "TAIL")]
+    assert [text.find(m) for m in marks] == sorted(text.find(m) for m in marks) and all(m in text for m in marks)
+    assert "HEAD_8" not in text  # the steps the text shows raw are not read
+    assert text.startswith(tok.decode(whole[:20]))  # the session's prefix leads, as when all of it fits
+    # too many left-out steps for even MIN_SHARE_CHARS a field: the newest are kept
+    tight, _ = memory_input(tok, snap.session, snap.steps, res, [], 4000, 8 * MIN_SHARE_CHARS // 4)
+    tail = tok.decode(tight)
+    assert len(tight) == 8 * MIN_SHARE_CHARS // 4 and "TAIL_7" in tail and "HEAD_0" not in tail
+    led.close()
+
+
 def test_user_words_are_a_user_turn_and_tool_output_stays_untrusted(smol_dir, tmp_path):
     led = Ledger(str(tmp_path / "l.db"), smol_dir)
     rt = Runtime(led)

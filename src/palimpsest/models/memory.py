@@ -238,8 +238,9 @@ class MemoryNetwork(nn.Module):
         return out + idle
 
     def _pooled(self, features: torch.Tensor, slots: int) -> torch.Tensor:
-        """(T, d_actor) -> (slots, d_actor): the mean of each of ``slots`` contiguous, near-equal shares of the
-        source, in order. The actor's last hidden state is what it would feed back
+        """(T, d_actor) -> (slots, d_actor): a pool of each of ``slots`` contiguous, near-equal shares of the
+        source, in order: their mean (``skip_pool: mean``) or a softmax of a learned score of each state within
+        its share (``attention``; the score starts at zero, which is the mean). The actor's last hidden state is what it would feed back
         as its next input (Coconut's continuous thought), so each soft position starts as its share of the source
         in the actor's own terms, and the network learns what to add."""
         dtype, features = features.dtype, features.float()  # differences of running sums: in fp32 even under bf16

@@ -263,30 +263,32 @@ def history_messages(snap: "SessionSnapshot", level, fold: Fold | None, ranges: 
 
 
 def messages_at(session: Session, steps: Sequence[Step | StepRecord], resolutions: Sequence[Resolution],
-                bodies: Sequence[str | None] | None = None, max_field_chars: int | None = None) -> list[dict]:
+                bodies: Sequence[str | None] | None = None, max_field_chars: int | None = None,
+                compact: bool = False) -> list[dict]:
     """The prefix and ``steps`` each at its resolution (``bodies``: the summary texts), without a ledger:
     how training samples are laid out exactly as served turns are. A step's id is its ledger id where it
-    has one, else its index t."""
+    has one, else its index t. ``compact``: fields cut with a bare ``COMPACT_ELISION`` (``step_messages``)."""
     msgs = prefix_messages(session)
     for k, (s, res) in enumerate(zip(steps, resolutions)):
         step_id = getattr(s, "id", s.t)
         body = None if bodies is None else bodies[k]
         if res is Resolution.PLACEHOLDER and body is None:
             body = render_placeholder_body(s, step_id)
-        msgs.extend(step_messages(s, step_id, res, body, elide=max_field_chars))
+        msgs.extend(step_messages(s, step_id, res, body, elide=max_field_chars, compact=compact))
     return msgs
 
 
 def raw_history_messages(session: Session, steps: Sequence[Step | StepRecord],
-                         max_field_chars: int | None = None) -> list[dict]:
+                         max_field_chars: int | None = None, compact: bool = False) -> list[dict]:
     """The raw steps at full resolution after the prefix: what the memory network reads and what the
-    teacher sees. ``max_field_chars`` keeps each field's head and tail (the actor's window is finite)."""
-    return messages_at(session, steps, [Resolution.FULL] * len(steps), None, max_field_chars)
+    teacher sees. ``max_field_chars`` keeps each field's head and tail (the actor's window is finite);
+    ``compact`` joins them with a bare ``COMPACT_ELISION`` (the memory's read)."""
+    return messages_at(session, steps, [Resolution.FULL] * len(steps), None, max_field_chars, compact)
 
 
-#: Characters of raw step text per memory token when choosing which left-out steps to read (a generous
-#: bound: the chosen text is then cut to ``max_history_tokens`` exactly, from the front).
-_CHARS_PER_TOKEN = 8
+#: The smallest share of a field's characters the memory's read cuts to before it gives up covering every
+#: left-out step (below it, a field is little more than its elision marker) and cuts the front instead.
+MIN_SHARE_CHARS = 48
 
 
 def left_out(resolution: Sequence[int]) -> list[int]:
@@ -302,23 +304,35 @@ def memory_input(tokenizer: ChatTokenizer, session: Session, steps: Sequence[Ste
     left nothing out (the text already shows every step raw).
 
     ``history`` is the raw chat (the session's prefix, then each step at full resolution, every field cut
-    to ``max_field_chars``) of the steps the plan rendered below full resolution or hid, oldest first; when
-    they exceed ``max_history_tokens`` the newest of them are kept (the front is cut). ``summary`` is the
-    context before the soft slot (the summary part of the prompt the actor sees), its last
-    ``max_history_tokens``. Serving, ``eval-actions`` and the REMORY data builder all call this."""
+    to ``max_field_chars``) of **every** step the plan rendered below full resolution or hid, oldest first.
+    Fields are cut to their head and tail joined by a bare ``COMPACT_ELISION`` (no marker naming the step:
+    the actor never reads this text). When it exceeds ``max_history_tokens``, every field is cut to one
+    equal share of characters: the largest share whose chat fits, so short fields stay whole and each
+    left-out step keeps its head and tail. Only when even a share of ``MIN_SHARE_CHARS`` does not fit
+    (hundreds of left-out steps) is the front cut, keeping the newest. ``summary`` is the context before the
+    soft slot (the summary part of the prompt the actor sees), its last ``max_history_tokens``. Serving,
+    ``eval-actions`` and the REMORY data builder all call this."""
     idx = left_out(resolution[: len(steps)])
     if not idx:
         return None
-    chosen: list[int] = []
-    chars = 0
-    for i in reversed(idx):  # newest first, until the text surely covers max_history_tokens
-        s = steps[i]
-        chars += sum(min(len(x or ""), max_field_chars) for x in (s.thought, s.action, s.observation)) + 16
-        chosen.append(i)
-        if chars >= max_history_tokens * _CHARS_PER_TOKEN:
-            break
-    chosen.reverse()
-    history = chat_ids(tokenizer, raw_history_messages(session, [steps[i] for i in chosen], max_field_chars)).all
+    chosen = [steps[i] for i in idx]
+
+    def read(share: int) -> list[int]:
+        return chat_ids(tokenizer, raw_history_messages(session, chosen, share, compact=True)).all
+
+    longest = max(len(x or "") for s in chosen for x in (s.thought, s.action, s.observation))
+    hi = min(max_field_chars, longest)
+    history = read(hi)
+    if len(history) > max_history_tokens:
+        lo = MIN_SHARE_CHARS
+        history = read(lo)
+        while hi - lo > 8:  # the largest share that fits, to 8 characters
+            mid = (lo + hi) // 2
+            ids = read(mid)
+            if len(ids) <= max_history_tokens:
+                lo, history = mid, ids
+            else:
+                hi = mid
     return history[-max_history_tokens:], list(context_ids)[-max_history_tokens:]
 
 

@@ -89,15 +89,22 @@ def observation_role(authority: Authority) -> str:
     return "user" if authority is Authority.USER else "tool"
 
 
-def _elide(text: str, limit: int | None, step_id: int) -> str:
-    """Head and tail of ``text`` within ``limit`` characters, with a marker naming the step and what was cut."""
+#: How a compact cut joins a field's head and tail (the memory's read: one or two ids, where the marker
+#: naming the step and its glimpse costs about twenty).
+COMPACT_ELISION = "\n…\n"
+
+
+def _elide(text: str, limit: int | None, step_id: int, compact: bool = False) -> str:
+    """Head and tail of ``text`` within ``limit`` characters, with a marker naming the step and what was cut
+    (``compact``: a bare ``COMPACT_ELISION``)."""
     if limit is None or len(text) <= limit:
         return text
     head = max(limit * 2 // 3, 0)
     tail = max(limit - head, 0)
     cut = len(text) - head - tail
-    return (text[:head] + f"\n[... {cut} characters of step #{step_id} elided; glimpse(#{step_id}) shows them ...]\n"
-            + (text[-tail:] if tail else ""))
+    mark = COMPACT_ELISION if compact else \
+        f"\n[... {cut} characters of step #{step_id} elided; glimpse(#{step_id}) shows them ...]\n"
+    return text[:head] + mark + (text[-tail:] if tail else "")
 
 
 def _observation_text(step: Step | StepRecord, text: str) -> str:
@@ -107,7 +114,7 @@ def _observation_text(step: Step | StepRecord, text: str) -> str:
 
 
 def step_messages(step: Step | StepRecord, step_id: int, resolution: Resolution, body: str | None,
-                  elide: int | None = None) -> list[dict]:
+                  elide: int | None = None, compact: bool = False) -> list[dict]:
     """The chat messages of one history step at ``resolution``: the agent's turn (thought and action) as an
     assistant message, then its result as a tool message (or a user message where the principal spoke).
 
@@ -116,7 +123,8 @@ def step_messages(step: Step | StepRecord, step_id: int, resolution: Resolution,
     never the roles or the order: a summarised step keeps its assistant line (a placeholder naming the
     step id) and puts the summary where the result was; a placeholder keeps both messages as one line
     each. ``elide`` caps each field at that many characters (head and tail, with a marker naming the
-    step): how an oversized latest step is still shown.
+    step): how an oversized latest step is still shown; ``compact`` joins head and tail with a bare
+    ``COMPACT_ELISION`` instead (the memory's read).
     """
     acted = bool(step.action or step.thought)
     has_obs = step.observation is not None
@@ -124,13 +132,13 @@ def step_messages(step: Step | StepRecord, step_id: int, resolution: Resolution,
     if resolution is Resolution.FULL:
         structure = toolcalls.decode(step)
         if structure is not None:
-            return _structured(step, step_id, structure, elide)
+            return _structured(step, step_id, structure, elide, compact)
         if acted or not has_obs:
-            said = "\n".join(_elide(x, elide, step_id) for x in (step.thought, step.action) if x)
+            said = "\n".join(_elide(x, elide, step_id, compact) for x in (step.thought, step.action) if x)
             out.append(_msg("assistant", said or "(no action)"))
         if has_obs:
             out.append(_msg(observation_role(step.authority),
-                            _observation_text(step, _elide(step.observation or "", elide, step_id))))
+                            _observation_text(step, _elide(step.observation or "", elide, step_id, compact))))
         return out
     line = render_placeholder_body(step, step_id)
     if resolution is Resolution.PLACEHOLDER:
@@ -153,18 +161,19 @@ def _msg(role: str, content: str) -> dict:
     return {"role": role, "content": content}
 
 
-def _structured(step: Step | StepRecord, step_id: int, sc: "toolcalls.StepCalls", elide: int | None) -> list[dict]:
+def _structured(step: Step | StepRecord, step_id: int, sc: "toolcalls.StepCalls", elide: int | None,
+                compact: bool = False) -> list[dict]:
     """A tool-calling step at FULL: the assistant's calls and each answer, as the agent sent them."""
-    said = "\n".join(_elide(x, elide, step_id) for x in (step.thought, sc.content) if x)
+    said = "\n".join(_elide(x, elide, step_id, compact) for x in (step.thought, sc.content) if x)
     out: list[dict] = []
     if sc.tool_calls or said or not sc.results:
         m = _msg("assistant", said)
         if sc.tool_calls:
-            m["tool_calls"] = [toolcalls.wire({**c, "arguments": _elide(c.get("arguments") or "", elide, step_id)})
+            m["tool_calls"] = [toolcalls.wire({**c, "arguments": _elide(c.get("arguments") or "", elide, step_id, compact)})
                                for c in sc.tool_calls]
         out.append(m)
     for r in sc.results:
-        text = _elide(r.content, elide, step_id)
+        text = _elide(r.content, elide, step_id, compact)
         m = _msg(r.role, text if r.role == "user" else authority_block(text, step.authority))
         if r.tool_call_id is not None:
             m["tool_call_id"] = r.tool_call_id
