@@ -18,9 +18,10 @@ top-64 and the tail; ``pace`` is the policy's prompt at the whole budget (text i
 ``pace+empty`` the memory arm's text without the soft span, ``pace+memory`` with it; gap closed =
 1 - KL(pace+memory) / KL(pace). The run reports every step's loss, the gradient norm per module of the network
 and the summary gate tanh(g), so a rung that fails says where: no gradient, a gate that never opens, a loss
-that does not move. After training every row is scored again with another row's memory (``input_control``): a
-memory that ignores what it reads scores the same; the figures are also split between the recall boundaries
-(the action needs a fact only the left-out history holds) and the others.
+that does not move. After training every row is scored again with the memory of another trajectory's row
+(``input_control``; the donor is recorded per row): a memory that ignores what it reads scores the same. The
+figures are also split between the recall boundaries (the action needs a fact only the left-out history
+holds) and the others, with how many recall boundaries have the fact in the memory's read and in the prompt.
 
 Results: ``benchmarks/results/ladder_rung<N>.json``.
 """
