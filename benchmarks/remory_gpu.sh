@@ -5,7 +5,8 @@
 #
 # 1. rung 1: one boundary, train = eval (target: 90% of pace's KL gap closed);
 # 2. rung 2: 64 recall-session boundaries at budget 1,536, train = eval (target: 60%); rungs 1 and 2 take the
-#    CPU runs' rows (no recall sessions for rung 1; 100 of up to 10 steps for rung 2), the training run its own;
+#    CPU runs' rows (no recall sessions for rung 1; 100 of up to 10 steps for rung 2; the memory reading 1,024
+#    ids, not the config's 4,096), the training run its own;
 # 3. `palimpsest train --config configs/train/remory_one_gpu.yaml` (Ray Train + DeepSpeed on the GPU, registered
 #    in MLflow), then rung 3: `palimpsest eval-actions --policy pace,pace+empty,pace+memory --device cuda` on the
 #    dev trajectories the memory never saw, at its budget.
@@ -33,9 +34,11 @@ import torch
 assert torch.version.cuda and torch.cuda.is_available(), f'torch {torch.__version__} sees no CUDA device: this script is for a GPU environment'
 print(torch.cuda.get_device_name(0))" | tee "$OUT/gpu.txt"
 start=$(date +%s)
-"$PY" benchmarks/remory_ladder.py --rung 1 --config $CFG --device cuda --recall-sessions 0 --steps 300 --lr 3e-3 \
+"$PY" benchmarks/remory_ladder.py --rung 1 --config $CFG --device cuda --recall-sessions 0 --memory-tokens 1024 \
+    --steps 300 --lr 3e-3 \
     --schedule cosine --kl-decay 0 --eval-every 50 --out "$OUT/ladder_rung1.json" | tee "$OUT/ladder_rung1.log"
 "$PY" benchmarks/remory_ladder.py --rung 2 --config $CFG --device cuda --budget 1536 --recall-sessions 100 \
+    --memory-tokens 1024 \
     --recall-steps 10 --boundaries 64 --steps 640 --lr 3e-3 --schedule cosine --kl-decay 0 --eval-every 160 \
     --out "$OUT/ladder_rung2.json" | tee "$OUT/ladder_rung2.log"
 "$PY" -m palimpsest.cli train --config $CFG 2>&1 | tee "$OUT/train.log"   # registers the newest version

@@ -104,6 +104,8 @@ def main() -> None:
                     help="programmatic recall sessions added to the data (default: the config's data.recall_sessions)")
     ap.add_argument("--recall-steps", type=int, default=None,
                     help="the most real steps between a recall session's fact and its use (default: the config's)")
+    ap.add_argument("--memory-tokens", type=int, default=None,
+                    help="what the memory reads, in ids (default: the config's data.memory_tokens)")
     ap.add_argument("--schedule", choices=("constant", "cosine"), default="constant", help="the learning rate over steps")
     ap.add_argument("--kl-decay", type=float, default=None,
                     help="position weights of the loss, 1 / (1 + d * j) (default: the config's; 0 is the metric's "
@@ -146,7 +148,8 @@ def main() -> None:
     if mem_over:
         cfg = cfg.model_copy(update={"memory": cfg.memory.model_copy(update=mem_over)})
     data_over = {k: v for k, v in (("recall_sessions", args.recall_sessions), ("budget", args.budget),
-                                                   ("recall_steps", args.recall_steps)) if v is not None}
+                                   ("recall_steps", args.recall_steps), ("memory_tokens", args.memory_tokens))
+                 if v is not None}
     if data_over:
         cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update=data_over)})
     lr = args.lr or cfg.optim.lr

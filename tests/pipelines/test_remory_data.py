@@ -53,8 +53,9 @@ def test_stage2_rows_are_compiled_prompts_with_the_memory_reading_what_they_left
     hidden = [j for j in range(t) if f"parse_config_{j}(env)" not in student]
     assert hidden == list(range(len(hidden))) and len(hidden) >= 2  # the oldest steps are hidden
     read = [j for j in hidden if f"parse_config_{j}(env)" in memory]
-    assert read and read[-1] == hidden[-1]  # at this tiny tokenizer (256 ids, near a byte an id) not even
-    # MIN_SHARE_CHARS a field fits memory_tokens: the newest are kept (test_chat covers the equal shares)
+    # at this tiny tokenizer (256 ids, near a byte an id) not even MIN_SHARE_CHARS a field fits memory_tokens:
+    # the newest are kept whole, the front cut (test_chat covers the equal shares)
+    assert read and read == hidden[-len(read):] and read != hidden and "\n…\n" not in memory
     assert [memory.index(f"parse_config_{j}(env)") for j in read] == sorted(memory.index(f"parse_config_{j}(env)")
                                                                            for j in read)  # oldest first
     # the soft slot is the compaction boundary (platform.epochs): the compacted history before it (with the

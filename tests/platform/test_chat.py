@@ -137,6 +137,19 @@ def test_the_memory_reads_every_left_out_step_when_they_exceed_its_tokens(smol_d
     tight, _ = memory_input(tok, snap.session, snap.steps, res, [], 4000, 8 * MIN_SHARE_CHARS // 4)
     tail = tok.decode(tight)
     assert len(tight) == 8 * MIN_SHARE_CHARS // 4 and "TAIL_7" in tail and "HEAD_0" not in tail
+    # a prefix longer than the read (an agent's tool declarations) takes at most half of it: every step still
+    # fits, and the prefix loses its head
+    led.create_session("p", TASK, system="PREFIX_START " + "Use the tools carefully and report results. " * 150)
+    for t in range(10):
+        rt.append("p", step(t, STEP_ACTION.format(t), f"HEAD_{t}\n{filler}\nTAIL_{t}"))
+    snap = rt.snapshot("p")
+    res[3:] = Resolution.FULL  # three steps left out, ~900 ids whole: more than half the read, a share each
+    long_prefix, _ = memory_input(tok, snap.session, snap.steps, res, [], 4000, 1200)
+    text = tok.decode(long_prefix)
+    assert len(long_prefix) == 1200 and "PREFIX_START" not in text and "Use the tools carefully" in text
+    steps_part = tok.encode(text[text.index(STEP_ACTION.format(0)):])
+    assert all(m in text for m in marks[:6]) and "HEAD_3" not in text
+    assert 1200 // 2 - 50 <= len(steps_part) <= 1200 // 2 + 10  # half the read, to the share's 8 characters
     led.close()
 
 

@@ -127,20 +127,26 @@ def test_paired_traffic_runs_every_trajectory_once_per_arm_and_the_report_pairs_
 def test_an_arm_serving_a_memory_otherwise_than_it_was_trained_is_warned_about(client, tiny_dir, tiny_memory, tmp_path):
     from palimpsest.platform.policies import parse_policy_config
     from palimpsest.serving.config import parse_serve_config
+    from palimpsest.platform.chat import MEMORY_READ_VERSION
     from palimpsest.serving.ingress import memory_warnings
 
     ready = client.get("/readyz").json()  # the test bundle records no policy config
     assert any("records no policy config" in w for w in ready["warnings"])
     cfg = parse_serve_config(tiny_config(tiny_dir, tiny_memory, tmp_path / "l.db"))
     pace = parse_policy_config("pace").config_hash()
-    entry = {"enabled": True, "model": "m", "policy_hash": pace, "trained_reads": {"memory_tokens": 256},
-             "trained_budget": 900}
+    entry = {"enabled": True, "model": "m", "policy_hash": pace, "trained_budget": 900,
+             "trained_reads": {"memory_tokens": 256, "memory_read": MEMORY_READ_VERSION}}
     assert memory_warnings(cfg, {"models": {"default": entry}}) == []  # trained as served: nothing to say
     other = {**entry, "policy_hash": parse_policy_config("ace").config_hash(),
-             "trained_reads": {"memory_tokens": 1024}, "trained_budget": 3072}
+             "trained_reads": {"memory_tokens": 1024, "max_observation_chars": None}, "trained_budget": 3072}
     warned = memory_warnings(cfg, {"models": {"default": other}})
     assert any("'pace+memory': its policy config" in w for w in warned)
     assert any("memory_tokens=256, trained with 1024" in w for w in warned)
+    assert not any("max_observation_chars" in w for w in warned)  # not recorded: nothing to compare
+    # what the memory reads changed (platform.chat.MEMORY_READ_VERSION): a model trained on another read, or
+    # before the read was recorded (version 1), is warned about
+    assert any(f"trained on version 1 of what the memory reads, served version {MEMORY_READ_VERSION}" in w
+               for w in warned)
     assert any("'pace+memory': serves at budget 900, its memory was trained on prompts at 3072" in w for w in warned)
 
 

@@ -168,6 +168,9 @@ def _check_run(summary, marker, tracking, store):
 
     meta = memory_meta(summary["registered"])  # the registered version's bundle, read back through the server
     assert meta["policy"]["hash"] == mv.tags["policy_hash"] and meta["data"]["train_trajectories"]
+    from palimpsest.platform.chat import MEMORY_READ_VERSION
+
+    assert meta["data"]["memory_read"] == MEMORY_READ_VERSION  # what serving compares its read with
     loaded = mlflow.pytorch.load_model(summary["registered"])
     assert torch.allclose(loaded(torch.ones(10, 64)), net(torch.ones(10, 64)), atol=1e-6)
     assert run.info.artifact_uri.startswith(store.as_uri()) and any(store.rglob("checkpoint"))  # config's location

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from palimpsest.pipelines.trajectories import Trajectory, file_sha256, read_trajectories
+from palimpsest.platform.chat import MEMORY_READ_VERSION
 from palimpsest.platform.types import PalimpsestError
 
 REPEAT_INSTRUCTION = "Repeat the text above exactly."
@@ -54,6 +55,9 @@ class DataConfig:
     stage1_corpus: str | None = None  # text files added to Stage I: a directory, or "stdlib" (see corpus_root)
     stage1_chunks: int = 0  # at most this many corpus spans (0: every span of every file)
     seed: int = 0
+    # what the memory reads (platform.chat.MEMORY_READ_VERSION): recorded in report.json and the bundle, so a
+    # build of another read is not reused and a model trained on one is warned about where served otherwise
+    memory_read: int = MEMORY_READ_VERSION
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.val_fraction < 1.0:
@@ -70,6 +74,9 @@ class DataConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.soft_slots < 0:
             raise ValueError("soft_slots must be >= 0")
+        if self.memory_read != MEMORY_READ_VERSION:
+            raise ValueError(f"memory_read {self.memory_read}: this code builds what the memory reads at version "
+                             f"{MEMORY_READ_VERSION} only (platform.chat.MEMORY_READ_VERSION)")
 
 
 def split_of(trajectory_id: str, val_fraction: float) -> str:

@@ -287,8 +287,29 @@ def raw_history_messages(session: Session, steps: Sequence[Step | StepRecord],
 
 
 #: The smallest share of a field's characters the memory's read cuts to before it gives up covering every
-#: left-out step (below it, a field is little more than its elision marker) and cuts the front instead.
+#: left-out step (below it, a field is little more than its elision marker) and keeps the newest instead.
 MIN_SHARE_CHARS = 48
+
+#: Characters of raw step text per id, a generous bound: text of more characters than this times a number
+#: of ids surely exceeds them, so the read never tokenizes more than that to find its share.
+_CHARS_PER_TOKEN = 8
+
+#: What the memory reads, by version; recorded with the training data and the bundle (``data.memory_read``),
+#: and served models trained on another are warned about. 1: the newest left-out steps whole, the front cut
+#: (never recorded); 2: every left-out step at an equal share of characters, the prefix at most half.
+MEMORY_READ_VERSION = 2
+
+
+def _water_level(lengths: Sequence[int], cap: int, total: int) -> int:
+    """The largest share c <= cap with sum(min(length, c)) <= total (0 when even c = 1 exceeds it)."""
+    lo, hi = 0, cap
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if sum(min(n, mid) for n in lengths) <= total:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def left_out(resolution: Sequence[int]) -> list[int]:
@@ -301,38 +322,54 @@ def memory_input(tokenizer: ChatTokenizer, session: Session, steps: Sequence[Ste
                  resolution: Sequence[int], context_ids: Sequence[int], max_field_chars: int,
                  max_history_tokens: int) -> tuple[list[int], list[int]] | None:
     """What the memory network reads for one compiled prompt: (history, summary) ids, or None when the plan
-    left nothing out (the text already shows every step raw).
+    left nothing out (the text already shows every step raw). Read version ``MEMORY_READ_VERSION``.
 
     ``history`` is the raw chat (the session's prefix, then each step at full resolution, every field cut
     to ``max_field_chars``) of **every** step the plan rendered below full resolution or hid, oldest first.
     Fields are cut to their head and tail joined by a bare ``COMPACT_ELISION`` (no marker naming the step:
     the actor never reads this text). When it exceeds ``max_history_tokens``, every field is cut to one
-    equal share of characters: the largest share whose chat fits, so short fields stay whole and each
-    left-out step keeps its head and tail. Only when even a share of ``MIN_SHARE_CHARS`` does not fit
-    (hundreds of left-out steps) is the front cut, keeping the newest. ``summary`` is the context before the
+    equal share of characters, the largest (to 8 characters) whose chat fits, so short fields stay whole
+    and each left-out step keeps its head and tail; the steps get at least half the ids, a longer prefix
+    (tool declarations) losing its head. Only when a share would fall under ``MIN_SHARE_CHARS`` (hundreds of
+    left-out steps) are the newest steps kept whole and the front cut. ``summary`` is the context before the
     soft slot (the summary part of the prompt the actor sees), its last ``max_history_tokens``. Serving,
     ``eval-actions`` and the REMORY data builder all call this."""
     idx = left_out(resolution[: len(steps)])
     if not idx:
         return None
     chosen = [steps[i] for i in idx]
+    prefix = len(chat_ids(tokenizer, prefix_messages(session)).all)
+    room = max_history_tokens - min(prefix, max_history_tokens // 2)  # the steps' ids
+    fits = prefix + room  # the prefix's head beyond max_history_tokens is cut below
 
-    def read(share: int) -> list[int]:
-        return chat_ids(tokenizer, raw_history_messages(session, chosen, share, compact=True)).all
+    def read(share: int, which: Sequence[Step | StepRecord] = chosen) -> list[int]:
+        return chat_ids(tokenizer, raw_history_messages(session, which, share, compact=True)).all
 
-    longest = max(len(x or "") for s in chosen for x in (s.thought, s.action, s.observation))
-    hi = min(max_field_chars, longest)
-    history = read(hi)
-    if len(history) > max_history_tokens:
-        lo = MIN_SHARE_CHARS
+    lengths = [len(x) for s in chosen for x in (s.thought, s.action, s.observation) if x]
+    cap = min(max_field_chars, max(lengths, default=1))
+    lo = min(MIN_SHARE_CHARS, cap)
+    hi = _water_level(lengths, cap, room * _CHARS_PER_TOKEN)  # no larger share can fit
+    history = read(hi) if hi >= lo else None
+    if history is not None and len(history) > fits:
         history = read(lo)
-        while hi - lo > 8:  # the largest share that fits, to 8 characters
+        if len(history) > fits:
+            history = None
+        while history is not None and hi - lo > 8:  # bisect: the largest share that fits, to 8 characters
             mid = (lo + hi) // 2
             ids = read(mid)
-            if len(ids) <= max_history_tokens:
+            if len(ids) <= fits:
                 lo, history = mid, ids
             else:
                 hi = mid
+    if history is None:  # not even MIN_SHARE_CHARS a field: the newest steps whole, the front cut
+        newest: list[Step | StepRecord] = []
+        chars = 0
+        for s in reversed(chosen):
+            chars += sum(min(len(x or ""), max_field_chars) for x in (s.thought, s.action, s.observation)) + 16
+            newest.append(s)
+            if chars >= room * _CHARS_PER_TOKEN:
+                break
+        history = read(max_field_chars, newest[::-1])
     return history[-max_history_tokens:], list(context_ids)[-max_history_tokens:]
 
 

@@ -322,7 +322,8 @@ class MemoryEncoder:
                 entry.update(enabled=True, max_slots=encoders[ref].slots_for(max_history_tokens),
                              # what it was trained with: the ingress warns when an arm serves it otherwise
                              policy_hash=(meta.get("policy") or {}).get("hash"),
-                             trained_reads={k: data[k] for k in ("memory_tokens", "max_observation_chars") if k in data},
+                             trained_reads={k: data.get(k) for k in ("memory_tokens", "max_observation_chars",
+                                                                     "memory_read")},
                              trained_budget=data.get("budget"))
             else:
                 entry["model"] = None

@@ -26,6 +26,7 @@ from ray import serve
 
 from palimpsest.platform import Ledger, Runtime
 from palimpsest.platform.abstraction import RuleSummarizer
+from palimpsest.platform.chat import MEMORY_READ_VERSION
 from palimpsest.platform.chat import chat_ids
 from palimpsest.platform.tokens import get_tokenizer
 from palimpsest.platform.types import (
@@ -99,9 +100,14 @@ def memory_warnings(cfg, memory_info: dict) -> list[str]:
         reads = entry.get("trained_reads") or {}
         served = {"memory_tokens": cfg.memory.max_history_tokens, "max_observation_chars": cfg.memory.max_field_chars}
         for key, value in served.items():
-            if key in reads and reads[key] != value:
+            if reads.get(key) is not None and reads[key] != value:
                 out.append(f"arm {arm.name!r}: the memory reads {key}={value}, trained with {reads[key]} "
                            "(memory.max_history_tokens / memory.max_field_chars)")
+        trained_read = reads.get("memory_read") or 1  # none recorded: trained before it was (version 1)
+        if trained_read != MEMORY_READ_VERSION:
+            out.append(f"arm {arm.name!r}: memory model {entry.get('model')} was trained on version {trained_read} "
+                       f"of what the memory reads, served version {MEMORY_READ_VERSION} "
+                       "(platform.chat.MEMORY_READ_VERSION: retrain it)")
         budget, trained = arm.budget or cfg.budget, entry.get("trained_budget")
         if trained and trained != budget:  # the prompts leave out other steps than the ones it learned from
             out.append(f"arm {arm.name!r}: serves at budget {budget}, its memory was trained on prompts at {trained}")

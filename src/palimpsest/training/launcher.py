@@ -273,7 +273,9 @@ def _export_bundle(cfg: TrainConfig, module, actor, out: Path, engine, data_dir:
             "actor": cfg.actor.model_dump(), "policy_config": cfg.tracking.policy_config, "name": cfg.name,
             # the resolved policy config the samples were compiled with (content and hash)
             "policy": {"file": cfg.tracking.policy_config, **(report.get("policy") or {})},
-            "data": {**cfg.data.model_dump(), "sha256": report.get("data_sha256"), **_splits(data_dir)}}
+            "data": {**cfg.data.model_dump(), "sha256": report.get("data_sha256"), **_splits(data_dir),
+                     # the read version the rows were built with (none recorded: version 1, before it was)
+                     "memory_read": (report.get("config") or {}).get("memory_read")}}
     write_bundle(out, state, meta)
 
 
