@@ -338,7 +338,7 @@ def memory_input(tokenizer: ChatTokenizer, session: Session, steps: Sequence[Ste
     if not idx:
         return None
     chosen = [steps[i] for i in idx]
-    prefix = len(chat_ids(tokenizer, prefix_messages(session)).all)
+    prefix = prefix_size(tokenizer, prefix_messages(session))  # remembered per session: the same every turn
     room = max_history_tokens - min(prefix, max_history_tokens // 2)  # the steps' ids
     fits = prefix + room  # the prefix's head beyond max_history_tokens is cut below
 
