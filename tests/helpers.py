@@ -60,3 +60,23 @@ def same_snapshot(a, b) -> None:
     for q in (frozenset({"src/mod_3.py"}), frozenset({"f_7", "TOKEN7"}), frozenset()):
         np.testing.assert_array_equal(sa.overlap(q), sb.overlap(q))
     np.testing.assert_array_equal(sa.ready, sb.ready)
+
+
+def error_message(r) -> str:
+    """The message of an error response, once its body is checked to have the shape of the protocol its route
+    speaks (``palimpsest.serving.errors``): Anthropic's on the Messages routes, OpenAI's on the chat and
+    completion routes, Palimpsest's one-line body elsewhere."""
+    from palimpsest.serving import errors
+
+    body = r.json()
+    protocol = errors.protocol_of(r.request.url.path)
+    if protocol == errors.ANTHROPIC:
+        assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
+        assert body["error"]["type"] == errors.ANTHROPIC_TYPES.get(r.status_code, body["error"]["type"]), body
+        return body["error"]["message"]
+    if protocol == errors.OPENAI:
+        assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+        assert body["error"]["type"] == ("server_error" if r.status_code >= 500 else "invalid_request_error"), body
+        return body["error"]["message"]
+    assert set(body) == {"error"} and isinstance(body["error"], str), body
+    return body["error"]

@@ -13,6 +13,7 @@ import torch
 from palimpsest.platform import Ledger
 from palimpsest.serving.ab import Router
 from palimpsest.serving.embeds import encode_embeds
+from tests.helpers import error_message
 from palimpsest.serving.http import ARM_HEADER
 from tests.serving.conftest import KEYS, tiny_config
 
@@ -128,7 +129,7 @@ def test_an_arm_serving_a_memory_otherwise_than_it_was_trained_is_warned_about(c
     from palimpsest.platform.policies import parse_policy_config
     from palimpsest.serving.config import parse_serve_config
     from palimpsest.platform.chat import MEMORY_READ_VERSION
-    from palimpsest.serving.ingress import memory_warnings
+    from palimpsest.serving.replica import memory_warnings
 
     ready = client.get("/readyz").json()  # the test bundle records no policy config
     assert any("records no policy config" in w for w in ready["warnings"])
@@ -160,7 +161,7 @@ def test_glimpse_returns_the_raw_step_and_is_limited_per_turn(client):
     for _ in range(2):
         assert client.post("/v1/sessions/gl-1/glimpse", json={"step_id": ids[0]}).status_code == 200
     r = client.post("/v1/sessions/gl-1/glimpse", json={"step_id": ids[0]})
-    assert r.status_code == 429 and "limit" in r.json()["error"]
+    assert r.status_code == 429 and "limit" in error_message(r)
     # Another session's step is not this session's to read.
     assert other["arm"] in ("pace", "pace+memory")
     r = client.post("/v1/sessions/gl-2/glimpse", json={"step_id": ids[0]})
@@ -223,7 +224,7 @@ def test_an_openai_client_gets_context_management_by_changing_its_base_url(serve
     with pytest.raises(openai.ConflictError):
         oc.chat.completions.create(model=model, messages=history, max_tokens=4, user="oa-1")
     r = client.post("/v1/chat/completions", json={"messages": history[:2]})
-    assert r.status_code == 400 and "session" in r.json()["error"]
+    assert r.status_code == 400 and "session" in error_message(r)
 
 
 def test_an_append_primes_the_next_turn_on_every_route(server, client):
@@ -281,7 +282,7 @@ def test_the_chat_endpoint_records_every_message_and_refuses_what_it_cannot_hono
     assert "run_shell" in Ledger(server.cfg.ledger).session("alice::tools-1").tools  # recorded with the session
     other = [{"type": "function", "function": {"name": "other"}}]
     r = client.post("/v1/chat/completions", json={"messages": msgs, "user": "tools-1", "tools": other})
-    assert r.status_code == 409 and "tools" in r.json()["error"]
+    assert r.status_code == 409 and "tools" in error_message(r)
     audit = client.get("/v1/sessions/all-1/audit").json()["turns"]
     assert audit[-1]["t"] == 2  # two steps recorded: "Let me look." (no result), "ls" with "a.py" and "go on"
     steps = client.get("/v1/sessions/all-1/steps").json()
@@ -301,11 +302,11 @@ def test_the_chat_endpoint_records_every_message_and_refuses_what_it_cannot_hono
             "messages[2].function_call")]
     for patch, field in bad:
         r = client.post("/v1/chat/completions", json={"messages": msgs, "user": "all-2", **patch})
-        assert r.status_code in (400, 422) and field in r.json()["error"], (patch, r.text)
+        assert r.status_code in (400, 422) and field in error_message(r), (patch, r.text)
     assert client.get("/v1/sessions/all-2/steps").status_code == 404  # refused before anything was recorded
     served = client.get("/v1/models").json()["data"][0]["id"]
     r = client.post("/v1/chat/completions", json={"messages": msgs, "user": "all-3", "model": "gpt-4o"})
-    assert r.status_code == 404 and repr(served) in r.json()["error"] and "'gpt-4o'" in r.json()["error"]
+    assert r.status_code == 404 and repr(served) in error_message(r) and "'gpt-4o'" in error_message(r)
     r = client.post("/v1/chat/completions", json={"messages": msgs, "user": "all-3", "model": served, "max_tokens": 2})
     assert r.status_code == 200, r.text
 
@@ -452,12 +453,12 @@ def test_tool_messages_that_answer_no_call_of_their_action_are_refused_by_field(
     bad = tool_history()
     bad[4] = {"role": "tool", "tool_call_id": "call_zzz", "content": "?"}
     r = client.post("/v1/chat/completions", json={"messages": bad, "user": "tc-2", "tools": TOOLS})
-    assert r.status_code == 400 and "messages[4].tool_call_id" in r.json()["error"]
+    assert r.status_code == 400 and "messages[4].tool_call_id" in error_message(r)
     many = tool_history()
     many[2]["tool_calls"] = [{"id": f"c{k}", "type": "function", "function": {"name": "run_shell", "arguments": "{}"}}
                              for k in range(10_000)]
     r = client.post("/v1/chat/completions", json={"messages": many, "user": "tc-3", "tools": TOOLS})
-    assert r.status_code in (413, 422) and "tool_calls" in r.json()["error"]
+    assert r.status_code in (413, 422) and "tool_calls" in error_message(r)
     odd = tool_history()
     odd[2]["tool_calls"][0]["function"]["arguments"] = "not json {"
     r = client.post("/v1/chat/completions", json={"messages": odd, "user": "tc-4", "tools": TOOLS, "max_tokens": 2},
@@ -503,7 +504,7 @@ def test_bad_input_is_a_4xx_and_loses_nothing(client):
     ]
     codes = [r.status_code for r in cases]
     assert codes == [422, 404, 404, 413, 409, 422, 422, 400, 400, 400, 400, 400, 422], [r.text for r in cases]
-    assert all(r.json()["error"] for r in cases)
+    assert all(error_message(r) for r in cases)
     assert client.get("/healthz").json() == {"status": "ok"}
     assert new_session(client, "bad-1")["steps"] == 2  # nothing stored was lost or added
 
@@ -548,7 +549,7 @@ def test_tenants_are_isolated_and_keys_are_required(client, bob, server):
     assert httpx.post(f"{server.url}/v1/sessions", json={"task": "x"}).status_code == 401
     assert httpx.post(f"{server.url}/v1/sessions", json={"task": "x"}, headers={"Authorization": "Bearer nope"}).status_code == 401
     r = bob.post("/v1/completions", json={"prompt_embeds": encode_embeds(torch.randn(3, 128))})
-    assert r.status_code == 403 and "prompt_embeds" in r.json()["error"]
+    assert r.status_code == 403 and "prompt_embeds" in error_message(r)
     assert client.post("/v1/completions", json={"prompt_embeds": encode_embeds(torch.randn(3, 128)), "max_tokens": 2}).status_code == 200
 
 
@@ -633,9 +634,9 @@ def test_the_anthropic_client_runs_a_tool_loop_streams_and_counts_and_every_bloc
     for patch, field in bad:
         r = client.post("/v1/messages", json={"model": model, "max_tokens": 4, "messages": messages[:1],
                                               "metadata": {"user_id": "cc-bad"}, **patch})
-        assert r.status_code == 400 and field in r.json()["error"], (patch, r.text)
+        assert r.status_code == 400 and field in error_message(r), (patch, r.text)
     r = client.post("/v1/messages", json={"model": "claude-sonnet-4-5", "max_tokens": 4, "messages": messages[:1]})
-    assert r.status_code == 404 and model in r.json()["error"]
+    assert r.status_code == 404 and model in error_message(r)
     # what Claude Code sends with every request is read, and recorded with the turn
     r = client.post("/v1/messages", json={
         "model": model, "max_tokens": 2, "messages": messages[:1], "metadata": {"user_id": "cc-fields"},

@@ -4,7 +4,9 @@ import re
 import pytest
 
 from palimpsest.platform.types import Authority, PalimpsestError
-from palimpsest.serving.openai_proxy import HistoryConflict, new_steps, parse_messages
+from palimpsest.serving import anthropic_protocol
+from palimpsest.serving.errors import HistoryConflict
+from palimpsest.serving.openai_protocol import new_steps, parse_messages
 from palimpsest.serving.schemas import ChatMessage
 
 
@@ -133,7 +135,7 @@ def test_malformed_tool_declarations_are_refused_by_field_not_crashed_on():
 
 def test_a_tool_message_before_any_action_keeps_its_call_id():
     from palimpsest.platform import toolcalls
-    from palimpsest.serving.openai_proxy import parse_messages
+    from palimpsest.serving.openai_protocol import parse_messages
     from palimpsest.serving.schemas import ChatIn
 
     body = ChatIn.model_validate({"messages": [{"role": "user", "content": "task"},
@@ -147,19 +149,20 @@ def test_the_served_document_declares_the_messages_bodies_as_this_endpoint_reads
     read (a field outside it is a 400) and the served model names (any other is a 404): what a client or the
     fuzzer generates from it is what the endpoint accepts."""
     from palimpsest.serving import anthropic_proxy
-    anthropic_proxy.load()
+
+    anthropic_protocol.load()
     doc = anthropic_proxy.documented({"paths": {"/v1/messages": {"post": {}}, "/v1/messages/count_tokens": {"post": {}}}},
                                      ["served-model"])
     schemas = doc["components"]["schemas"]
     for path in ("/v1/messages", "/v1/messages/count_tokens"):
         ref = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
         body = schemas[ref.rsplit("/", 1)[1]]
-        assert set(body["properties"]) <= anthropic_proxy.FIELDS and body["additionalProperties"] is False
+        assert set(body["properties"]) <= anthropic_protocol.FIELDS and body["additionalProperties"] is False
         assert {"model", "messages"} <= set(body["required"]) and body["properties"]["model"]["enum"] == ["served-model"]
-    assert set(schemas["AnthropicContentBlock"]["properties"]["type"]["enum"]) == set(anthropic_proxy.BLOCK_FIELDS)
-    assert set(schemas["AnthropicTool"]["properties"]) <= anthropic_proxy.TOOL_FIELDS
+    assert set(schemas["AnthropicContentBlock"]["properties"]["type"]["enum"]) == set(anthropic_protocol.BLOCK_FIELDS)
+    assert set(schemas["AnthropicTool"]["properties"]) <= anthropic_protocol.TOOL_FIELDS
     # every field the document offers passes the endpoint's own check
-    anthropic_proxy.check_request({k: v for k, v in {
+    anthropic_protocol.check_request({k: v for k, v in {
         "model": "served-model", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "stream": True,
         "system": "s", "temperature": 0.5, "top_p": 0.9, "stop_sequences": ["x"], "metadata": {"user_id": "u"},
         "thinking": {"type": "disabled"}, "tools": [{"name": "t", "input_schema": {"type": "object"}}],
@@ -170,42 +173,38 @@ def test_what_claude_code_sends_is_read_and_what_would_change_the_actor_is_refus
     """Claude Code's requests carry thinking "adaptive", a context edit that clears thinking blocks and an effort
     level: none asks this actor (which writes no thinking blocks and has no effort setting) to behave otherwise,
     so they are read and recorded with the turn. Anything that would is a 400 naming the field."""
-    from palimpsest.serving import anthropic_proxy
-
-    anthropic_proxy.load()
+    anthropic_protocol.load()
     base = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "list the files"}]}
-    req = anthropic_proxy.read_request({
+    req = anthropic_protocol.read_request({
         **base, "thinking": {"type": "adaptive"}, "output_config": {"effort": "high"},
         "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}})
     assert {k: json.loads(v) for k, v in req.noted.items()} == {  # recorded whole
         "thinking": {"type": "adaptive"}, "output_config": {"effort": "high"},
         "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}}
-    assert anthropic_proxy.read_request(base).noted == {}
+    assert anthropic_protocol.read_request(base).noted == {}
     # a user_id that is no session name (Claude Code's is a JSON object) names one by its hash, kept with the turn
     cc = '{"device_id":"d1","account_uuid":"","session_id":"2e66"}'
-    r1, r2 = (anthropic_proxy.read_request({**base, "metadata": {"user_id": u}}) for u in (cc, cc))
+    r1, r2 = (anthropic_protocol.read_request({**base, "metadata": {"user_id": u}}) for u in (cc, cc))
     assert r1.user_id == r2.user_id and r1.user_id.startswith("user-") and r1.noted["user_id"] == cc
-    assert anthropic_proxy.read_request({**base, "metadata": {"user_id": "my-session-1"}}).user_id == "my-session-1"
+    assert anthropic_protocol.read_request({**base, "metadata": {"user_id": "my-session-1"}}).user_id == "my-session-1"
     for patch, field in (({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
                          ({"output_config": {"format": {"type": "json_schema", "schema": {}}}}, "output_config"),
                          ({"context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}},
                           "context_management.edits[0]"),
                          ({"context_management": []}, "context_management")):
-        with pytest.raises(anthropic_proxy.AnthropicInputError, match=re.escape(field)):
-            anthropic_proxy.read_request({**base, **patch})
+        with pytest.raises(anthropic_protocol.AnthropicInputError, match=re.escape(field)):
+            anthropic_protocol.read_request({**base, **patch})
 
 
 def test_a_messages_field_of_any_wrong_json_type_is_a_400_naming_it_never_a_crash():
     """Every field of a Messages body, given each JSON type it does not take (a number for ``tools``, a string for
     ``messages``...), is refused by name as the caller's error: the checks before vLLM's model read the value
     by its type and must not fail on a value of another one."""
-    from palimpsest.serving import anthropic_proxy
-
-    anthropic_proxy.load()
+    anthropic_protocol.load()
     base = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
-    for field in sorted(anthropic_proxy.FIELDS):
+    for field in sorted(anthropic_protocol.FIELDS):
         for value in (1133455, -3.5, "x", True, {"a": 1}, [1], [None], [{"type": 7}]):
             try:
-                anthropic_proxy.read_request({**base, field: value})
-            except anthropic_proxy.AnthropicInputError as e:
+                anthropic_protocol.read_request({**base, field: value})
+            except anthropic_protocol.AnthropicInputError as e:
                 assert field in str(e), (field, value, str(e))

@@ -60,7 +60,7 @@ def test_several_ingress_replicas_need_a_shared_ledger(tiny_dir, tiny_memory, tm
 def test_a_lost_database_is_a_retriable_503():
     import asyncio
 
-    from palimpsest.serving.ingress import _palimpsest_error
+    from palimpsest.serving.http import _palimpsest_error
 
     resp = asyncio.run(_palimpsest_error(None, LedgerUnavailableError("lost the ledger database postgresql://h/d")))
     assert resp.status_code == 503 and resp.headers["retry-after"] == "5"

@@ -211,6 +211,8 @@ class TurnPrepConfig(_Strict):
                                    "(an embedder that does not answer then delays no append longer)")
     snapshot_cache_mib: int = Field(512, ge=0, le=1 << 20, description="per-replica cache of session snapshots, "
                                     "kept current from the ledger's change log (0: every turn reads its session whole)")
+    stream_ping_s: float = Field(10.0, gt=0, le=300, description="a streamed Messages turn sends a `ping` event "
+                                 "after this many seconds without another (a long prefill), as the Messages API does")
 
 
 class ABConfig(_Strict):

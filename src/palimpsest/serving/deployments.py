@@ -319,7 +319,9 @@ class MemoryEncoder:
 
                 meta = memory_meta(ref)
                 data = meta.get("data") or {}
+                net = encoders[ref].memory.cfg  # how many soft positions a read yields (TurnService.soft_positions)
                 entry.update(enabled=True, max_slots=encoders[ref].slots_for(max_history_tokens),
+                             block_size=net.block_size, queries=net.queries,
                              # what it was trained with: the ingress warns when an arm serves it otherwise
                              policy_hash=(meta.get("policy") or {}).get("hash"),
                              trained_reads={k: data.get(k) for k in ("memory_tokens", "max_observation_chars",

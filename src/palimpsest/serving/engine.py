@@ -136,7 +136,7 @@ class ActorEngine:
         text: list[str] = []
         token_ids: list[int] = []
         steps: list = []
-        cached, finish, first = 0, None, None
+        cached, finish, first, matched = 0, None, None, None
         async for out in self.engine.generate(p, params, request_id=uuid.uuid4().hex):
             if first is None:
                 first = time.perf_counter()
@@ -146,6 +146,8 @@ class ActorEngine:
             token_ids.extend(o.token_ids)
             steps.extend(o.logprobs or [])
             finish = o.finish_reason or finish
+            if isinstance(o.stop_reason, str):  # the stop string that ended it (an int is a stop token id)
+                matched = o.stop_reason
             if o.text or o.token_ids:
                 yield {"delta": o.text, "delta_ids": list(o.token_ids), "finished": bool(out.finished)}
         end = time.perf_counter()
@@ -164,7 +166,7 @@ class ActorEngine:
         self.stats["prompt_tokens"] += n_prompt
         self.stats["cached_tokens"] += cached
         result = {"done": True, "text": "".join(text), "token_ids": token_ids, "prompt_tokens": n_prompt,
-                  "cached_tokens": cached, "finish_reason": finish, "actor_ms": ms,
+                  "cached_tokens": cached, "finish_reason": finish, "stop_sequence": matched, "actor_ms": ms,
                   "prefill_ms": (first - t0) * 1000, "decode_ms": (end - first) * 1000}
         if logprobs:
             result["logprobs"] = [{int(k): float(v.logprob) for k, v in step.items()} for step in steps]

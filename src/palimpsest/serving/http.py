@@ -3,13 +3,15 @@ limit, the replica header, and tenants (API keys -> disjoint session namespaces)
 
 from __future__ import annotations
 
-import types
+import asyncio
+import logging
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from palimpsest.platform.types import (
     BudgetError,
@@ -21,8 +23,9 @@ from palimpsest.platform.types import (
     UnknownSessionError,
     UnknownStepError,
 )
+from palimpsest.serving import errors
+from palimpsest.serving.errors import HistoryConflict
 from palimpsest.serving.embeds import EmbedsError
-from palimpsest.serving.openai_proxy import HistoryConflict
 from palimpsest.serving.remote import UpstreamError, UpstreamUnavailable
 
 def _retriable() -> tuple[type[BaseException], ...]:
@@ -52,31 +55,6 @@ app = FastAPI(title="Palimpsest", version="1.0",
                           "glimpse, audit, A/B arms, and an OpenAI-compatible chat endpoint.")
 
 
-def _openapi(self: FastAPI) -> dict:
-    """The served document (``/openapi.json``), with the request bodies the Messages routes read raw: vLLM's
-    protocol models (imported by the ingress before it is ready) and the served model names (known once it is).
-    Asked for before the ingress is ready, the document comes without those two bodies and is not kept: the
-    event loop never waits for that import."""
-    if self.openapi_schema is None:
-        from palimpsest.serving import anthropic_proxy
-
-        doc = FastAPI.openapi(self)
-        models = anthropic_proxy.served_models()  # known once the ingress has asked the actor
-        if not (anthropic_proxy.loaded() and models):
-            self.openapi_schema = None
-            return doc
-        try:
-            self.openapi_schema = anthropic_proxy.documented(doc, models)
-        except Exception:
-            self.openapi_schema = None  # never keep the document without the two bodies
-            raise
-    return self.openapi_schema
-
-
-# Bound to this app before Serve freezes it (``serve.ingress`` pickles the app as it is at decoration).
-app.openapi = types.MethodType(_openapi, app)
-
-
 class HTTPProblem(Exception):
     def __init__(self, status: int, message: str):
         self.status, self.message = status, message
@@ -86,17 +64,40 @@ _STATUS = ((UpstreamUnavailable, 503), (UpstreamError, 502), (LedgerUnavailableE
            (EmbedsError, 400), (BudgetError, 422), (ConfigError, 422), (LedgerError, 409), (PalimpsestError, 400))
 
 
+def error_response(request: Request | None, status: int, message: str) -> JSONResponse:
+    """An error in the shape of the protocol the route speaks (``serving/errors.py``), with ``Retry-After`` on
+    a 503 (the operation did not commit: a retry is safe)."""
+    path = request.url.path if request is not None else ""
+    status, body = errors.body(errors.protocol_of(path), status, message)
+    return JSONResponse(body, status_code=status, headers={"Retry-After": "5"} if status in (503, 529) else None)
+
+
 @app.exception_handler(HTTPProblem)
-async def _problem(_: Request, e: HTTPProblem):
-    return JSONResponse({"error": e.message}, status_code=e.status,
-                        headers={"Retry-After": "5"} if e.status == 503 else None)
+async def _problem(request: Request, e: HTTPProblem):
+    return error_response(request, e.status, e.message)
 
 
 @app.exception_handler(PalimpsestError)
-async def _palimpsest_error(_: Request, e: PalimpsestError):
-    status = next(code for cls, code in _STATUS if isinstance(e, cls))
-    # 503: the ledger's database is out of reach; the operation did not commit, so a retry is safe.
-    return JSONResponse({"error": str(e)}, status_code=status, headers={"Retry-After": "5"} if status == 503 else None)
+async def _palimpsest_error(request: Request, e: PalimpsestError):
+    return error_response(request, next(code for cls, code in _STATUS if isinstance(e, cls)), str(e))
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_exception(request: Request, e: StarletteHTTPException):
+    """Starlette's own (an unknown route is a 404, a wrong method a 405), in the protocol's shape."""
+    response = error_response(request, e.status_code, str(e.detail))
+    for k, v in (e.headers or {}).items():
+        response.headers[k] = v
+    return response
+
+
+@app.exception_handler(Exception)
+async def _unexpected(request: Request, e: Exception):
+    """What is neither the caller's nor an upstream's: logged whole, answered as the protocol's server error."""
+    code = status_of(e)
+    if code == 500:
+        logging.getLogger("palimpsest.ingress").error("request failed", exc_info=e)
+    return error_response(request, code, f"{type(e).__name__}: {e}" if code == 500 else str(e))
 
 
 def status_of(e: BaseException) -> int:
@@ -109,20 +110,29 @@ def status_of(e: BaseException) -> int:
 
 
 @app.exception_handler(RecursionError)
-async def _too_deep(_: Request, e: RecursionError):
-    return JSONResponse({"error": "the JSON body is nested too deeply"}, status_code=400)
+async def _too_deep(request: Request, e: RecursionError):
+    return error_response(request, 400, "the JSON body is nested too deeply")
+
+
+#: Limits the middleware applies, set by the replica when it starts (``configure``). A module global, not
+#: ``app.state``: ``serve.ingress`` serves a pickled copy of ``app``, whose state the replica never sees.
+LIMITS: dict[str, int | None] = {"max_request_bytes": None}
+
+
+def configure(max_request_bytes: int) -> None:
+    LIMITS["max_request_bytes"] = max_request_bytes
 
 
 @app.middleware("http")
 async def _body_limit(request: Request, call_next):
     """Refuse bodies over the configured size before reading them (413), and undecodable ones (400)."""
-    limit = getattr(request.app.state, "max_request_bytes", None)
+    limit = LIMITS.get("max_request_bytes")
     length = request.headers.get("content-length")
     if limit is not None and length is not None:
         if not length.isdigit():
-            return JSONResponse({"error": "invalid Content-Length"}, status_code=400)
+            return error_response(request, 400, "invalid Content-Length")
         if int(length) > limit:
-            return JSONResponse({"error": f"the body has {length} bytes; at most {limit} are accepted"}, status_code=413)
+            return error_response(request, 413, f"the body has {length} bytes; at most {limit} are accepted")
     response = await call_next(request)
     response.headers[REPLICA_HEADER] = _replica_tag()
     return response
@@ -150,12 +160,12 @@ def _replica_tag() -> str:
 
 
 @app.exception_handler(RequestValidationError)
-async def _invalid(_: Request, e: RequestValidationError):
+async def _invalid(request: Request, e: RequestValidationError):
     msgs = []
     for err in e.errors()[:5]:
         loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
         msgs.append(f"{loc or 'body'}: {err.get('msg')}")
-    return JSONResponse({"error": "; ".join(msgs)}, status_code=422)
+    return error_response(request, 422, "; ".join(msgs))
 
 
 @dataclass(frozen=True)
@@ -176,33 +186,36 @@ class Tenant:
 
 
 
-async def stream_turn(run, writer, on_gone=None):
+async def stream_turn(run, writer, on_gone=None, ping_s: float | None = None):
     """The body of a streamed turn as server-sent events: ``writer`` (an OpenAI ``ChunkWriter`` or an Anthropic
-    ``EventWriter``) renders the opening, each text delta ``run(emit)`` hands over while the turn generates, the
-    closing events of the finished turn, or an error as an event (the 200 status line is already sent), and the
-    ending. A client that goes away cancels the turn (and its generation); ``on_gone`` is told."""
-    import asyncio
-    import logging
-
+    ``EventWriter``) renders the opening, what the turn tells once it is compiled (``started``: its size), each
+    text delta ``run(emit, started)`` hands over while the turn generates, the closing events of the finished
+    turn, or an error as an event (the 200 status line is already sent), and the ending. Every ``ping_s``
+    seconds without an event (a long prefill), the writer's keep-alive. A client that goes away cancels the turn
+    (and its generation); ``on_gone`` is told."""
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def emit(text: str) -> None:
-        for item in writer.text(text):
+    async def put(items: list[str]) -> None:
+        for item in items:
             await queue.put(item)
+
+    async def emit(text: str) -> None:
+        await put(writer.text(text))
+
+    async def started(info: dict) -> None:
+        await put(writer.started(info))
 
     async def drive() -> None:
         try:
-            turn = await run(emit)
-            for item in writer.closing(turn):
-                await queue.put(item)
+            turn = await run(emit, started)
+            await put(writer.closing(turn))
         except Exception as e:
             code = status_of(e)
             if code >= 500 and code != 503:
                 logging.getLogger("palimpsest.ingress").exception("streamed turn failed")
             message = e.message if isinstance(e, HTTPProblem) else (str(e) if code < 500 or code == 503 else
                                                                     f"{type(e).__name__}: {e}")
-            for item in writer.error(code, message):
-                await queue.put(item)
+            await put(writer.error(code, message))
         finally:
             await queue.put(None)
 
@@ -210,7 +223,15 @@ async def stream_turn(run, writer, on_gone=None):
     try:
         for item in writer.opening():
             yield item
-        while (item := await queue.get()) is not None:
+        while True:
+            try:
+                item = await (asyncio.wait_for(queue.get(), ping_s) if ping_s else queue.get())
+            except asyncio.TimeoutError:
+                for ping in writer.ping():
+                    yield ping
+                continue
+            if item is None:
+                break
             yield item
         for item in writer.ending():
             yield item

@@ -1,233 +1,26 @@
-"""OpenAI chat messages -> a session and its steps. Every message is recorded or refused; none is dropped.
-
-An agent framework resends its whole message list every turn. The proxy reads it as: leading
-system/developer messages = the session's system prompt, the first user message = the task, then each
-assistant message with the user/tool/system messages that follow it = one step (action, observation). An
-assistant message followed directly by another is a step without an observation. Messages that come
-before any action (a user or system speaking twice) are a step of their own. An assistant's tool calls and
-the tool messages answering them (by ``tool_call_id``, each checked against the calls) are recorded
-structurally with their step (``palimpsest.platform.toolcalls``). A request ends with what the reply
-answers (a user, tool or system message): a trailing assistant message (a prefill to continue) is refused,
-as is the legacy ``function_call`` format and any other field of a message that would be ignored. Matching is by position and content hash: steps already in the ledger must hash the same
-(resending history is a no-op), a changed one is a conflict, new ones are appended. Content the text
-actor cannot read (images, audio, files) is refused with an error naming the message and part.
+"""The OpenAI-compatible routes' logic and wire format: ``/v1/chat/completions`` (the history recorded in its
+session by ``sessions.record_chat``, read by ``openai_protocol``; the reply as a ``chat.completion`` or as
+chunks), ``/v1/completions`` (a raw completion from a prompt or from client-supplied ``prompt_embeds``) and
+``/v1/models``. Errors are OpenAI's (``serving/errors.py``); ``ingress.py`` holds the routes.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+import time
+import uuid
+from typing import Any
 
-from palimpsest.platform import toolcalls
-from palimpsest.platform.types import Authority, PalimpsestError, StepRecord
+from fastapi import Request
+from fastapi.responses import StreamingResponse
 
+from palimpsest.serving import sessions
+from palimpsest.serving.embeds import decode_embeds
+from palimpsest.serving.errors import openai_error
+from palimpsest.serving.http import SESSION_HEADER, HTTPProblem, _retriable_error, stream_turn
+from palimpsest.serving.schemas import ChatIn, CompletionIn, TurnIn
 
-class HistoryConflict(PalimpsestError):
-    """The message list rewrites history the ledger already holds."""
-
-
-def _text(content, where: str = "content") -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    parts = []
-    for j, p in enumerate(content):  # OpenAI content parts: text is read, anything else is refused
-        if isinstance(p, dict) and p.get("type") in ("text", "input_text") and isinstance(p.get("text"), str):
-            parts.append(p["text"])
-            continue
-        kind = p.get("type") if isinstance(p, dict) else type(p).__name__
-        raise PalimpsestError(f"{where}[{j}]: a {kind!r} content part cannot be read by the text actor "
-                              "(send text parts only)")
-    return "\n".join(parts)
-
-
-def _tool_calls(m) -> list[dict]:
-    """An assistant message's tool calls as the ledger records them (arguments as JSON text)."""
-    out = []
-    for c in getattr(m, "tool_calls", None) or []:
-        args = c.function.arguments
-        if not isinstance(args, str):
-            args = json.dumps(args, ensure_ascii=False, sort_keys=True)
-        out.append({"id": c.id, "name": c.function.name, "arguments": args})
-    return out
-
-
-_ROLE = {"function": "tool", "developer": "system"}
-
-
-#: Fields an OpenAI client echoes back on an assistant message, empty: nothing to record
-_EMPTY_OK = (None, "", [], {})
-
-
-def _check_fields(m, i: int) -> None:
-    """Every field of a message is read: one that would be ignored, non-empty, is refused by name."""
-    for name, value in (getattr(m, "model_extra", None) or {}).items():
-        if value in _EMPTY_OK:
-            continue
-        if name == "function_call":
-            raise PalimpsestError(f"messages[{i}].function_call: the legacy function-call format is not served; "
-                                  "send tool_calls (each with an id) and tool messages with tool_call_id")
-        raise PalimpsestError(f"messages[{i}].{name}: not read by this endpoint (nothing is ignored silently; "
-                              "remove the field)")
-
-
-def _action(m, i: int) -> tuple[str, list[dict]]:
-    calls = _tool_calls(m)
-    return toolcalls.action_text(_text(m.content, f"messages[{i}].content"), calls), calls
-
-
-def _answers(calls: list[dict], obs: list[tuple[int, object]], call_at: int | None) -> list[toolcalls.Result]:
-    """The messages that answer an action, each checked against the calls it names."""
-    ids = {c["id"] for c in calls}
-    out = []
-    for k, o in obs:
-        tcid = getattr(o, "tool_call_id", None) or (getattr(o, "model_extra", None) or {}).get("tool_call_id")
-        # A tool message after an action without structured calls keeps its id as it came (older agents write
-        # the call in the text); one naming a call its action did not make is refused.
-        if tcid is not None and calls:
-            if tcid not in ids:
-                raise PalimpsestError(f"messages[{k}].tool_call_id: {tcid!r} answers none of the tool calls of "
-                                      f"messages[{call_at}] ({', '.join(sorted(ids))})")
-        out.append(toolcalls.Result(_ROLE.get(o.role, o.role), _text(o.content, f"messages[{k}].content"), tcid,
-                                    o.name if o.role in ("tool", "function") else None))
-    return out
-
-
-@dataclass(frozen=True)
-class ParsedChat:
-    system: str
-    task: str
-    steps: list[StepRecord]
-    # per step, the hashes of the same messages under the other reading of a user message that answers an
-    # action (tool output or the principal's words): a session recorded under either reading stays valid
-    alternates: list[frozenset[str]] = field(default_factory=list)
-
-
-def parse_messages(messages, user_after_action: str = "tool") -> ParsedChat:
-    """``user_after_action``: the authority of user messages that answer an assistant action (``tool``: agents
-    such as mini-swe-agent send command output as user messages; ``user``: they are the principal's words).
-    A ``tool`` message is always TOOL output, a system message mid-conversation SYSTEM."""
-    i, n = 0, len(messages)
-    for k, m in enumerate(messages):
-        _check_fields(m, k)
-    if messages[-1].role == "assistant":
-        raise PalimpsestError(f"messages[{n - 1}]: a trailing assistant message (a prefill to continue) is not "
-                              "served; end the list with the user, tool or system message the reply answers")
-    system = []
-    while i < n and messages[i].role in ("system", "developer"):
-        system.append(_text(messages[i].content, f"messages[{i}].content"))
-        i += 1
-    if i >= n or messages[i].role != "user":
-        raise PalimpsestError("the message list needs a user message (the task) after the system messages")
-    task = _text(messages[i].content, f"messages[{i}].content")
-    if not task.strip():
-        raise PalimpsestError("the first user message (the task) is empty")
-    i += 1
-    steps: list[StepRecord] = []
-    alternates: list[frozenset[str]] = []
-    while i < n:
-        m = messages[i]
-        if m.role != "assistant":
-            # Messages before any action of this step (the principal, or the operator, speaking again).
-            j = i
-            while j < n and messages[j].role != "assistant":
-                j += 1
-            group = messages[i:j]
-            roles = {g.role for g in group}
-            authority = (Authority.TOOL if roles & {"tool", "function"} else
-                         Authority.SYSTEM if roles <= {"system", "developer"} else Authority.USER)
-            answers = _answers([], list(zip(range(i, j), group)), None)
-            rec = StepRecord(t=len(steps), kind="message", action="", observation="\n".join(a.content for a in answers),
-                             authority=authority, calls=toolcalls.encode([], answers))
-            steps.append(rec)
-            alternates.append(_unstructured(rec))
-            i = j
-            continue
-        action, calls = _action(m, i)
-        j = i + 1
-        while j < n and messages[j].role != "assistant":
-            j += 1
-        obs_msgs = messages[i + 1: j]
-        if not obs_msgs:  # another assistant message follows (the list never ends with one): no observation, ever
-            rec = StepRecord(t=len(steps), kind="respond", action=action, observation=None,
-                             authority=Authority.MODEL, calls=toolcalls.encode(calls, []))
-            steps.append(rec)
-            alternates.append(_unstructured(rec))
-            i = j
-            continue
-        roles = {o.role for o in obs_msgs}
-        said: list = []  # trailing user messages after tool output, when they are the principal's words
-        if roles & {"tool", "function"}:
-            authority = Authority.TOOL
-            if user_after_action == "user":
-                last_tool = max(k for k, o in enumerate(obs_msgs) if o.role in ("tool", "function"))
-                after = obs_msgs[last_tool + 1:]
-                if after and all(o.role == "user" for o in after):  # the principal spoke after the output
-                    said = [(i + 2 + last_tool + k, o) for k, o in enumerate(after)]
-                    obs_msgs = obs_msgs[: last_tool + 1]
-        elif roles <= {"system", "developer"}:
-            authority = Authority.SYSTEM
-        else:
-            authority = Authority.TOOL if user_after_action == "tool" else Authority.USER
-        tool = next((o.name for o in obs_msgs if o.role in ("tool", "function") and o.name), None)
-        answers = _answers(calls, list(zip(range(i + 1, j), obs_msgs)), i)
-        rec = StepRecord(t=len(steps), kind="tool_call" if authority is Authority.TOOL else "message",
-                         action=action, observation="\n".join(a.content for a in answers),
-                         authority=authority, tool=tool, calls=toolcalls.encode(calls, answers))
-        steps.append(rec)
-        if roles <= {"user"}:  # the other reading of user messages that answer an action
-            other = Authority.USER if authority is Authority.TOOL else Authority.TOOL
-            alternates.append(frozenset({replace(rec, authority=other,
-                                                 kind="message" if other is Authority.USER else "tool_call").sha256()})
-                              | _unstructured(rec))
-        else:
-            alternates.append(_unstructured(rec))
-        if said:
-            steps.append(StepRecord(t=len(steps), kind="message", action="",
-                                    observation="\n".join(_text(o.content, f"messages[{k}].content") for k, o in said),
-                                    authority=Authority.USER))
-            alternates.append(frozenset())
-        i = j
-    alternates += [frozenset()] * (len(steps) - len(alternates))
-    return ParsedChat(system="\n\n".join(s for s in system if s), task=task, steps=steps, alternates=alternates)
-
-
-def _unstructured(rec: StepRecord) -> frozenset[str]:
-    """The hash the same step had before tool calls were recorded structurally (sessions recorded then stay
-    valid when the agent resends them)."""
-    return frozenset() if rec.calls is None else frozenset({replace(rec, calls=None).sha256()})
-
-
-def new_steps(existing_hashes: list[str], steps: list[StepRecord],
-              alternates: list[frozenset[str]] | None = None) -> list[StepRecord]:
-    """The steps not recorded yet; a recorded position whose content differs (under every reading in
-    ``alternates``) is a :class:`HistoryConflict`."""
-    for k, (have, step) in enumerate(zip(existing_hashes, steps)):
-        if have != step.sha256() and not (alternates and k < len(alternates) and have in alternates[k]):
-            raise HistoryConflict(f"message list rewrites recorded step t={k} (messages are matched by position "
-                                  "and content hash; recorded history cannot change)")
-    if len(steps) < len(existing_hashes):
-        raise HistoryConflict(f"message list holds {len(steps)} steps but the session already has "
-                              f"{len(existing_hashes)}: history cannot be removed")
-    return steps[len(existing_hashes):]
-
-
-def step_view(s) -> dict:
-    """A recorded step on the wire (``GET /v1/sessions/{id}/steps``): its text fields, authority and hash, and,
-    for a tool-calling step, the calls and each answer with its ``tool_call_id``."""
-    sc = toolcalls.decode(s)
-    out = {"t": s.t, "step_id": s.id, "kind": s.kind, "thought": s.thought, "action": s.action,
-           "observation": s.observation, "authority": s.authority.value, "tool": s.tool, "sha256": s.sha256,
-           "tool_calls": [toolcalls.wire(c) for c in sc.tool_calls] if sc else [],
-           "results": [{"role": r.role, "tool_call_id": r.tool_call_id, "name": r.name, "content": r.content}
-                       for r in sc.results] if sc else []}
-    ids = [r.tool_call_id for r in sc.results if r.tool_call_id] if sc else []
-    out["tool_call_id"] = ids[0] if len(ids) == 1 else (ids or None)
-    return out
-
-
-# -- the OpenAI wire format of a served turn (the ingress's routes call these) ------------------------------
+# -- the OpenAI wire format of a served turn  ------------------------------
 
 
 def extension(ext: str, turn) -> dict:
@@ -274,6 +67,12 @@ class ChunkWriter:
     def opening(self) -> list[str]:
         return [self.chunk({"role": "assistant", "content": ""})]
 
+    def started(self, info: dict) -> list[str]:  # OpenAI's chunks carry no usage until the end
+        return []
+
+    def ping(self) -> list[str]:  # the chunk format has no keep-alive event
+        return []
+
     def text(self, text: str) -> list[str]:
         return [self.chunk({"content": text})]
 
@@ -288,7 +87,81 @@ class ChunkWriter:
         return out
 
     def error(self, code: int, message: str) -> list[str]:  # the status line is sent: the error is an event
-        return [f"data: {json.dumps({'error': {'message': message, 'code': code}})}\n\n"]
+        return [f"data: {json.dumps({'error': openai_error(code, message)}, ensure_ascii=False)}\n\n"]
 
     def ending(self) -> list[str]:
         return ["data: [DONE]\n\n"]
+
+
+# -- the routes' logic ------------------------------------------------------------------------------------
+
+
+def models(replica) -> dict:
+    return {"object": "list", "data": [{"id": replica.actor_info["model"], "object": "model", "created": 0,
+                                        "owned_by": "palimpsest"}]}
+
+
+async def chat_completions(replica, body: ChatIn, request: Request):
+    """``POST /v1/chat/completions``: the history recorded, the turn served, the reply whole or streamed."""
+    tenant = replica.tenant(request)
+    replica.check_model(body.model)
+    ext = request.headers.get(SESSION_HEADER) or body.user
+    if not ext:
+        raise HTTPProblem(400, f"user: name the session (the {SESSION_HEADER!r} header or the 'user' field)")
+    sid = await sessions.record_chat(replica, body, tenant, ext, request)
+    stop = [body.stop] if isinstance(body.stop, str) else body.stop
+    turn_in = TurnIn(max_tokens=body.max_completion_tokens or body.max_tokens, seed=body.seed, top_p=body.top_p,
+                     stop=stop, temperature=1.0 if body.temperature is None else body.temperature)
+    choice = body.tool_choice if body.tools else None
+    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": replica.actor_info["model"]}
+    if body.stream:  # what can be refused is refused before the 200 status line is sent
+        await replica.check_turn(sid, turn_in)
+        writer = ChunkWriter(head, ext, bool((body.stream_options or {}).get("include_usage")))
+
+        def run(emit, started):
+            return replica.turn(sid, turn_in, choice, body.parallel_tool_calls, emit=emit)
+
+        return StreamingResponse(stream_turn(run, writer, replica.gone), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    turn = await replica.turn(sid, turn_in, choice, body.parallel_tool_calls)
+    return completion(turn, head, ext)
+
+
+async def completions(replica, body: CompletionIn, request: Request) -> dict:
+    """``POST /v1/completions``: a raw completion from ``prompt`` or from ``prompt_embeds`` (base64 of
+    ``torch.save``; a tenant must be allowed to send them), checked against the actor's size and window."""
+    tenant = replica.tenant(request)
+    replica.check_model(body.model)
+    if (body.prompt is None) == (body.prompt_embeds is None):
+        raise HTTPProblem(400, "prompt: give exactly one of prompt or prompt_embeds")
+    if body.prompt_embeds is not None and not tenant.allow_prompt_embeds:
+        raise HTTPProblem(403, "prompt_embeds: client-supplied prompt_embeds are not enabled for this caller "
+                               "(auth.tenants.<name>.allow_prompt_embeds, or limits.allow_prompt_embeds without tenants)")
+    info, cfg = replica.actor_info, replica.cfg
+    req: dict[str, Any] = {"max_tokens": body.max_tokens or cfg.actor.max_tokens, "temperature": body.temperature,
+                           "seed": body.seed}
+    if body.prompt_embeds is not None:
+        req["embeds"] = decode_embeds(body.prompt_embeds, info["hidden_size"],
+                                      min(info["max_embeds_len"], info["max_model_len"] - req["max_tokens"]),
+                                      cfg.limits.max_request_bytes)
+    else:
+        ids = replica.runtime.ledger.tokenizer.encode(body.prompt)
+        if not ids:
+            raise HTTPProblem(400, "prompt: the prompt is empty")
+        if len(ids) + req["max_tokens"] > info["max_model_len"]:
+            raise HTTPProblem(422, f"prompt: the prompt has {len(ids)} tokens; with max_tokens={req['max_tokens']} "
+                                   f"it exceeds the actor's window of {info['max_model_len']}")
+        req["ids"] = ids
+    try:
+        out = await replica.actor.generate.remote(req)
+    except Exception as e:
+        if _retriable_error(e):
+            raise HTTPProblem(503, f"the actor is unavailable ({type(e).__name__}); retry shortly") from None
+        raise
+    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": info["model"],
+            "choices": [{"index": 0, "text": out["text"], "token_ids": out["token_ids"],
+                         "finish_reason": out["finish_reason"] or "stop",
+                         **({"stop_reason": out["stop_sequence"]} if out.get("stop_sequence") else {})}],
+            "usage": {"prompt_tokens": out["prompt_tokens"], "completion_tokens": len(out["token_ids"]),
+                      "total_tokens": out["prompt_tokens"] + len(out["token_ids"])}}

@@ -178,7 +178,7 @@ class RemoteEngine:
         body = self._chat_body(request, live) if chat else self._embeds_body(request, memory, live)
         path = "/v1/chat/completions" if chat else "/v1/completions"
         t0 = time.perf_counter()
-        text, calls, usage, finish = [], {}, {}, None
+        text, calls, usage, finish, matched = [], {}, {}, None, None
         if not live:
             data = self._check(await self._call("POST", path, False, json=body))
             choice = data["choices"][0]
@@ -187,6 +187,7 @@ class RemoteEngine:
             for k, c in enumerate(msg.get("tool_calls") or []):
                 calls[k] = {**c, "id": c.get("id") or call_id()}
             usage, finish = data.get("usage") or {}, choice.get("finish_reason")
+            matched = choice.get("stop_reason")
         else:
             async for data in self._sse(path, body):
                 if data.get("error") or data.get("object") == "error":
@@ -206,6 +207,7 @@ class RemoteEngine:
                         cur["function"]["name"] += fn.get("name") or ""
                         cur["function"]["arguments"] += fn.get("arguments") or ""
                     finish = choice.get("finish_reason") or finish
+                    matched = choice.get("stop_reason") or matched  # vLLM's: the stop string matched
                     if piece:
                         text.append(piece)
                         yield {"delta": piece, "content": piece}
@@ -224,7 +226,8 @@ class RemoteEngine:
         content = "".join(text)
         yield {"done": True, "text": content, "content": content if content or not tool_calls else None,
                "tool_calls": tool_calls, "token_ids": [], "completion_tokens": int(usage.get("completion_tokens") or 0),
-               "prompt_tokens": prompt, "cached_tokens": cached, "finish_reason": finish, "actor_ms": ms}
+               "prompt_tokens": prompt, "cached_tokens": cached, "finish_reason": finish,
+               "stop_sequence": matched if isinstance(matched, str) else None, "actor_ms": ms}
 
     async def _sse(self, path: str, body: dict) -> AsyncIterator[dict]:
         import httpx

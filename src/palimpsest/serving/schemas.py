@@ -85,6 +85,7 @@ class TurnOut(BaseModel):
     arm: str
     action: str
     finish_reason: str | None
+    stop_sequence: str | None = Field(None, description="the stop sequence that ended the reply, when one did")
     plan: dict[str, int] = Field(description="how many history steps at each resolution")
     tokens: dict[str, int] = Field(description="context (text), prefix, soft (memory positions), prompt (actor input), completion, cached")
     latency_ms: dict[str, float] = Field(description="plan (plan+compile, including embed: waiting for the query "

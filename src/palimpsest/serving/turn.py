@@ -12,6 +12,7 @@ generation of the turn.
 from __future__ import annotations
 
 import asyncio
+import math
 import re
 import time
 from dataclasses import dataclass, field
@@ -89,6 +90,7 @@ class TurnResult:
     # the plan's embeddings: texts looked up, lookups that waited for a priming request in flight, requests the
     # plan sent itself (with priming on append the last two are 0)
     embed: dict[str, int] = field(default_factory=dict)
+    stop_sequence: str | None = None  # the stop string that ended the reply, as the actor matched it
 
 
 async def compile_turn(rt: Runtime, req: TurnRequest,
@@ -169,13 +171,17 @@ async def run_turn(rt: Runtime, req: TurnRequest, generate: Generate, glimpse_li
                    memory_for: Callable[[CompiledTurn], Awaitable[Any]] | None = None,
                    clock: WaitClock | None = None,
                    stream: Callable[[dict, Any], AsyncIterator[dict]] | None = None,
-                   emit: Callable[[str], Awaitable[None]] | None = None) -> TurnResult:
+                   emit: Callable[[str], Awaitable[None]] | None = None,
+                   started: Callable[[CompiledTurn], Awaitable[None]] | None = None) -> TurnResult:
     """One served turn. With ``stream`` and ``emit``, the final answer's content is handed to ``emit`` as
-    it is generated (a glimpse round inside the turn never is); the result is the same either way."""
+    it is generated (a glimpse round inside the turn never is); the result is the same either way.
+    ``started`` is told the compiled turn before the actor is first called (a stream's opening names its size)."""
     t_start = time.perf_counter()
     ct, embed, fallback = await compile_turn(rt, req, clock)
     plan_ms = (time.perf_counter() - t_start) * 1000
     memory = await memory_for(ct) if (memory_for is not None and req.budget.soft) else None
+    if started is not None:
+        await started(ct)
     request: dict[str, Any] = {**req.sampling, "max_tokens": req.budget.reply, "temperature": req.temperature,
                                "seed": req.seed, "kind": "turn"}
     if req.tools:
@@ -223,7 +229,7 @@ async def run_turn(rt: Runtime, req: TurnRequest, generate: Generate, glimpse_li
         latency={"plan": plan_ms, "embed": embed["ms"], "memory": float(out.get("memory_ms", 0.0)), "actor": actor_ms,
                  "total": total_ms},
         fallback=fallback, out=out, content=out.get("content", out["text"]), tool_calls=list(out.get("tool_calls") or []),
-        embed={k: embed[k] for k in ("lookups", "joined", "requests")})
+        embed={k: embed[k] for k in ("lookups", "joined", "requests")}, stop_sequence=out.get("stop_sequence"))
 
 
 class TurnService:
@@ -246,6 +252,12 @@ class TurnService:
         key = armcfg.name if armcfg.name in models else "default"
         return key if models[key]["enabled"] else None
 
+    def soft_positions(self, mem: str, history: int) -> int:
+        """The soft positions memory model ``mem`` yields for a read of ``history`` ids: one block of
+        ``block_size`` positions gives ``queries``, up to ``max_slots`` (``MemoryNetwork.slots_for``)."""
+        m = self.memory_info["models"][mem]
+        return min(math.ceil(max(history, 1) / m["block_size"]) * m["queries"], m["max_slots"])
+
     def size(self, armcfg, budget: int | None, max_tokens: int | None) -> tuple[Budget, str | None]:
         """(budget, memory key) of a turn on this arm; a BudgetError (422) when the budget exceeds the actor's
         window or leaves no room for the reply and the soft span."""
@@ -258,14 +270,15 @@ class TurnService:
         return Budget(total, max_tokens or self.cfg.actor.max_tokens, soft), mem
 
     async def serve(self, session, arm: str, body, tool_choice: Any = None, parallel_tool_calls: bool | None = None,
-                    emit: Callable[[str], Awaitable[None]] | None = None, noted: dict | None = None):
+                    emit: Callable[[str], Awaitable[None]] | None = None, noted: dict | None = None,
+                    started: Callable[[dict], Awaitable[None]] | None = None):
         """One turn of ``session`` (the ledger's) on ``arm`` (the router's choice; ``body``: a TurnIn). A failure
         that is not the caller's is counted and recorded under the arm, then raised. ``noted``: request fields
         read that change nothing for this actor, recorded with the turn (``requested_<name>``)."""
         ledger, sid = self.runtime.ledger, session.id
         self.inflight += 1
         try:
-            return await self._serve(session, arm, body, tool_choice, parallel_tool_calls, emit, noted or {})
+            return await self._serve(session, arm, body, tool_choice, parallel_tool_calls, emit, noted or {}, started)
         except Exception as e:
             self.metrics.errors.labels(arm=arm, kind=type(e).__name__).inc()
             if isinstance(e, (UnknownSessionError, BudgetError, LedgerUnavailableError)) or getattr(e, "status", 500) < 500:
@@ -275,7 +288,7 @@ class TurnService:
         finally:
             self.inflight -= 1
 
-    async def _serve(self, session, arm: str, body, tool_choice, parallel_tool_calls, emit, noted: dict):
+    async def _serve(self, session, arm: str, body, tool_choice, parallel_tool_calls, emit, noted: dict, started=None):
         from palimpsest.platform.chat import declared_tools
         from palimpsest.serving.schemas import TurnOut
 
@@ -287,15 +300,30 @@ class TurnService:
                           tools=declared_tools(session.tools) if self.actor_info.get("tool_parser") else None,
                           tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls)
 
+        reads: dict[int, Any] = {}  # the memory's read of the compiled turn, computed once
+
+        async def read_of(ct):
+            if id(ct) not in reads:
+                reads[id(ct)] = await asyncio.to_thread(turn_memory, self.runtime, ct, self.cfg.memory)
+            return reads[id(ct)]
+
         async def memory_for(ct):
             # A handle response, not awaited here: the soft span goes from the encoder to the actor directly.
-            read = await asyncio.to_thread(turn_memory, self.runtime, ct, self.cfg.memory)
+            read = await read_of(ct)
             return None if read is None else self.memory.encode.remote(mem, sid, *read)
+
+        async def opened(ct):
+            """The size of the turn's first generation, before the actor is called (a stream's opening usage):
+            its ids, the soft positions the memory's read yields, and what the epoch expects the cache to hold."""
+            read = await read_of(ct) if mem else None
+            ids = len(ct.prompt.context_ids) + len(ct.prompt.bridge_ids)
+            await started({"prompt": ids + (self.soft_positions(mem, len(read[0])) if read else 0),
+                           "expected_cached": int((ct.cost or {}).get("cached", 0))})
 
         stream = (lambda r, m: self.actor.options(stream=True).generate_stream.remote(r, m)) if emit else None
         res = await run_turn(self.runtime, req, self.actor.generate.remote, self.cfg.limits.glimpses_per_turn,
                              memory_for if mem is not None else None, clock=self.runtime.embedder,
-                             stream=stream, emit=emit)
+                             stream=stream, emit=emit, started=opened if started is not None else None)
         if res.fallback:
             self.metrics.fallbacks.labels(arm=arm, kind=res.fallback).inc()
             if self.enqueue is not None:
@@ -311,6 +339,7 @@ class TurnService:
         if self.shadow is not None:
             self._offer(sid, arm, mem, ct, res)
         return TurnOut(session_id=sid, t=ct.t, arm=arm, action=res.text, finish_reason=res.finish_reason,
+                       stop_sequence=res.stop_sequence,
                        plan=ct.plan.counts(), tokens=tokens, latency_ms=res.latency, glimpses=res.glimpses,
                        prompt_hash=ct.prompt.prompt_hash, content=res.content, tool_calls=res.tool_calls)
 

@@ -1,0 +1,248 @@
+"""The Anthropic Messages API, its requests: what a ``/v1/messages`` or ``count_tokens`` body may hold, read
+field by field, then by vLLM's own Anthropic protocol models and converted to a chat-completions message list
+by vLLM's conversion (``vllm.entrypoints.anthropic``), which the chat proxy records
+(``openai_protocol.parse_messages``): there is no second parser. vLLM's models ignore what they do not know, and
+its conversion skips thinking blocks, so what the text actor cannot read (images, documents, thinking, server
+tools, an unknown field) is refused first with a 400 naming it, as is what would otherwise be dropped: a
+``metadata`` key other than ``user_id``, ``tool_choice`` without ``tools``, an empty text block or message.
+A system prompt of several blocks is joined with a blank line between blocks
+(``SYSTEM_JOIN``). The replies are ``anthropic_proxy``'s.
+
+vLLM is imported on the first request (this module is loaded by the ingress, which otherwise needs none).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from palimpsest.platform.types import PalimpsestError
+
+#: The request fields read (what the Messages API defines and the text actor can honour)
+FIELDS = {"model", "messages", "max_tokens", "metadata", "stop_sequences", "stream", "system", "temperature",
+          "tool_choice", "tools", "top_p", "thinking", "output_config", "context_management"}
+#: Context edits that have nothing to act on here (the actor writes no thinking blocks); any other edit is
+#: refused: this gateway's own policy decides what of the history the actor sees
+NOOP_EDITS = {"clear_thinking_20251015"}
+#: Block fields per type; ``cache_control`` is Anthropic's cache hint (this server's cache is the compaction epoch)
+BLOCK_FIELDS = {"text": {"type", "text", "cache_control", "citations"},
+                "tool_use": {"type", "id", "name", "input", "cache_control"},
+                "tool_result": {"type", "tool_use_id", "content", "is_error", "cache_control"}}
+TOOL_FIELDS = {"name", "description", "input_schema", "cache_control", "type"}
+
+
+#: What separates the blocks of a system prompt given as a list (each block is a paragraph of its own; vLLM's
+#: conversion glues them with nothing: "You are A." + "Be brief." -> "You are A.Be brief.")
+SYSTEM_JOIN = "\n\n"
+#: The ``metadata`` keys read (``user_id`` names the session)
+METADATA_FIELDS = {"user_id"}
+
+#: A ``metadata.user_id`` that names a session as it is; any other is hashed into one (``user-<sha256>``)
+_NAME = re.compile(r"^[\w.:/@+-]{1,200}$")
+
+
+class AnthropicInputError(PalimpsestError):
+    """A Messages request this endpoint refuses; the message names the field."""
+
+
+def _check_blocks(blocks: Any, where: str, allowed: set[str]) -> None:
+    if isinstance(blocks, str):
+        return
+    if not isinstance(blocks, list):
+        raise AnthropicInputError(f"{where}: a string or a list of content blocks is needed")
+    for j, b in enumerate(blocks):
+        at = f"{where}[{j}]"
+        kind = b.get("type") if isinstance(b, dict) else None
+        if not isinstance(kind, str) or kind not in allowed:
+            raise AnthropicInputError(f"{at}: a {kind!r} block cannot be read or produced by the text actor "
+                                      f"(served: {', '.join(sorted(allowed))})")
+        # what a client echoes back empty, or a tool call the model made itself, is nothing to record
+        extra = {k for k in set(b) - BLOCK_FIELDS[kind] if b[k] not in (None, "", [], {})
+                 and not (k == "caller" and b[k] == {"type": "direct"})}
+        if extra:
+            raise AnthropicInputError(f"{at}.{sorted(extra)[0]}: not read by this endpoint (nothing is ignored "
+                                      "silently; remove the field)")
+        if kind == "text" and not (isinstance(b.get("text"), str) and b["text"]):
+            raise AnthropicInputError(f"{at}.text: text content blocks must be non-empty")
+        if kind == "text" and b.get("citations"):
+            raise AnthropicInputError(f"{at}.citations: citations are not served")
+        if kind == "tool_result" and isinstance(b.get("content"), list):
+            for k, part in enumerate(b["content"]):
+                if not (isinstance(part, dict) and part.get("type") == "text" and set(part) <= BLOCK_FIELDS["text"]):
+                    ptype = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise AnthropicInputError(f"{at}.content[{k}]: a {ptype!r} part of a tool result cannot be read "
+                                              "by the text actor (send text)")
+
+
+def check_request(raw: Any) -> None:
+    """Refuse, naming the field, what vLLM's models would accept and then lose."""
+    if not isinstance(raw, dict):
+        raise AnthropicInputError("the body must be a JSON object")
+    extra = set(raw) - FIELDS
+    if extra:
+        raise AnthropicInputError(f"{sorted(extra)[0]}: not served by this endpoint (nothing is ignored silently; "
+                                  "remove the field)")
+    thinking = raw.get("thinking")
+    # "adaptive" leaves thinking to the model, and this one never thinks: what it asks for is what happens
+    if thinking is not None and not (isinstance(thinking, dict) and thinking.get("type") in ("disabled", "adaptive")):
+        raise AnthropicInputError("thinking: the actor produces no thinking blocks (send {\"type\": \"disabled\"} "
+                                  "or {\"type\": \"adaptive\"}, or leave it out)")
+    output = raw.get("output_config")
+    if output is not None and not (isinstance(output, dict) and set(output) <= {"effort"}):
+        raise AnthropicInputError("output_config: only effort is read (recorded with the turn; the actor has no "
+                                  "reasoning effort to set); structured output formats are not served")
+    edits = raw.get("context_management")
+    if edits is not None:
+        if not (isinstance(edits, dict) and set(edits) <= {"edits"} and isinstance(edits.get("edits", []), list)):
+            raise AnthropicInputError("context_management: {\"edits\": [...]} is read")
+        for k, e in enumerate(edits.get("edits", [])):
+            if not (isinstance(e, dict) and e.get("type") in NOOP_EDITS):
+                kind = e.get("type") if isinstance(e, dict) else None
+                raise AnthropicInputError(f"context_management.edits[{k}]: a {kind!r} edit is not served (this gateway "
+                                          "compiles the context itself; clearing thinking blocks, which the actor "
+                                          "never writes, is accepted)")
+    metadata = raw.get("metadata")
+    if metadata is not None:
+        if not isinstance(metadata, dict):
+            raise AnthropicInputError("metadata: an object is needed")
+        extra = set(metadata) - METADATA_FIELDS
+        if extra:
+            raise AnthropicInputError(f"metadata.{sorted(extra)[0]}: not read by this endpoint (metadata.user_id "
+                                      "names the session; nothing is ignored silently)")
+    if raw.get("tool_choice") is not None and not raw.get("tools"):
+        raise AnthropicInputError("tool_choice: given without tools (declare the tools it chooses among, or "
+                                  "leave it out)")
+    if raw.get("system") is not None:
+        _check_blocks(raw["system"], "system", {"text"})
+    messages = raw.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise AnthropicInputError("messages: a non-empty list is needed")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+            raise AnthropicInputError(f"messages[{i}].role: user or assistant")
+        if set(m) - {"role", "content"}:
+            raise AnthropicInputError(f"messages[{i}].{sorted(set(m) - {'role', 'content'})[0]}: not read by this "
+                                      "endpoint")
+        allowed = {"text", "tool_use"} if m["role"] == "assistant" else {"text", "tool_result"}
+        if m.get("content") in ("", []):
+            raise AnthropicInputError(f"messages[{i}].content: a message must have non-empty content")
+        _check_blocks(m.get("content"), f"messages[{i}].content", allowed)
+    tools = raw.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise AnthropicInputError("tools: a list of client tools is needed")
+    for k, t in enumerate(tools or []):
+        if not isinstance(t, dict) or set(t) - TOOL_FIELDS or t.get("type") not in (None, "custom"):
+            raise AnthropicInputError(f"tools[{k}]: a client tool {{name, description, input_schema}} is served "
+                                      "(server tools such as web search are not)")
+
+
+@dataclass(frozen=True)
+class MessagesRequest:
+    """A checked Messages request and the chat-completions form the proxy records."""
+
+    model: str
+    stream: bool
+    max_tokens: int
+    user_id: str | None
+    chat: dict  # the fields of a ChatIn: messages, tools, tool_choice, parallel_tool_calls, sampling
+    noted: dict  # fields read that change nothing for this actor, recorded whole with the served turn (JSON)
+
+
+def load() -> None:
+    """Import vLLM's Anthropic protocol and conversion: ~8 s on 2 CPU cores, paid once per replica. The ingress
+    starts it in a thread when it starts, so that the first Messages request does not wait for it (an import
+    in progress is waited for by the import lock, never run twice)."""
+    global _load_error
+    try:
+        import vllm.entrypoints.anthropic.protocol  # noqa: F401
+        import vllm.entrypoints.anthropic.serving  # noqa: F401
+    except BaseException as e:  # kept for the ingress to raise when it starts (a thread's error is otherwise lost)
+        _load_error = e
+        raise
+    _loaded.set()
+
+
+_load_error: BaseException | None = None
+
+
+def load_error() -> BaseException | None:
+    """What :func:`load` failed with in this process, if it did."""
+    return _load_error
+
+
+_loaded = threading.Event()
+_served: list[str] = []
+
+
+def loaded() -> bool:
+    """Whether :func:`load` has finished in this process (importing here then costs nothing)."""
+    return _loaded.is_set()
+
+
+def serve_models(models: list[str]) -> None:
+    """The model names this process serves (the ingress sets them once it knows the actor): the document's."""
+    _served[:] = sorted(set(models))
+
+
+def served_models() -> list[str]:
+    return list(_served)
+
+
+def read_request(raw: Any) -> MessagesRequest:
+    """Check ``raw``, read it with vLLM's protocol model and convert it with vLLM's conversion."""
+    check_request(raw)
+    if isinstance(raw.get("system"), list):  # one paragraph per block (SYSTEM_JOIN), as a string for vLLM
+        raw = {**raw, "system": SYSTEM_JOIN.join(b["text"] for b in raw["system"])}
+    from pydantic import ValidationError
+    from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
+    from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
+
+    try:
+        req = AnthropicMessagesRequest.model_validate(raw)
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise AnthropicInputError(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}") from None
+    chat = AnthropicServingMessages.to_chat_completion_request(req)
+    tools = [t.model_dump(exclude_none=True) for t in (chat.tools or [])] or None
+    choice = chat.tool_choice
+    if choice is not None and not isinstance(choice, str):
+        choice = choice.model_dump(exclude_none=True)
+    # vLLM's conversion drops a tool result's is_error: it is written into the result's text instead
+    failed = {b.tool_use_id for m in req.messages if not isinstance(m.content, str) for b in m.content
+              if b.type == "tool_result" and b.is_error}
+    messages = [dict(m) for m in chat.messages]
+    for m in messages:
+        if m.get("role") == "tool" and m.get("tool_call_id") in failed and isinstance(m.get("content"), str):
+            m["content"] = "(the tool reported an error)\n" + m["content"]
+    body: dict[str, Any] = {"messages": messages, "max_tokens": req.max_tokens,
+                            "temperature": req.temperature, "top_p": req.top_p,
+                            "stop": list(req.stop_sequences) if req.stop_sequences else None}
+    if tools:
+        body.update(tools=tools, tool_choice=choice if choice is not None else "auto")
+        if req.tool_choice is not None and req.tool_choice.disable_parallel_tool_use is not None:
+            body["parallel_tool_calls"] = not req.tool_choice.disable_parallel_tool_use
+    user = (req.metadata or {}).get("user_id")
+    user = user if isinstance(user, str) and user else None
+    noted: dict[str, str] = {}
+    if user is not None and not _NAME.match(user):  # e.g. Claude Code's, a JSON object with its session id
+        user, noted["user_id"] = f"user-{hashlib.sha256(user.encode()).hexdigest()[:24]}", user
+    # read, and changing nothing for this actor: recorded whole with the turn
+    for field in ("thinking", "output_config", "context_management"):
+        if raw.get(field) is not None:
+            noted[field] = json.dumps(raw[field], sort_keys=True, ensure_ascii=False)
+    return MessagesRequest(model=req.model, stream=bool(req.stream), max_tokens=req.max_tokens,
+                           user_id=user, chat=body, noted=noted)
+
+
+def history_session(messages: list[dict]) -> str:
+    """A session named by the history itself (no ``metadata.user_id``): the system prompt and the task, hashed.
+    Every resend of one conversation names the same session; the resend validation refuses a rewrite."""
+    head = [m for m in messages if m.get("role") == "system"] + [m for m in messages if m.get("role") == "user"][:1]
+    digest = hashlib.sha256(json.dumps(head, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+    return f"anthropic-{digest[:24]}"
+
+

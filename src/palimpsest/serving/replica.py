@@ -1,0 +1,238 @@
+"""One ingress replica's services, composed once its deployments answer: the ledger and runtime, the arms'
+policies, the served turn (``turn.py``), background enrichment, the shadow lane, tenants and the router.
+
+``build_app`` binds the four child deployments into the ingress, whose routes (``ingress.py``) hold a
+:class:`Replica` and call into it and into each protocol's module. The composition is lazy: the first request
+(or ``/readyz``) waits for it, and a failure is a 503 that the next request retries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import threading
+import time
+from typing import Any
+
+from fastapi import Request
+
+from palimpsest.platform import Ledger, Runtime
+from palimpsest.platform.abstraction import RuleSummarizer
+from palimpsest.platform.chat import MEMORY_READ_VERSION
+from palimpsest.platform.tokens import get_tokenizer
+from palimpsest.platform.types import ConfigError
+from palimpsest.serving import anthropic_protocol, http
+from palimpsest.serving.ab import Router
+from palimpsest.serving.config import parse_serve_config
+from palimpsest.serving.enrichment import Enrichment, HandleEmbedder
+from palimpsest.serving.http import HTTPProblem, Tenant, _retriable_error
+from palimpsest.serving.metrics import Metrics
+from palimpsest.serving.schemas import TurnIn, TurnOut
+from palimpsest.serving.shadow import ShadowLane
+from palimpsest.serving.turn import TurnService
+
+log = logging.getLogger("palimpsest.ingress")
+
+
+def memory_warnings(cfg, memory_info: dict) -> list[str]:
+    """Where an arm serves a memory model otherwise than it was trained: another policy config (its hash
+    differs from the one recorded with the model's samples), or reading another amount of history."""
+    out = []
+    models = memory_info.get("models") or {}
+    for arm in cfg.arms:
+        if not arm.memory:
+            continue
+        entry = models.get(arm.name if arm.name in models else "default") or {}
+        if not entry.get("enabled"):
+            continue
+        mine = arm.policy_config().config_hash()
+        theirs = entry.get("policy_hash")
+        if theirs is None:
+            out.append(f"arm {arm.name!r}: memory model {entry.get('model')} records no policy config; it may have "
+                       "been trained on prompts unlike this arm's")
+        elif theirs != mine:
+            out.append(f"arm {arm.name!r}: its policy config (hash {mine}) differs from the one memory model "
+                       f"{entry.get('model')} was trained with (hash {theirs})")
+        reads = entry.get("trained_reads") or {}
+        served = {"memory_tokens": cfg.memory.max_history_tokens, "max_observation_chars": cfg.memory.max_field_chars}
+        for key, value in served.items():
+            if reads.get(key) is not None and reads[key] != value:
+                out.append(f"arm {arm.name!r}: the memory reads {key}={value}, trained with {reads[key]} "
+                           "(memory.max_history_tokens / memory.max_field_chars)")
+        trained_read = reads.get("memory_read") or 1  # none recorded: trained before it was (version 1)
+        if trained_read != MEMORY_READ_VERSION:
+            out.append(f"arm {arm.name!r}: memory model {entry.get('model')} was trained on version {trained_read} "
+                       f"of what the memory reads, served version {MEMORY_READ_VERSION} "
+                       "(platform.chat.MEMORY_READ_VERSION: retrain it)")
+        budget, trained = arm.budget or cfg.budget, entry.get("trained_budget")
+        if trained and trained != budget:  # the prompts leave out other steps than the ones it learned from
+            out.append(f"arm {arm.name!r}: serves at budget {budget}, its memory was trained on prompts at {trained}")
+    return out
+
+
+class ActorChat:
+    """The actor as a policy's language model (the ``ace`` LLM elasticizer): every prompt is sent at once (vLLM
+    batches them), each reply waited for until the summarizer's timeout; failures are None. Policies plan in
+    a worker thread, where blocking on handles is allowed."""
+
+    def __init__(self, actor, timeout_s: float):
+        self.actor, self.timeout_s = actor, timeout_s
+
+    def __call__(self, prompts: list[list[dict]]) -> list[str | None]:
+        responses = [self.actor.chat.remote(p, 4, "elasticizer") for p in prompts]
+        deadline = time.monotonic() + self.timeout_s
+        out: list[str | None] = []
+        for r in responses:
+            try:
+                out.append(r.result(timeout_s=max(0.1, deadline - time.monotonic())))
+            except Exception:
+                out.append(None)
+        return out
+
+
+class Replica:
+    """What every route of one ingress replica works with (built in the deployment's constructor; the parts
+    that need the children's answers are composed by :meth:`ready`)."""
+
+    def __init__(self, config: dict, actor, embedder, summarizer, memory):
+        self.cfg = parse_serve_config(config)
+        self.actor, self.embedder_h, self.summarizer, self.memory = actor, embedder, summarizer, memory
+        self.router = Router.of(self.cfg.arms)
+        self.metrics = Metrics([a.name for a in self.cfg.arms])
+        http.configure(self.cfg.limits.max_request_bytes)
+        self.tenants = {t.key_sha256: (name, t.allow_prompt_embeds) for name, t in self.cfg.auth.resolved().items()}
+        self._ready: asyncio.Future | None = None
+        self.warnings: list[str] = []
+        self.actor_info: dict = {}
+        self.enrichment: Enrichment | None = None
+        self.runtime: Runtime | None = None
+        self.shadow: ShadowLane | None = None
+        self.turns: TurnService | None = None
+        # vLLM's Anthropic protocol takes ~8 s to import on 2 cores: imported while the other deployments start,
+        # and waited for before this replica is ready (the Messages routes and the served document need it)
+        self._messages_loaded = threading.Thread(target=anthropic_protocol.load, name="messages-import", daemon=True)
+        self._messages_loaded.start()
+
+    # -- start-up ---------------------------------------------------------------------------
+
+    async def _start(self) -> None:
+        info = await self.actor.info.remote()
+        self.actor_info = info
+        anthropic_protocol.serve_models([info["model"], self.cfg.actor.model])  # the served document's names
+        if not info.get("prompt_embeds", True) and any(a.memory for a in self.cfg.arms):
+            raise ConfigError(f"arms {[a.name for a in self.cfg.arms if a.memory]} need soft memory, and the upstream "
+                              f"actor at {info.get('remote')} does not take prompt embeds (vLLM --enable-prompt-embeds)")
+        emb = await self.embedder_h.info.remote()
+        self.memory_info = await self.memory.info.remote()
+        self.warnings = memory_warnings(self.cfg, self.memory_info)
+        for w in self.warnings:
+            log.warning(w)
+        self.summarizer_info = await self.summarizer.info.remote()
+        # the actor's own template (or the one its config names): what the budget counts is what it receives
+        tokenizer = get_tokenizer(info["tokenizer"], info.get("chat_template"))
+        ledger = await asyncio.to_thread(Ledger, self.cfg.ledger, tokenizer, pool_size=self.cfg.ledger_pool_size)
+        self.runtime = Runtime(ledger, embedder=HandleEmbedder(self.embedder_h, emb["name"]), summarizer=RuleSummarizer(),
+                               glimpse_limit=self.cfg.limits.glimpses_per_turn,
+                               chat=ActorChat(self.actor, self.cfg.summarizer.timeout_s),
+                               snapshot_cache_bytes=self.cfg.turns.snapshot_cache_mib << 20)
+        self.policies = {a.name: self.runtime.policy(a.policy_config()) for a in self.cfg.arms}
+        self.enrichment = Enrichment(self.runtime, self.policies, self.summarizer, self.summarizer_info, self.metrics,
+                                     self.cfg)
+        self.shadow = ShadowLane(self.runtime, self.cfg.ab, info["max_model_len"],
+                                 busy=lambda: self.turns.inflight > 0, metrics=self.metrics)
+        self.turns = TurnService(self.runtime, self.cfg, self.policies, self.actor, self.memory, info,
+                                 self.memory_info, self.metrics, self.shadow, self.enqueue)
+        await asyncio.to_thread(self._messages_loaded.join)
+        if anthropic_protocol.load_error() is not None:
+            raise anthropic_protocol.load_error()
+
+    async def ready(self) -> None:
+        """Compose the replica's services on first use (concurrent callers wait for the one composition); a
+        failure is a 503, and the next call tries again."""
+        if self._ready is None:
+            self._ready = asyncio.ensure_future(self._start())
+        try:
+            await asyncio.shield(self._ready)
+        except Exception as e:
+            self._ready = None
+            raise HTTPProblem(503, f"not ready: {e}") from None
+
+    def readiness(self) -> dict:
+        return {"ready": True, "arms": dict(zip(self.router.names, self.router.weights)),
+                "actor": self.actor_info["model"], "remote": self.actor_info.get("remote"),
+                "prompt_embeds": self.actor_info.get("prompt_embeds", True), "memory": self.memory_info,
+                "summarizer": self.summarizer_info, "embedder": self.runtime.embedder.name, "warnings": self.warnings,
+                "shadow": self.shadow.state() if self.shadow is not None else None}
+
+    def reconfigure(self, user_config: dict) -> None:
+        """`serve deploy` with new arm weights shifts traffic live (existing sessions keep their arm)."""
+        weights = (user_config or {}).get("weights") or {}
+        unknown = set(weights) - set(self.router.names)
+        if unknown:
+            raise ConfigError(f"weights for unknown arms {sorted(unknown)}")
+        self.router = Router(self.router.names, tuple(float(weights.get(n, w)) for n, w in
+                                                      zip(self.router.names, self.router.weights)))
+
+    # -- callers, sessions and arms ---------------------------------------------------------
+
+    def tenant(self, request: Request) -> Tenant:
+        """The caller's tenant from ``Authorization: Bearer <key>`` (or ``X-API-Key``); 401 without a valid key
+        when tenants are configured."""
+        if not self.tenants:
+            return Tenant(None, self.cfg.limits.allow_prompt_embeds)
+        auth = request.headers.get("authorization", "")
+        key = auth[7:].strip() if auth.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
+        digest = hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest() if key else ""
+        for known, (name, embeds) in self.tenants.items():
+            if digest and hmac.compare_digest(known, digest):
+                return Tenant(name, embeds)
+        raise HTTPProblem(401, "a valid API key is required (Authorization: Bearer <key>)")
+
+    def check_model(self, model: str | None) -> None:
+        """A request naming a model this app does not serve is a 404, as the OpenAI API and vLLM answer it.
+        Served: the actor's id (``GET /v1/models``) and its configured name (``actor.model``)."""
+        served = {self.actor_info["model"], self.cfg.actor.model}
+        if model is not None and model not in served:
+            raise HTTPProblem(404, f"model: {model!r} is not served here; the served model is "
+                                   f"{self.actor_info['model']!r}")
+
+    def enqueue(self, session_id: str) -> None:
+        """The session's summaries and key embeddings, written in the background."""
+        if self.enrichment is not None:
+            self.enrichment.enqueue(session_id)
+
+    async def primed(self, session_id: str, appended: list) -> None:
+        """After an append: the next turn's query embeddings and the new steps' keys, before the caller returns
+        (``turns.prime_on_append``), then the rest of the enrichment in the background."""
+        if self.cfg.turns.prime_on_append and self.enrichment is not None:
+            await self.enrichment.prime_after_append(session_id, appended, self.cfg.turns.prime_timeout_s)
+        self.enqueue(session_id)
+
+    def arm_of(self, session) -> str:
+        arm = session.meta.get("arm")
+        return arm if arm in self.router.names else self.router.assign(session.id)
+
+    def gone(self) -> None:
+        """A streaming client went away before its turn ended."""
+        self.metrics.errors.labels(arm="-", kind="ClientDisconnected").inc()
+
+    # -- the turn -------------------------------------------------------------------------------
+
+    async def turn(self, sid: str, body: TurnIn, tool_choice: Any = None, parallel_tool_calls: bool | None = None,
+                   emit=None, noted: dict | None = None, started=None) -> TurnOut:
+        """The session's turn on its arm (``TurnService``); a replica that failed is a 503 to retry."""
+        session = await asyncio.to_thread(self.runtime.ledger.session, sid)
+        try:
+            return await self.turns.serve(session, self.arm_of(session), body, tool_choice, parallel_tool_calls, emit,
+                                          noted, started)
+        except Exception as e:
+            if _retriable_error(e):
+                raise HTTPProblem(503, f"a model replica is unavailable ({type(e).__name__}); retry shortly") from None
+            raise
+
+    async def check_turn(self, sid: str, body: TurnIn) -> None:
+        """The checks of a turn's size that need no compile (a streamed turn runs them before its 200)."""
+        session = await asyncio.to_thread(self.runtime.ledger.session, sid)
+        self.turns.size(self.cfg.arm(self.arm_of(session)), body.budget, body.max_tokens)
