@@ -83,13 +83,23 @@ def shadow_rate() -> float:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_dir, tiny_memory, tmp_path_factory, shadow_rate):
+def serve_overrides() -> dict:
+    """Sections of the serve config the module's app sets otherwise (merged into each section; a module
+    overrides it)."""
+    return {}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir, tiny_memory, tmp_path_factory, shadow_rate, serve_overrides):
     """One app per test module: it is shut down (Serve and Ray) before the next module, so later tiers (Ray
     Train needs every CPU of this machine) never run beside it."""
     from palimpsest.serving.local import LocalServer
 
     ledger = tmp_path_factory.mktemp("serve") / "ledger.db"
-    srv = LocalServer(tiny_config(tiny_dir, tiny_memory, ledger, shadow_rate), port=free_port())
+    cfg = tiny_config(tiny_dir, tiny_memory, ledger, shadow_rate)
+    for section, values in serve_overrides.items():
+        cfg[section] = {**cfg.get(section, {}), **values}
+    srv = LocalServer(cfg, port=free_port())
     srv.start(timeout_s=600)
     yield srv
     srv.stop()

@@ -23,11 +23,11 @@ from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
 from palimpsest.platform.chat import chat_ids, raw_history_messages
-from palimpsest.platform.types import Session
+from palimpsest.platform.types import Session, UnknownSessionError
 from palimpsest.serving import anthropic_protocol, openai_proxy, sessions
 from palimpsest.serving.openai_protocol import parse_messages, plain
 from palimpsest.serving.errors import anthropic_error
-from palimpsest.serving.http import SESSION_HEADER, HTTPProblem, stream_turn
+from palimpsest.serving.http import ARM_HEADER, SESSION_HEADER, HTTPProblem, stream_turn
 from palimpsest.serving.schemas import ChatIn, TurnIn
 
 
@@ -262,7 +262,12 @@ async def count_tokens(replica, request: Request) -> dict:
     served = await asyncio.to_thread(chat_ids, tok, raw_history_messages(session, parsed.steps))
     bare = await asyncio.to_thread(chat_ids, tok, msgs)
     ext = request.headers.get(SESSION_HEADER) or req.user_id or anthropic_protocol.history_session(req.chat["messages"])
-    arm = replica.cfg.arm(replica.router.assign(tenant.internal(ext)))
+    sid = tenant.internal(ext)
+    try:  # the session's own arm when it exists, else the one its first request would be given
+        arm = replica.arm_of(await asyncio.to_thread(replica.runtime.ledger.session, sid))
+    except UnknownSessionError:
+        arm = replica.router.choose(sid, request.headers.get(ARM_HEADER))
+    arm = replica.cfg.arm(arm)
     return {"input_tokens": len(served.all),
             "palimpsest": {"history_tokens": len(served.all), "messages_tokens": len(bare.all),
                            "budget": arm.budget or replica.cfg.budget}}

@@ -227,6 +227,8 @@ async def stream_turn(run, writer, on_gone=None, ping_s: float | None = None):
             try:
                 item = await (asyncio.wait_for(queue.get(), ping_s) if ping_s else queue.get())
             except asyncio.TimeoutError:
+                if not queue.empty():  # an event arrived as the wait ended: it goes first (the opening before a ping)
+                    continue
                 for ping in writer.ping():
                     yield ping
                 continue
