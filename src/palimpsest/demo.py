@@ -29,7 +29,19 @@ from pathlib import Path
 from rich.console import Console
 from rich.markdown import Markdown
 
+from palimpsest.models.assets import minilm_dir, smollm2_dir, smollm2_tokenizer_dir
+from palimpsest.models.registry import load_memory, memory_meta, resolve_memory_ref
+from palimpsest.pipelines.ab import ab_summary, log_ab, summary_markdown
+from palimpsest.pipelines.live_ab import drive
+from palimpsest.pipelines.trajectories import read_trajectories
+from palimpsest.platform import Ledger
+from palimpsest.platform.chat import chat_ids
+from palimpsest.platform.tokens import get_tokenizer
 from palimpsest.platform.types import PalimpsestError
+from palimpsest.serving.config import ArmConfig, load_serve_config, parse_serve_config
+from palimpsest.serving.local import LocalServer
+from palimpsest.training.config import load_train_config
+from palimpsest.training.launcher import launch
 
 DEMO_SERVE = Path("configs/serve/demo.yaml")
 DEMO_TRAIN = Path("configs/train/remory_demo.yaml")
@@ -77,9 +89,6 @@ class Progress:
 
 def ensure_memory(out: Console, train_config: Path, data: Path) -> str | None:
     """The registered memory model for SmolLM2, training the demo one first when there is none."""
-    from palimpsest.models.assets import smollm2_dir
-    from palimpsest.models.registry import load_memory
-    from palimpsest.models.registry import resolve_memory_ref
 
     ref = resolve_memory_ref("auto")
     if ref is not None:
@@ -89,8 +98,6 @@ def ensure_memory(out: Console, train_config: Path, data: Path) -> str | None:
         if load_memory(ref).cfg.d_actor == hidden:
             out.print(f"memory model: {ref} (registered)")
             return ref
-    from palimpsest.training.config import load_train_config
-    from palimpsest.training.launcher import launch
 
     cfg = load_train_config(train_config)
     cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"file": str(data)})})
@@ -105,7 +112,6 @@ def ensure_memory(out: Console, train_config: Path, data: Path) -> str | None:
 
 def memory_fits(ref: str | None, budget: int) -> tuple[bool, str]:
     """Whether the registered memory was trained on prompts at this budget (it learned what they leave out)."""
-    from palimpsest.models.registry import memory_meta
 
     if ref is None:
         return False, "no memory model"
@@ -152,10 +158,6 @@ def busy_markdown(busy: dict, timings: dict) -> str:
 def fitting(data: Path, limit: int | None, budget: int, reply: int) -> tuple[list, list[str]]:
     """The first ``limit`` trajectories whose prompt prefix (system prompt, task, tools under the actor's template)
     leaves room for history in the budget; the others are named with why (the server would refuse their turns)."""
-    from palimpsest.models.assets import smollm2_tokenizer_dir
-    from palimpsest.pipelines.trajectories import read_trajectories
-    from palimpsest.platform.chat import chat_ids
-    from palimpsest.platform.tokens import get_tokenizer
 
     tok = get_tokenizer(str(smollm2_tokenizer_dir()), None)
     keep, left = [], []
@@ -176,7 +178,6 @@ def fitting(data: Path, limit: int | None, budget: int, reply: int) -> tuple[lis
 def demo_config(serve_config: Path, control: bool, full: bool, budget: int | None = None, window: int | None = None):
     """The serve config of the run: the demo's arms, or the positive control's; LLM summaries with ``--full``;
     another budget or actor window (the reference's reach) when given."""
-    from palimpsest.serving.config import ArmConfig, load_serve_config, parse_serve_config
 
     cfg = load_serve_config(serve_config)
     if budget or window:  # validated together (a budget past the window is refused here)
@@ -198,12 +199,6 @@ def run_main_demo(out: Console, data: Path, serve_config: Path = DEMO_SERVE, tra
                   first: int = 4, budget: int | None = None, window: int | None = None) -> dict:
     import httpx
 
-    from palimpsest.models.assets import minilm_dir, smollm2_dir, smollm2_tokenizer_dir
-    from palimpsest.pipelines.ab import ab_summary, log_ab, summary_markdown
-    from palimpsest.pipelines.live_ab import drive
-    from palimpsest.platform import Ledger
-    from palimpsest.serving.config import ArmConfig
-    from palimpsest.serving.local import LocalServer
 
     if not data.is_file():
         raise PalimpsestError(f"no trajectories at {data}; pass --data FILE")

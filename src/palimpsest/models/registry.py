@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from palimpsest.models.assets import smollm2_dir
 from palimpsest.platform.types import ConfigError, PalimpsestError
 
 if TYPE_CHECKING:
@@ -80,7 +81,6 @@ def mlflow_experiment(name: str) -> tuple[Any, str]:
 def resolve_actor_path(model: str) -> Path:
     """``smollm2`` -> the cached SmolLM2 folder (prepared offline); anything else is a local HF model folder."""
     if model == "smollm2":
-        from palimpsest.models.assets import smollm2_dir
 
         return smollm2_dir()
     path = Path(model).expanduser().resolve()

@@ -30,6 +30,7 @@ import math
 import random
 from typing import Any
 
+from palimpsest.models.registry import mlflow_experiment, tracking_uri
 from palimpsest.platform.types import PalimpsestError
 from palimpsest.serving.shadow import reference_kind
 
@@ -376,7 +377,6 @@ def summary_markdown(s: dict) -> str:
 
 def log_ab(summary: dict, experiment: str, params: dict[str, Any], markdown: str) -> tuple[str, str]:
     """One MLflow run for the comparison; returns (run id, tracking URI)."""
-    from palimpsest.models.registry import mlflow_experiment, tracking_uri
 
     mlflow, exp = mlflow_experiment(experiment)
     with mlflow.start_run(experiment_id=exp, run_name="ab-" + "-vs-".join(summary["arms"])) as run:

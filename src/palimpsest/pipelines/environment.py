@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from palimpsest.models.assets import smollm2_tokenizer_dir
 from palimpsest.platform import HashingEmbedder, Ledger, Runtime
 from palimpsest.platform.embedding import Embedder
 from palimpsest.platform.types import PalimpsestError
@@ -28,7 +29,6 @@ def make_embedder(name: str) -> Embedder:
 def tokenizer_spec(name: str) -> str:
     """``smollm2`` (the actor's tokenizer, extracted offline), ``approx``, or a tokenizer.json path."""
     if name == "smollm2":
-        from palimpsest.models.assets import smollm2_tokenizer_dir
 
         return str(smollm2_tokenizer_dir())
     if name == "approx":

@@ -15,7 +15,7 @@ The value is drawn at random (seeded), so only the history can tell it: the acto
 copy it, a prompt that hid step 0 cannot, unless the memory carries it. Every other boundary of the session is
 an ordinary continuation of real steps.
 
-Fillers come only from the trajectories of the training split (``remory_data.split_of`` at the run's
+Fillers come only from the trajectories of the training split (``trajectories.split_of`` at the run's
 ``val_fraction``), so no text of a validation trajectory reaches a training row. Each session is split by its
 own id, like any trajectory.
 """
@@ -26,7 +26,7 @@ import random
 import string
 from typing import Any
 
-from palimpsest.pipelines.trajectories import Trajectory
+from palimpsest.pipelines.trajectories import Trajectory, split_of
 
 SYSTEM = ("You are an agent working in a Linux shell and with tools. Each turn, think briefly, then take exactly "
           "one action: a bash command, code, or a tool call. Use the values earlier steps showed you exactly as shown.")
@@ -114,7 +114,6 @@ def recall_session(i: int, sources: list[Trajectory], rng: random.Random, min_fi
 def recall_sessions(trajectories: list[Trajectory], n: int, val_fraction: float, seed: int = 0,
                     max_observation_chars: int = 1200, max_fill: int = 10) -> list[Trajectory]:
     """``n`` sessions whose fillers come from the training split of ``trajectories`` only."""
-    from palimpsest.pipelines.remory_data import split_of
 
     if n <= 0:
         return []

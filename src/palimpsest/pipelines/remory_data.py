@@ -24,16 +24,19 @@ split is by trajectory (a hash of its id), so no result is ever reported on a tr
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from palimpsest.pipelines.trajectories import Trajectory, file_sha256, read_trajectories
-from palimpsest.platform.chat import MEMORY_READ_VERSION
-from palimpsest.platform.types import PalimpsestError
+from palimpsest.pipelines.environment import open_runtime
+from palimpsest.pipelines.recall_sessions import recall_sessions
+from palimpsest.pipelines.replay import Skipped, prepare_sessions, teacher_boundaries, walk_turns
+from palimpsest.pipelines.trajectories import Trajectory, file_sha256, read_trajectories, split_of
+from palimpsest.platform.budget import Budget
+from palimpsest.platform.chat import MEMORY_READ_VERSION, memory_read
+from palimpsest.platform.types import BudgetError, PalimpsestError
 
 REPEAT_INSTRUCTION = "Repeat the text above exactly."
 
@@ -79,11 +82,6 @@ class DataConfig:
                              f"{MEMORY_READ_VERSION} only (platform.chat.MEMORY_READ_VERSION)")
 
 
-def split_of(trajectory_id: str, val_fraction: float) -> str:
-    h = int(hashlib.sha256(trajectory_id.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
-    return "val" if h < val_fraction else "train"
-
-
 def policy_record(policy) -> dict[str, Any]:
     """The resolved policy config the samples are compiled with: its content and its hash (the bundle and
     MLflow keep both; serving compares an arm's hash with its memory's)."""
@@ -92,10 +90,6 @@ def policy_record(policy) -> dict[str, Any]:
 
 def stage2_samples(rt, sess, policy, cfg: DataConfig) -> Iterator[dict[str, Any]]:
     """Stage II rows of one imported session (``pipelines.replay.prepare_sessions``), compiled as served."""
-    from palimpsest.pipelines.replay import teacher_boundaries, walk_turns
-    from palimpsest.platform.budget import Budget
-    from palimpsest.platform.chat import memory_read
-    from palimpsest.platform.types import BudgetError
 
     limit = Budget(cfg.budget, cfg.max_target_tokens, cfg.soft_slots)  # what the served memory arm reserves
     teachers = {t: (ids, target) for t, ids, target in
@@ -193,7 +187,6 @@ def stage2_recall(trajectories: list[Trajectory], cfg: DataConfig) -> list[Traje
     """The programmatic recall sessions Stage II reads beside ``trajectories`` (``data.recall_sessions``, their
     fillers from the training split only): the same sessions for the same file and config, so an evaluation
     of the rows can import them again."""
-    from palimpsest.pipelines.recall_sessions import recall_sessions
 
     return recall_sessions(trajectories, cfg.recall_sessions, cfg.val_fraction, cfg.seed,
                            max_observation_chars=cfg.max_observation_chars, max_fill=cfg.recall_steps)
@@ -208,8 +201,6 @@ def build_datasets(data: Path, tokenizer: str, out: Path, cfg: DataConfig, polic
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from palimpsest.pipelines.environment import open_runtime
-    from palimpsest.pipelines.replay import Skipped, prepare_sessions
 
     read = read_trajectories(data)
     recall = stage2_recall(read.trajectories, cfg)

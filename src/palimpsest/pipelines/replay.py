@@ -16,8 +16,8 @@ import json
 import math
 import re
 import time
-from functools import lru_cache
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
@@ -31,14 +31,24 @@ from palimpsest.pipelines.trajectories import (
     read_trajectories,
     to_record,
 )
+from palimpsest.platform.abstraction import extract_salient
 from palimpsest.platform.budget import Budget
+from palimpsest.platform.chat import chat_ids, prefix_messages
 from palimpsest.platform.embedding import Embedder
 from palimpsest.platform.epochs import CACHE_BLOCK, Boundary, compaction_of, turn_cost
 from palimpsest.platform.ledger import SessionSnapshot
-from palimpsest.platform.policies import PolicyConfigBase
-from palimpsest.platform.render import own_words
+from palimpsest.platform.policies import PolicyConfigBase, parse_policy_config
+from palimpsest.platform.render import own_words, step_messages
 from palimpsest.platform.runtime import Runtime
-from palimpsest.platform.types import Authority, BudgetError, Fold, LedgerError, PalimpsestError, Resolution, StepRecord
+from palimpsest.platform.types import (
+    Authority,
+    BudgetError,
+    Fold,
+    LedgerError,
+    PalimpsestError,
+    Resolution,
+    StepRecord,
+)
 
 UNBOUNDED = 1 << 40  # the `full` policy is the unbudgeted reference: ReAct shows everything
 DISTANCES = (("1-4", 1, 4), ("5-19", 5, 19), ("20+", 20, math.inf))
@@ -153,7 +163,6 @@ def action_targets(snap: SessionSnapshot) -> list[tuple[str, ...]]:
     """Per step t, the identifiers (ids, paths, URLs, numbers) of step t's recorded action that an earlier
     observation showed: what the agent went on to use from its history. A label-free check of a context,
     computed from the raw trajectory alone (no need annotations), so parameters may be fit on it."""
-    from palimpsest.platform.abstraction import extract_salient
 
     out: list[tuple[str, ...]] = []
     seen_text: list[str] = []
@@ -210,7 +219,6 @@ def teacher_boundaries(rt: Runtime, sess: ReplaySession, budget: int, window: in
     ``max_target_tokens`` + ``room`` (soft positions) does not fit ``budget``. A session whose fixed prefix
     leaves the budget less than ``MIN_HISTORY_ROOM`` tokens of history has none. ``eval-actions`` scores
     the actor there and the REMORY data builder trains there."""
-    from palimpsest.platform.policies import parse_policy_config
 
     snap = rt.snapshot(sess.session_id)
     if snap.prefix_tokens + max_target_tokens + room + MIN_HISTORY_ROOM > budget:
@@ -312,8 +320,6 @@ def _full_sizes(rt: Runtime, snap: SessionSnapshot) -> np.ndarray:
     """(M + 1,) the exact size of the whole history's prompt before each step t (what `full` would send),
     from each step's messages measured under the chat template once (messages are delimited by the
     template's special tokens, so their sizes add up)."""
-    from palimpsest.platform.chat import chat_ids, prefix_messages
-    from palimpsest.platform.render import step_messages
 
     tok = rt.ledger.tokenizer
     prefix = prefix_messages(snap.session)
@@ -343,7 +349,6 @@ def _empty_row(needs: Iterable[Need]) -> dict:
 
 
 def _prefix_text(snap: SessionSnapshot) -> str:
-    from palimpsest.platform.chat import prefix_messages
 
     return "\n".join(m["content"] for m in prefix_messages(snap.session))
 

@@ -177,3 +177,8 @@ def import_file(ledger: Ledger, path: str | Path, on_trajectory=None) -> ImportR
             on_trajectory(traj)
     return report
 
+
+def split_of(trajectory_id: str, val_fraction: float) -> str:
+    """A trajectory's split (``val`` or ``train``), fixed by a hash of its id: the same on every run and machine."""
+    h = int(hashlib.sha256(trajectory_id.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+    return "val" if h < val_fraction else "train"

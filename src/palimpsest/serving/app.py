@@ -18,12 +18,21 @@ from typing import Any
 
 from ray.serve import Application
 
+from palimpsest.models.registry import resolve_actor_path
+from palimpsest.pipelines.tracking import check, configure
+from palimpsest.platform.stores import open_store
 from palimpsest.serving.config import ServeConfig, parse_serve_config
+from palimpsest.serving.deployments import (
+    Actor,
+    Embedder,
+    MemoryEncoder,
+    RemoteActor,
+    Summarizer,
+    deployment_env,
+)
 
 
 def build_app(config: ServeConfig | dict | None = None) -> Application:
-    from palimpsest.serving.deployments import Actor, Embedder, MemoryEncoder, RemoteActor, Summarizer, deployment_env
-    from palimpsest.models.registry import resolve_actor_path
     from palimpsest.serving.ingress import Ingress
 
     cfg = parse_serve_config(config)
@@ -52,8 +61,6 @@ def build_app(config: ServeConfig | dict | None = None) -> Application:
 def preflight(cfg: ServeConfig) -> None:
     """What the app depends on outside Ray, checked before anything starts: the ledger's database and
     the MLflow tracking server (when one is configured). Each failure names what it could not reach."""
-    from palimpsest.pipelines.tracking import check, configure
-    from palimpsest.platform.stores import open_store
 
     configure(cfg.tracking.uri, cfg.tracking.artifact_location)  # exported: every replica inherits it
     check()

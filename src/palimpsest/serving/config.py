@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from palimpsest.platform.budget import Budget
 from palimpsest.platform.config import problems, read_yaml
-from palimpsest.platform.policies import parse_policy_config
+from palimpsest.platform.policies import load_policy_file, parse_policy_config
 from palimpsest.platform.types import BudgetError, ConfigError
 
 _ARM = re.compile(r"^[A-Za-z0-9][\w.+-]{0,63}$")
@@ -122,7 +122,6 @@ class ArmConfig(_Strict):
 
     def policy_config(self):
         if isinstance(self.policy, str) and (self.policy.endswith((".yaml", ".yml")) or "/" in self.policy):
-            from palimpsest.platform.policies import load_policy_file
 
             return load_policy_file(self.policy)
         return parse_policy_config(self.policy)

@@ -17,9 +17,17 @@ from typing import Any
 
 from ray import serve
 
-from palimpsest.platform.abstraction import Summaries
-from palimpsest.platform.types import StepRecord
+from palimpsest.models.registry import memory_meta, resolve_memory_ref
+from palimpsest.platform.abstraction import Abstraction, RuleSummarizer, Summaries
+from palimpsest.platform.chat import chat_ids
+from palimpsest.platform.embedding import HashingEmbedder
+from palimpsest.platform.tokens import get_tokenizer
+from palimpsest.platform.types import ConfigError, StepRecord
 from palimpsest.serving.config import ActorConfig, SummarizerConfig
+from palimpsest.serving.remote import RemoteEngine
+from palimpsest.serving.shadow import fidelity
+from palimpsest.serving.summarizer import LLMSummarizer
+from palimpsest.serving.tools import ToolCalling
 
 
 def _replica_rank() -> int:
@@ -34,7 +42,6 @@ class Actor:
     """vLLM with prompt embeds; ``generate`` takes token ids, or context ids + a soft span + bridge ids."""
 
     def __init__(self, cfg: dict):
-        from palimpsest.platform.tokens import get_tokenizer
         from palimpsest.serving.engine import ActorEngine
 
         self.cfg = ActorConfig.model_validate(cfg)
@@ -44,7 +51,6 @@ class Actor:
         self.tokenizer = get_tokenizer(str(self.engine.path), self.template)
         self.tools = None
         if self.cfg.tool_parser:
-            from palimpsest.serving.tools import ToolCalling
 
             self.tools = ToolCalling(self.cfg.tool_parser, str(self.engine.path), self.engine.model_name)
 
@@ -108,7 +114,6 @@ class Actor:
 
     async def chat(self, messages: list[dict], max_tokens: int = 96, kind: str = "summary") -> str:
         """A helper generation (a step's summary, the ``ace`` LLM elasticizer), accounted under ``kind``."""
-        from palimpsest.platform.chat import chat_ids
 
         ids = chat_ids(self.tokenizer, messages).all[-(self.cfg.max_model_len - max_tokens - 1):]
         return (await self.engine.generate(ids=ids, max_tokens=max_tokens, kind=kind))["text"]
@@ -145,10 +150,9 @@ class RemoteActor:
     Deployed under the same name, so the ingress, the summarizer and the metrics do not change."""
 
     def __init__(self, cfg: dict):
-        from palimpsest.platform.tokens import get_tokenizer
-        from palimpsest.serving.engine import load_embedding_table
-        from palimpsest.serving.remote import RemoteEngine
         from pathlib import Path
+
+        from palimpsest.serving.engine import load_embedding_table
 
         self.cfg = ActorConfig.model_validate(cfg)
         path = Path(self.cfg.model)
@@ -231,7 +235,6 @@ class Embedder:
 
             self.model = MiniLMEmbedder(device=device)
         else:
-            from palimpsest.platform.embedding import HashingEmbedder
 
             self.model = HashingEmbedder()
         self._lock = asyncio.Lock()
@@ -249,8 +252,6 @@ class Summarizer:
     """Detailed, brief and structured summaries by the actor model (the rule writer as the floor)."""
 
     def __init__(self, cfg: dict, actor, model_name: str = "actor"):
-        from palimpsest.platform.abstraction import RuleSummarizer
-        from palimpsest.serving.summarizer import LLMSummarizer
 
         self.cfg = SummarizerConfig.model_validate(cfg)
         self.actor = actor
@@ -276,7 +277,6 @@ class Summarizer:
 
 
 def summaries_from_wire(d: dict) -> Summaries:
-    from palimpsest.platform.abstraction import Abstraction
 
     return Summaries(Abstraction.from_json(d["abstraction"]), d["detailed"], d["brief"])
 
@@ -291,13 +291,11 @@ class MemoryEncoder:
 
     def __init__(self, actor_path: str, models: dict[str, str | None], device: str = "cpu",
                  max_history_tokens: int = 1024, cache_size: int = 4096):
-        from palimpsest.platform.types import ConfigError
 
         self.models: dict[str, dict] = {}
         encoders: dict[str, Any] = {}
         actor = None
         for key, wanted in models.items():
-            from palimpsest.models.registry import resolve_memory_ref
 
             ref = resolve_memory_ref(wanted)
             entry = {"enabled": False, "model": ref, "note": "no memory model" if ref is None else "", "max_slots": 0}
@@ -315,7 +313,6 @@ class MemoryEncoder:
                     encoders[ref] = None
                     entry["note"] = f"memory off: {e}"
             if ref is not None and encoders.get(ref) is not None:
-                from palimpsest.models.registry import memory_meta
 
                 meta = memory_meta(ref)
                 data = meta.get("data") or {}
@@ -382,7 +379,6 @@ class MemoryEncoder:
         flight); None: the replica's own."""
         import torch
 
-        from palimpsest.serving.shadow import fidelity
 
         span = (await self.encode(key, session_id, history, summary))["soft"] if key is not None else None
         actor = self._scorer()

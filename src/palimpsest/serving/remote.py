@@ -24,6 +24,7 @@ import os
 import time
 from typing import Any, AsyncIterator
 
+from palimpsest.platform.tokens import for_template
 from palimpsest.platform.types import ConfigError, PalimpsestError
 from palimpsest.serving.tools import call_id
 
@@ -137,7 +138,6 @@ class RemoteEngine:
         return out
 
     def _chat_body(self, request: dict, stream: bool) -> dict:
-        from palimpsest.platform.tokens import for_template
 
         messages = [dict(m) for m in request["messages"]]
         tools = messages[0].pop("tools", None) if messages else None

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
 from palimpsest.platform.budget import Budget
-from palimpsest.platform.chat import glimpse_call, memory_read, with_glimpse
+from palimpsest.platform.chat import declared_tools, glimpse_call, memory_read, with_glimpse
 from palimpsest.platform.embedding import EmbedderUnavailable
 from palimpsest.platform.runtime import Runtime
 from palimpsest.platform.types import (
@@ -30,6 +30,7 @@ from palimpsest.platform.types import (
     UnknownSessionError,
     UnknownStepError,
 )
+from palimpsest.serving.schemas import TurnOut
 
 
 class Generate(Protocol):
@@ -289,8 +290,6 @@ class TurnService:
             self.inflight -= 1
 
     async def _serve(self, session, arm: str, body, tool_choice, parallel_tool_calls, emit, noted: dict, started=None):
-        from palimpsest.platform.chat import declared_tools
-        from palimpsest.serving.schemas import TurnOut
 
         sid = session.id
         budget, mem = self.size(self.cfg.arm(arm), body.budget, body.max_tokens)

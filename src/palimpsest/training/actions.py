@@ -32,9 +32,13 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from palimpsest.pipelines.replay import teacher_boundaries, walk_turns
 from palimpsest.platform.budget import Budget
+from palimpsest.platform.chat import memory_read
 from palimpsest.platform.types import BudgetError, PalimpsestError
+from palimpsest.training.losses import student_logits
 from palimpsest.training.teachers import TOP_K, Teacher, TeacherCache, compute_teacher, score, teacher_of
+
 
 @dataclass
 class MemoryArm:
@@ -93,9 +97,6 @@ def evaluate_actions(rt, sessions, arms: list[Arm], budget: int, actor, *, data_
     """Score every arm at the sampled boundaries of ``sessions`` (replay sessions already imported into
     ``rt``'s ledger). ``allowed(trajectory)`` filters trajectories (held-out ones only, for a memory);
     ``only`` keeps just these (trajectory, t) boundaries (the learnability ladder's chosen ones)."""
-    from palimpsest.pipelines.replay import teacher_boundaries, walk_turns
-    from palimpsest.platform.chat import memory_read
-    from palimpsest.training.losses import student_logits
 
     tok = rt.ledger.tokenizer
     cache = cache or TeacherCache(None)

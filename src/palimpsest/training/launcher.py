@@ -25,7 +25,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from palimpsest.models.registry import mlflow_experiment, register_bundle, tracking_errors, write_bundle
+from palimpsest.models.registry import (
+    mlflow_experiment,
+    register_bundle,
+    resolve_actor_path,
+    tracking_errors,
+    tracking_uri,
+    write_bundle,
+)
+from palimpsest.pipelines.remory_data import DataConfig, build_datasets
+from palimpsest.pipelines.tracking import check, configure
+from palimpsest.platform.policies import load_policy_file
 from palimpsest.platform.types import ConfigError, PalimpsestError
 from palimpsest.training.config import TrainConfig
 
@@ -42,14 +52,12 @@ class PreparedRun:
 
 
 def resolve_actor(cfg: TrainConfig) -> Path:
-    from palimpsest.models.registry import resolve_actor_path
 
     return resolve_actor_path(cfg.actor.path)
 
 
 def data_config(cfg: TrainConfig):
     """The data builder's config of a training config (``pipelines.remory_data.DataConfig``)."""
-    from palimpsest.pipelines.remory_data import DataConfig
 
     d, m = cfg.data, cfg.memory
     slots = min(math.ceil(d.memory_tokens / m.block_size) * m.queries, m.max_slots)  # MemoryNetwork.slots_for
@@ -64,8 +72,6 @@ def prepare(cfg: TrainConfig) -> PreparedRun:
     """Everything that can fail on bad input, on the driver: actor path, data, sizes."""
     from transformers import AutoConfig
 
-    from palimpsest.pipelines.remory_data import build_datasets
-    from palimpsest.platform.policies import load_policy_file
 
     actor = resolve_actor(cfg)
     hidden = AutoConfig.from_pretrained(str(actor)).hidden_size
@@ -169,7 +175,14 @@ def train_loop(loop_config: dict) -> None:
     import torch.distributed as dist
 
     from palimpsest.models.actor import FrozenActor
-    from palimpsest.training.step import DDPBackend, DeepSpeedBackend, PrefixCache, Step, lr_at, sample_tensors
+    from palimpsest.training.step import (
+        DDPBackend,
+        DeepSpeedBackend,
+        PrefixCache,
+        Step,
+        lr_at,
+        sample_tensors,
+    )
 
     cfg = TrainConfig.model_validate(loop_config["train"])
     ctx = ray.train.get_context()
@@ -348,8 +361,6 @@ def launch(cfg: TrainConfig, fault: dict | None = None, track: bool = True) -> d
     timings = {"prepare_s": round(time.perf_counter() - t_prep, 1)}  # data rows (the serving code) + teachers
     mlflow_spec, run_id = None, None
     if track:
-        from palimpsest.models.registry import tracking_uri
-        from palimpsest.pipelines.tracking import check, configure
 
         configure(cfg.tracking.uri, cfg.tracking.artifact_location)
         check()

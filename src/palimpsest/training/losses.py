@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from palimpsest.models.actor import FrozenActor
 from palimpsest.models.memory import MemoryNetwork
+from palimpsest.training.teachers import coarse_kl
 
 
 class StageISample(TypedDict):
@@ -126,7 +127,6 @@ def stage2_loss(memnet: MemoryNetwork, actor: FrozenActor, sample: StageIISample
     q = stage2_student(memnet, actor, sample, min_passes, prefix)
     w = position_weights(sample["target"].shape[0], decay, q.device)
     if teacher is not None:
-        from palimpsest.training.teachers import coarse_kl
 
         return (w * coarse_kl(q, teacher)).sum()
     return reverse_kl(q, teacher_logits(actor, sample), w)

@@ -15,6 +15,7 @@ import numpy as np
 from pydantic import Field
 
 from palimpsest.platform.abstraction import RuleSummarizer
+from palimpsest.platform.chat import fold_message
 from palimpsest.platform.policies.base import PolicyConfigBase, PolicyDeps, Reasons, new_plan, recency
 from palimpsest.platform.render import gist
 from palimpsest.platform.types import Fold, RenderPlan, Resolution
@@ -76,7 +77,6 @@ class RollingSummaryPolicy:
         omitted += n_all - len(kept)
         lines = ([f"({omitted} earlier steps omitted)"] if omitted else []) + kept[::-1]
         text = "\n".join(lines)
-        from palimpsest.platform.chat import fold_message  # the prompt's own rendering of the summary block
 
         size = self.deps.tokenizer.count(fold_message(Fold(stop, text, 0, self.producer))["content"])
         return Fold(upto=stop, text=text, tokens=size, producer=self.producer)

@@ -1,0 +1,5 @@
+"""`python -m palimpsest.cli`."""
+
+from palimpsest.cli import main
+
+main()

@@ -1,0 +1,267 @@
+"""The memory network: training, the evaluations of actions and memory, the offline assets."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from palimpsest.cli.common import (
+    DeviceOpt,
+    EmbedderOpt,
+    EvalMlflowOpt,
+    IncludeTrainOpt,
+    MaxTargetOpt,
+    ReplayLedgerOpt,
+    SeedOpt,
+    TeacherCacheOpt,
+    TokenizerOpt,
+    WindowOpt,
+    _json_stdout,
+    err,
+    out,
+)
+from palimpsest.cli.replay_commands import _policy_set
+from palimpsest.models.assets import smollm2_dir, smollm2_tokenizer_dir
+from palimpsest.models.registry import load_memory, memory_meta, resolve_actor_path, resolve_memory_ref
+from palimpsest.pipelines.environment import open_runtime
+from palimpsest.pipelines.replay import (
+    TimedEmbedder,
+    prepare_sessions,
+)
+from palimpsest.pipelines.tracking import log_actions
+from palimpsest.pipelines.trajectories import file_sha256, read_trajectories
+from palimpsest.platform.budget import Budget
+from palimpsest.platform.policies import (
+    parse_policy_config,
+)
+from palimpsest.platform.types import PalimpsestError
+from palimpsest.serving.config import ActorConfig, MemoryConfigServe
+from palimpsest.training.config import load_train_config
+from palimpsest.training.launcher import launch
+
+
+def train(config: Path = typer.Option(..., "--config", help="configs/train/<name>.yaml"),
+          track: bool = typer.Option(True, "--mlflow/--no-mlflow", help="log and register in MLflow")) -> None:
+    """Train the REMORY memory network on Ray Train + DeepSpeed (resumes a run of the same name)."""
+    import json as _json
+
+
+    with _json_stdout(True):  # what Ray, DeepSpeed and the workers print goes to stderr
+        summary = launch(load_train_config(config), track=track)
+    # plain JSON on stdout: a console would wrap long lines (the checkpoint path) inside strings
+    sys.stdout.write(_json.dumps(summary, indent=2, default=str) + "\n")
+
+
+def eval_actions(
+    data: Path = typer.Option(..., "--data", help="trajectories (JSONL, the shared schema)"),
+    policy: str = typer.Option(..., "--policy", help="comma-separated policies or labels; NAME+memory adds the "
+                                                     "soft memory of --memory to NAME (e.g. pace+memory), "
+                                                     "NAME+empty keeps its room but sends no soft span"),
+    budget: int = typer.Option(..., "--budget", help="token budget of every student prompt"),
+    max_boundaries: Optional[int] = typer.Option(None, "--max-boundaries", min=1, help="a deterministic sample of N"),
+    reference: Optional[str] = typer.Option(None, "--reference", help="gap_closed = 1 - KL(policy) / KL(reference) "
+                                                                      "(default: pace when listed, else the first)"),
+    memory: Optional[str] = typer.Option(None, "--memory", help="memory bundle or MLflow URI for NAME+memory "
+                                                                "(default: the latest registered)"),
+    policy_config: Optional[Path] = typer.Option(None, "--policy-config", help="YAML: labels -> configs "
+                                                                              "(configs/replay/reference.yaml has last2)"),
+    include_train: bool = IncludeTrainOpt,
+    max_target_tokens: int = MaxTargetOpt,
+    window: Optional[int] = WindowOpt,
+    seed: int = SeedOpt,
+    cache: Optional[Path] = TeacherCacheOpt,
+    ledger: Optional[Path] = ReplayLedgerOpt,
+    embedder: str = EmbedderOpt,
+    tokenizer: str = TokenizerOpt,
+    mlflow: bool = EvalMlflowOpt,
+    device: str = DeviceOpt,
+    as_json: bool = typer.Option(False, "--json", help="print the result JSON to stdout and nothing else"),
+) -> None:
+    """Action fidelity: KL to the actor given the whole history, NLL of the recorded action, top-1 agreement."""
+    import json as _json
+
+    Budget(budget)
+    _check_device(device)
+    if not data.is_file():
+        raise PalimpsestError(f"trajectory file not found: {data}")
+    names = [n.strip() for n in policy.split(",") if n.strip()]
+    base = {_memory_base(n) for n in names}
+    configs = _policy_set(",".join(sorted(base)), policy_config)
+    with _json_stdout(as_json):
+        out_json, result = _eval_actions_run(
+            data, names, configs, budget, memory, include_train, max_target_tokens, window, seed, cache, ledger,
+            embedder, tokenizer, mlflow, max_boundaries, reference, device)
+    if as_json:
+        sys.stdout.write(_json.dumps(out_json) + "\n")
+        return
+    _actions_table(result)
+
+
+def _actions_table(result) -> None:
+    table = Table("policy", "KL (95% CI)", "NLL", "top-1", "positions", "boundaries", "gap closed")
+    for label, p in result.policies.items():
+        g = result.gap_closed.get(label)
+        table.add_row(label, f"{p['kl']:.4f} ({p['kl_ci'][0]:.4f}-{p['kl_ci'][1]:.4f})", f"{p['nll']:.3f}",
+                      f"{p['top1']:.3f}", f"{p['positions']:.0f}", str(p["boundaries"]), "-" if g is None else f"{g:.3f}")
+    out.print(table)
+    out.print(f"gap closed relative to {result.reference}, on the boundaries each row was scored on")
+    for label, p in result.policies.items():
+        if p.get("in_sample"):
+            out.print(f"{label}: {p['in_sample']} boundaries left out, on trajectories its constants were fitted on")
+
+
+def _memory_base(label: str) -> str:
+    """The text policy of a label: NAME+memory (soft memory at its slot) and NAME+empty (NAME+memory's text,
+    no soft span) are NAME underneath."""
+    for suffix in ("+memory", "+empty"):
+        if label.endswith(suffix):
+            return label[: -len(suffix)]
+    return label
+
+
+def _check_device(device: str) -> None:
+    """``--device``: a torch device this machine has, else a clear error before any model loads."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise PalimpsestError(f"--device {device!r} is not a device (cpu, cuda, cuda:N): {e}") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise PalimpsestError(f"--device {device!r}: this machine has no CUDA device")
+    if dev.type not in ("cpu", "cuda"):
+        raise PalimpsestError(f"--device {device!r}: only cpu and cuda are supported")
+
+
+def _eval_actions_run(data, names, configs, budget, memory, include_train, max_target_tokens, window, seed, cache,
+                      ledger, embedder, tokenizer, mlflow, max_boundaries, reference, device="cpu"):
+    from palimpsest.models.actor import FrozenActor
+    from palimpsest.training.actions import Arm, MemoryArm, TeacherCache, evaluate_actions
+    from palimpsest.training.teachers import actor_key
+
+    serve_mem = MemoryConfigServe()
+    ref, trained_on = None, None
+    mem_tokens, mem_chars = serve_mem.max_history_tokens, serve_mem.max_field_chars
+    if any(n != _memory_base(n) for n in names):
+
+        ref = resolve_memory_ref(memory or "auto")
+        if ref is None:
+            raise PalimpsestError("NAME+memory needs a memory model: --memory, or a registered palimpsest-memory")
+        meta = memory_meta(ref).get("data") or {}
+        if "train_trajectories" in meta:
+            trained_on = set(meta["train_trajectories"])
+        elif not include_train:
+            raise PalimpsestError(f"memory model {ref} records no training split, so its held-out trajectories are "
+                                  "unknown: pass --include-train to score every trajectory")
+        if meta:
+            # Read as the memory was trained to read (serving's memory.* should say the same).
+            mem_tokens = int(meta.get("memory_tokens", mem_tokens))
+            mem_chars = int(meta.get("max_observation_chars", mem_chars))
+    actor_path = str(resolve_actor_path("smollm2" if tokenizer == "smollm2" else tokenizer))
+    act = FrozenActor.from_pretrained(actor_path, device=device)
+    mem_arm = None
+    if ref is not None:
+        from palimpsest.models.encoder import MemoryEncoder
+
+        mem_arm = MemoryArm(MemoryEncoder.load(ref, act), mem_tokens, mem_chars)
+    arms = [Arm(n, configs[_memory_base(n)], mem_arm if n != _memory_base(n) else None, inject=not n.endswith("+empty"))
+            for n in names]
+
+    def allowed(trajectory: str) -> bool:
+        return mem_arm is None or include_train or trajectory not in (trained_on or set())
+
+    read = read_trajectories(data)
+
+    rt = open_runtime(ledger or Path(f".palimpsest/replay-{Path(tokenizer).name}.db"), embedder, tokenizer,
+                      wrap=TimedEmbedder)
+    skipped: list = []
+    sessions = prepare_sessions(rt, read.trajectories, False, file_sha256(data), skipped)
+    teacher_cache = TeacherCache(cache or Path(".palimpsest/teachers.parquet"))
+    ref_label = reference or ("pace" if "pace" in names else names[0])
+    if ref_label not in names:
+        raise PalimpsestError(f"--reference {ref_label!r} is not among --policy {names}")
+    result = evaluate_actions(rt, sessions, arms, budget, act, data_sha=file_sha256(data), actor_key=actor_key(actor_path),
+                              window=window or ActorConfig().max_model_len, max_boundaries=max_boundaries,
+                              max_target_tokens=max_target_tokens, seed=seed, reference=ref_label,
+                              cache=teacher_cache, allowed=allowed,
+                              on_progress=lambda sid: err.print(f"scored {sid}", highlight=False))
+    rt.ledger.close()
+    out_json = result.to_json() | {"budget": budget, "device": str(act.device), "data": {"file": str(data), "sha256": file_sha256(data)},
+                                   "teacher_cache": {"hits": teacher_cache.hits, "misses": teacher_cache.misses},
+                                   "held_out_only": mem_arm is not None and not include_train,
+                                   "skipped": [{"trajectory": s.trajectory, "reason": s.reason} for s in skipped]}
+    if mlflow:
+
+        out_json["mlflow_run_id"] = log_actions(out_json, {k: v.model_dump(mode="json") for k, v in configs.items()})
+    return out_json, result
+
+
+def eval_memory(
+    model: str = typer.Option(..., "--model", help="models:/palimpsest-memory/latest, a runs:/ URI, or a checkpoint dir"),
+    data: Path = typer.Option(..., "--data", help="trajectories (JSONL, the shared schema)"),
+    budget: Optional[int] = typer.Option(None, "--budget", help="token budget of the student prompts (default: the "
+                                                                "budget the memory was trained at)"),
+    policy: Optional[str] = typer.Option(None, "--policy", help="the text policy under the memory (default: the "
+                                                                "one the memory was trained with, else pace)"),
+    max_boundaries: Optional[int] = typer.Option(None, "--max-boundaries", min=1, help="a deterministic sample of N"),
+    include_train: bool = IncludeTrainOpt,
+    max_target_tokens: Optional[int] = typer.Option(None, "--max-target-tokens", min=1,
+                                                    help="default: the memory's data.max_target_tokens"),
+    window: Optional[int] = WindowOpt,
+    seed: int = SeedOpt,
+    cache: Optional[Path] = TeacherCacheOpt,
+    ledger: Optional[Path] = ReplayLedgerOpt,
+    embedder: str = EmbedderOpt,
+    tokenizer: str = TokenizerOpt,
+    mlflow: bool = EvalMlflowOpt,
+    device: str = DeviceOpt,
+    as_json: bool = typer.Option(False, "--json", help="print the result JSON to stdout and nothing else"),
+) -> None:
+    """eval-actions for one memory: POLICY (the memory's positions as text), POLICY+empty (its text alone) and
+    POLICY+memory, on held-out trajectories; gap_closed is relative to POLICY."""
+    import json as _json
+
+    if budget is not None:
+        Budget(budget)
+    _check_device(device)
+    if not data.is_file():
+        raise PalimpsestError(f"trajectory file not found: {data}")
+    with _json_stdout(as_json):
+
+        ref = resolve_memory_ref(model)
+        if ref is None:
+            raise PalimpsestError(f"--model {model!r} names no memory model")
+        load_memory(ref)  # not a memory model: a clear error before anything else
+        meta = memory_meta(ref)
+        trained, data_meta = meta.get("policy"), meta.get("data") or {}
+        # By default, the student prompts are the ones the memory trained on: its budget and reply length.
+        budget = budget if budget is not None else data_meta.get("budget")
+        if not isinstance(budget, int):
+            raise PalimpsestError(f"{model}: the bundle records no training budget; pass --budget")
+        max_target_tokens = max_target_tokens or int(data_meta.get("max_target_tokens", 48))
+        if policy is None and isinstance(trained, dict) and isinstance(trained.get("config"), dict):
+
+            cfg = parse_policy_config(trained["config"])
+            base, configs = cfg.type, {cfg.type: cfg}
+        else:
+            base = policy or "pace"
+            configs = _policy_set(base, None)
+        names = [base, f"{base}+empty", f"{base}+memory"]
+        out_json, result = _eval_actions_run(
+            data, names, configs, budget, model, include_train, max_target_tokens, window, seed, cache, ledger,
+            embedder, tokenizer, mlflow, max_boundaries, base, device)
+    if as_json:
+        sys.stdout.write(_json.dumps(out_json) + "\n")
+        return
+    _actions_table(result)
+
+
+def models_prepare() -> None:
+    """Convert the shipped SmolLM2-135M-Instruct GGUF into a cached HF folder (once; no download)."""
+
+    out.print(f"actor: {smollm2_dir()}")
+    out.print(f"tokenizer: {smollm2_tokenizer_dir()}")

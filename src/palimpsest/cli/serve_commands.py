@@ -1,0 +1,104 @@
+"""The served app: the demo, `palimpsest serve`, and the A/B report."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from palimpsest.cli.common import (
+    _existing,
+    err,
+    out,
+    shared_dev_file,
+)
+from palimpsest.demo import run_main_demo
+from palimpsest.pipelines.ab import ab_summary, log_ab
+from palimpsest.pipelines.ab import summary_markdown as ab_markdown
+from palimpsest.platform import Ledger
+from palimpsest.serving.config import load_serve_config
+from palimpsest.serving.local import LocalServer
+
+
+def demo(
+    data: Optional[Path] = typer.Option(None, help="trajectories (default: ../shared/data/trajectories/dev.jsonl)"),
+    config: Path = typer.Option(Path("configs/serve/demo.yaml"), "--config", help="serve config of the live run"),
+    train_config: Path = typer.Option(Path("configs/train/remory_demo.yaml"), "--train-config",
+                                      help="memory training config used when no memory model is registered"),
+    port: int = typer.Option(8000, min=1, max=65535),
+    every: int = typer.Option(8, min=1, help="a turn every N steps of each trajectory"),
+    first: int = typer.Option(4, min=1, help="the first turn comes after this many steps"),
+    max_turns: int = typer.Option(1, min=1, help="turns per session (each trajectory runs once per arm)"),
+    concurrency: Optional[int] = typer.Option(None, min=1, max=64, help="sessions driven at once (default: all, "
+                                                                       "at most 16)"),
+    limit: Optional[int] = typer.Option(None, min=1, help="only the first N trajectories (default: 3; every one "
+                                                         "with --control or --full)"),
+    control: bool = typer.Option(False, "--control", help="the positive control: `pace` against the weak `last2` "
+                                                         "(the report must show a significant difference)"),
+    full: bool = typer.Option(False, "--full", help="the larger run: every trajectory, two turns per session from "
+                                                   "step 4, LLM summaries of every step appended (BENCHMARKS.md: "
+                                                   "its time)"),
+) -> None:
+    """The main job: models, memory training if needed, the composed app, live A/B traffic, the report."""
+
+    run_main_demo(out, data or shared_dev_file(), config, train_config, port=port, every=every, max_turns=max_turns,
+                  concurrency=concurrency, limit=limit, control=control, full=full, first=first)
+
+
+def serve(
+    config: Optional[Path] = typer.Option(None, "--config", help="a ServeConfig YAML or a `serve run` config (default: embedded)"),
+    host: str = typer.Option("127.0.0.1", "--host"),
+    port: int = typer.Option(8000, "--port", min=1, max=65535),
+) -> None:
+    """Run the composed app locally until SIGTERM or Ctrl-C (then shut it down cleanly)."""
+    import signal
+    import threading
+
+
+    cfg = load_serve_config(config)
+    stop = threading.Event()
+    server = LocalServer(cfg, host=host, port=port).start()
+    # After Ray's start-up: its core worker installs its own SIGTERM handler, which would end the process
+    # without shutting Serve down.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        err.print(f"serving at {server.url} (OpenAPI: {server.url}/docs; OpenAI base URL: {server.url}/v1); "
+                  f"arms {server.info['arms']}; memory {server.info['memory']['models']['default']['model'] or 'off'}")
+        stop.wait()
+    finally:
+        err.print("shutting down ...")
+        server.stop()
+
+
+def ab_report(
+    ledger: str = typer.Option(".palimpsest/serve-ledger.db", "--ledger", help="the serving ledger (file or URL)"),
+    since: float = typer.Option(0.0, "--since", help="only turns served after this unix time"),
+    prefix: str = typer.Option("", "--prefix", help="only sessions whose id starts with this"),
+    arms: Optional[str] = typer.Option(None, "--arms", help="comma-separated arms, control first (default: all)"),
+    as_json: bool = typer.Option(False, "--json", help="print the summary as JSON only"),
+    track: bool = typer.Option(False, "--mlflow/--no-mlflow", help="also log the comparison as an MLflow run"),
+    experiment: str = typer.Option("palimpsest-ab", "--experiment"),
+) -> None:
+    """Per-arm comparison with 95% intervals: outcomes, shadow fidelity, tokens, latency by stage, prefix-cache hit
+    rate, glimpses, errors; the smallest difference detectable at 80% power, and the paired comparison of
+    trajectories run once per arm (sessions named ID@ARM)."""
+
+
+    with Ledger(_existing(ledger)) as led:
+        served = [r for r in led.served(since) if r["session_id"].startswith(prefix)]
+        outcomes = [o for o in led.outcomes(since) if o["session_id"].startswith(prefix)]
+        shadows = [r for r in led.shadows(since) if r["session_id"].startswith(prefix)]
+    summary = ab_summary(served, outcomes, [a.strip() for a in arms.split(",")] if arms else None, shadows)
+    md = ab_markdown(summary)
+    if track:
+        run_id, uri = log_ab(summary, experiment, {"ledger": str(ledger), "since": since, "prefix": prefix}, md)
+        summary["mlflow"] = {"run_id": run_id, "tracking_uri": uri}
+    if as_json:
+        print(json.dumps(summary, default=float))
+        return
+    out.print(md, markup=False, highlight=False)
+    if track:
+        out.print(f"MLflow run {summary['mlflow']['run_id']} at {summary['mlflow']['tracking_uri']}")
