@@ -127,12 +127,12 @@ def main() -> None:
     from palimpsest.models.actor import FrozenActor
     from palimpsest.models.encoder import MemoryEncoder
     from palimpsest.pipelines.environment import open_runtime
-    from palimpsest.pipelines.replay import prepare_sessions
+    from palimpsest.pipelines.remory_data import stage2_recall
+    from palimpsest.pipelines.replay_sessions import prepare_sessions
     from palimpsest.pipelines.trajectories import file_sha256, read_trajectories
     from palimpsest.platform.policies import load_policy_file
     from palimpsest.training.actions import Arm, MemoryArm, TeacherCache, evaluate_actions, summarize_actions
     from palimpsest.training.config import load_train_config
-    from palimpsest.pipelines.remory_data import stage2_recall
     from palimpsest.training.launcher import TEACHERS, _teacher_key, build_memory, data_config
     from palimpsest.training.losses import stage2_student
     from palimpsest.training.step import LocalBackend, PrefixCache, Step, lr_at, sample_tensors

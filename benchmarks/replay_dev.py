@@ -19,7 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-from palimpsest.pipelines.replay import TimedEmbedder, run_replay, summary_markdown, write_outputs
+from palimpsest.pipelines.replay import run_replay, summary_markdown, write_outputs
+from palimpsest.pipelines.replay_sessions import TimedEmbedder
 from palimpsest.platform import Ledger, Runtime
 from palimpsest.platform.policies import parse_policy_config
 

@@ -47,7 +47,7 @@ def main() -> None:
     arms = {f"{name.replace('pace', 'pace+memory')}" if args.memory else name: pol for name, pol in POLICIES.items()}
     if not args.data.is_file():
         sys.exit(f"no trajectories at {args.data}; pass --data FILE")
-    from palimpsest.pipelines.replay import _concat_records
+    from palimpsest.pipelines.replay_sessions import _concat_records
     from palimpsest.pipelines.trajectories import read_trajectories
     from palimpsest.platform import Ledger
     from palimpsest.serving.local import LocalServer

@@ -189,7 +189,7 @@ def test_train_prints_its_summary_as_one_json_object_and_nothing_else(tmp_path, 
     """The summary's long strings (a checkpoint path) were wrapped by the console, which broke the JSON."""
     from typer.testing import CliRunner
 
-    import palimpsest.training.launcher as launcher
+    import palimpsest.cli.model_commands as commands
     from palimpsest.cli import app
 
     (tmp_path / "c.yaml").write_text("name: x\ndata: {file: d.jsonl}\n")
@@ -199,7 +199,7 @@ def test_train_prints_its_summary_as_one_json_object_and_nothing_else(tmp_path, 
         print("a library's notice")
         return {"name": cfg.name, "checkpoint": path, "registered": "models:/palimpsest-memory/3"}
 
-    monkeypatch.setattr(launcher, "launch", fake_launch)
+    monkeypatch.setattr(commands, "launch", fake_launch)
     monkeypatch.chdir(tmp_path)
     r = CliRunner().invoke(app, ["train", "--config", "c.yaml", "--no-mlflow"])
     assert r.exit_code == 0, r.output

@@ -3,7 +3,8 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from palimpsest.pipelines.replay import ReplayError, run_replay, write_outputs
+from palimpsest.pipelines.replay import run_replay, write_outputs
+from palimpsest.pipelines.replay_sessions import ReplayError
 from palimpsest.platform import Ledger, Runtime
 from palimpsest.platform.policies import parse_policy_config
 from tests.helpers import per_turn
@@ -115,7 +116,7 @@ def test_second_replay_reuses_cached_enrichment(tmp_path, data):
 
 
 def test_needs_are_matched_on_identifier_boundaries_in_the_text_the_actor_receives():
-    from palimpsest.pipelines.replay import appears
+    from palimpsest.pipelines.replay_sessions import appears
 
     assert appears("id_42", "use id_42 now") and appears("id_42", "(id_42)") and appears("a/b.py", "x a/b.py:3")
     assert not appears("id_42", "use id_423 now") and not appears("config", "parse_config_x")
@@ -133,7 +134,7 @@ def test_far_needs_and_the_last2_floor(tmp_path, data):
 
 
 def test_action_identifiers_are_a_label_free_check(tmp_path):
-    from palimpsest.pipelines.replay import action_targets
+    from palimpsest.pipelines.replay_sessions import action_targets
 
     f = tmp_path / "d.jsonl"
     t = traj("a/1")

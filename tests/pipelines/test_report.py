@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from palimpsest.pipelines.replay import ReplayError, run_replay, write_outputs
+from palimpsest.pipelines.replay import run_replay, write_outputs
+from palimpsest.pipelines.replay_sessions import ReplayError
 from palimpsest.pipelines.report import write_report
 from palimpsest.platform import Ledger, Runtime
 from palimpsest.platform.policies import parse_policy_config

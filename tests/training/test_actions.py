@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from palimpsest.models.actor import FrozenActor
 from palimpsest.pipelines.environment import open_runtime
-from palimpsest.pipelines.replay import prepare_sessions
+from palimpsest.pipelines.replay_sessions import prepare_sessions
 from palimpsest.pipelines.trajectories import file_sha256, read_trajectories
 from palimpsest.platform.policies import parse_policy_config
 from palimpsest.training.actions import (

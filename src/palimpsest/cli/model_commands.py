@@ -28,10 +28,7 @@ from palimpsest.cli.replay_commands import _policy_set
 from palimpsest.models.assets import smollm2_dir, smollm2_tokenizer_dir
 from palimpsest.models.registry import load_memory, memory_meta, resolve_actor_path, resolve_memory_ref
 from palimpsest.pipelines.environment import open_runtime
-from palimpsest.pipelines.replay import (
-    TimedEmbedder,
-    prepare_sessions,
-)
+from palimpsest.pipelines.replay_sessions import TimedEmbedder, prepare_sessions
 from palimpsest.pipelines.tracking import log_actions
 from palimpsest.pipelines.trajectories import file_sha256, read_trajectories
 from palimpsest.platform.budget import Budget

@@ -18,12 +18,8 @@ from palimpsest.cli.common import (
     out,
 )
 from palimpsest.pipelines.environment import open_runtime
-from palimpsest.pipelines.replay import (
-    TimedEmbedder,
-    run_replay,
-    summary_markdown,
-    write_outputs,
-)
+from palimpsest.pipelines.replay import run_replay, summary_markdown, write_outputs
+from palimpsest.pipelines.replay_sessions import TimedEmbedder
 from palimpsest.pipelines.report import write_report
 from palimpsest.pipelines.tracking import log_replay
 from palimpsest.platform.policies import (

@@ -5,9 +5,9 @@ must let the actor reproduce after a "repeat" instruction.
 
 Stage II samples are built by the code that serves (train like you serve): the trajectories are imported
 into a ledger, and at each boundary t the prompt of the memory's policy is compiled at the student's
-``budget`` by ``pipelines.replay.walk_turns`` (the runtime, policies and compiler serving uses), with the
+``budget`` by ``pipelines.replay_sessions.walk_turns`` (the runtime, policies and compiler serving uses), with the
 soft positions reserved as serving reserves them. A boundary is one ``eval-actions`` would score
-(``pipelines.replay.teacher_boundaries``): the whole history and the next action fit the teacher's window
+(``pipelines.replay_sessions.teacher_boundaries``): the whole history and the next action fit the teacher's window
 (``max_history_tokens``), the budget cannot show it all, and the compiled prompt left some step out.
 
   teacher  = the whole history, the ``full`` policy's served prompt (ids up to the assistant prompt),
@@ -32,7 +32,7 @@ from typing import Any, Iterator
 
 from palimpsest.pipelines.environment import open_runtime
 from palimpsest.pipelines.recall_sessions import recall_sessions
-from palimpsest.pipelines.replay import Skipped, prepare_sessions, teacher_boundaries, walk_turns
+from palimpsest.pipelines.replay_sessions import Skipped, prepare_sessions, teacher_boundaries, walk_turns
 from palimpsest.pipelines.trajectories import Trajectory, file_sha256, read_trajectories, split_of
 from palimpsest.platform.budget import Budget
 from palimpsest.platform.chat import MEMORY_READ_VERSION, memory_read
@@ -89,7 +89,7 @@ def policy_record(policy) -> dict[str, Any]:
 
 
 def stage2_samples(rt, sess, policy, cfg: DataConfig) -> Iterator[dict[str, Any]]:
-    """Stage II rows of one imported session (``pipelines.replay.prepare_sessions``), compiled as served."""
+    """Stage II rows of one imported session (``pipelines.replay_sessions.prepare_sessions``), compiled as served."""
 
     limit = Budget(cfg.budget, cfg.max_target_tokens, cfg.soft_slots)  # what the served memory arm reserves
     teachers = {t: (ids, target) for t, ids, target in
@@ -187,7 +187,6 @@ def stage2_recall(trajectories: list[Trajectory], cfg: DataConfig) -> list[Traje
     """The programmatic recall sessions Stage II reads beside ``trajectories`` (``data.recall_sessions``, their
     fillers from the training split only): the same sessions for the same file and config, so an evaluation
     of the rows can import them again."""
-
     return recall_sessions(trajectories, cfg.recall_sessions, cfg.val_fraction, cfg.seed,
                            max_observation_chars=cfg.max_observation_chars, max_fill=cfg.recall_steps)
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from palimpsest.pipelines.replay import DISTANCES, ReplayError, summary_markdown
+from palimpsest.pipelines.replay import DISTANCES, summary_markdown
+from palimpsest.pipelines.replay_sessions import ReplayError
 
 
 def _load(d: Path) -> tuple[dict, "object"]:

@@ -17,7 +17,6 @@ import os
 import urllib.error
 import urllib.request
 from pathlib import Path
-
 from typing import Any
 
 from palimpsest.models.registry import mlflow_experiment, tracking_uri

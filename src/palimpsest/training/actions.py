@@ -5,7 +5,7 @@ history, with the recorded next action, fits the actor's window):
 
 - the **teacher** is the actor given the whole history (the ``full`` policy's served prompt);
 - each **student** is the actor given a policy's served prompt at the budget (the prompt serving sends:
-  ``pipelines.replay.walk_turns`` compiles it with the served code). ``NAME+memory`` keeps room for the
+  ``pipelines.replay_sessions.walk_turns`` compiles it with the served code). ``NAME+memory`` keeps room for the
   soft span of a memory model and puts it where serving puts it (before the recent raw turns), reading
   what the prompt left out (``platform.chat.memory_read``, the call serving makes); ``NAME+empty`` is
   the same prompt with the soft span left out (what the memory adds over its own text); plain ``NAME``
@@ -32,7 +32,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from palimpsest.pipelines.replay import teacher_boundaries, walk_turns
+from palimpsest.pipelines.replay_sessions import teacher_boundaries, walk_turns
 from palimpsest.platform.budget import Budget
 from palimpsest.platform.chat import memory_read
 from palimpsest.platform.types import BudgetError, PalimpsestError
