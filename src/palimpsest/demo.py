@@ -57,7 +57,6 @@ CONTROL_ARMS = ({"name": "pace", "policy": {"type": "pace", "compaction": {"mode
 @dataclass
 class Progress:
     """One line per stage and per step inside it, with the elapsed time and an ETA from the rate so far."""
-
     out: Console
     stages: int
     t0: float = field(default_factory=time.perf_counter)
@@ -89,7 +88,6 @@ class Progress:
 
 def ensure_memory(out: Console, train_config: Path, data: Path) -> str | None:
     """The registered memory model for SmolLM2, training the demo one first when there is none."""
-
     ref = resolve_memory_ref("auto")
     if ref is not None:
         import json
@@ -112,7 +110,6 @@ def ensure_memory(out: Console, train_config: Path, data: Path) -> str | None:
 
 def memory_fits(ref: str | None, budget: int) -> tuple[bool, str]:
     """Whether the registered memory was trained on prompts at this budget (it learned what they leave out)."""
-
     if ref is None:
         return False, "no memory model"
     trained = (memory_meta(ref).get("data") or {}).get("budget")
@@ -158,7 +155,6 @@ def busy_markdown(busy: dict, timings: dict) -> str:
 def fitting(data: Path, limit: int | None, budget: int, reply: int) -> tuple[list, list[str]]:
     """The first ``limit`` trajectories whose prompt prefix (system prompt, task, tools under the actor's template)
     leaves room for history in the budget; the others are named with why (the server would refuse their turns)."""
-
     tok = get_tokenizer(str(smollm2_tokenizer_dir()), None)
     keep, left = [], []
     for tr in read_trajectories(data).trajectories:
@@ -178,7 +174,6 @@ def fitting(data: Path, limit: int | None, budget: int, reply: int) -> tuple[lis
 def demo_config(serve_config: Path, control: bool, full: bool, budget: int | None = None, window: int | None = None):
     """The serve config of the run: the demo's arms, or the positive control's; LLM summaries with ``--full``;
     another budget or actor window (the reference's reach) when given."""
-
     cfg = load_serve_config(serve_config)
     if budget or window:  # validated together (a budget past the window is refused here)
         raw = cfg.model_dump()

@@ -89,7 +89,6 @@ def render(
     tokenizer: str = TokenizerOpt,
 ) -> None:
     """Compile one turn's prompt exactly as the actor would receive it, and show it with its plan."""
-
     if at is not None and at < 0:
         raise PalimpsestError(f"--at must be >= 0, got {at}")
     reserve = ActorConfig().max_tokens if max_tokens is None else max_tokens
@@ -182,7 +181,6 @@ def view(
     tokenizer: str = TokenizerOpt,
 ) -> None:
     """Import the dev trajectories and show PACE and ACE side by side on one of them (offline, no server)."""
-
     path = data or shared_dev_file()
     if not path.is_file():
         raise PalimpsestError(f"no trajectories at {path}; pass --data FILE")

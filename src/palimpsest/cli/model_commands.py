@@ -259,6 +259,5 @@ def eval_memory(
 
 def models_prepare() -> None:
     """Convert the shipped SmolLM2-135M-Instruct GGUF into a cached HF folder (once; no download)."""
-
     out.print(f"actor: {smollm2_dir()}")
     out.print(f"tokenizer: {smollm2_tokenizer_dir()}")

@@ -34,7 +34,6 @@ from palimpsest.serving.config import ActorConfig
 def _policy_set(names: str, config_file: Optional[Path]) -> dict:
     """Labels -> configs. A YAML file holds one config (it replaces that type's defaults) or a mapping
     of labels to configs (variants such as `window_k20: {type: window, k: 20}`)."""
-
     variants: dict[str, PolicyConfigBase] = {}
     if config_file:
         data = yaml.safe_load(config_file.read_text()) if config_file.is_file() else None
@@ -115,6 +114,5 @@ def replay(
 def report(dirs: list[Path] = typer.Argument(..., help="replay output folders (several budgets plot together)"),
            out_dir: Optional[Path] = typer.Option(None, "--out", help="where to write (default: the first DIR)")) -> None:
     """Write report.md and PNG plots from one or more replay outputs."""
-
     path = write_report(dirs, out_dir or dirs[0])
     out.print(f"report written to {path}")

@@ -42,7 +42,6 @@ def demo(
                                                    "its time)"),
 ) -> None:
     """The main job: models, memory training if needed, the composed app, live A/B traffic, the report."""
-
     run_main_demo(out, data or shared_dev_file(), config, train_config, port=port, every=every, max_turns=max_turns,
                   concurrency=concurrency, limit=limit, control=control, full=full, first=first)
 

@@ -377,7 +377,6 @@ def summary_markdown(s: dict) -> str:
 
 def log_ab(summary: dict, experiment: str, params: dict[str, Any], markdown: str) -> tuple[str, str]:
     """One MLflow run for the comparison; returns (run id, tracking URI)."""
-
     mlflow, exp = mlflow_experiment(experiment)
     with mlflow.start_run(experiment_id=exp, run_name="ab-" + "-vs-".join(summary["arms"])) as run:
         mlflow.log_params({k: str(v)[:500] for k, v in params.items()})

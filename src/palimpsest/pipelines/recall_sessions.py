@@ -114,7 +114,6 @@ def recall_session(i: int, sources: list[Trajectory], rng: random.Random, min_fi
 def recall_sessions(trajectories: list[Trajectory], n: int, val_fraction: float, seed: int = 0,
                     max_observation_chars: int = 1200, max_fill: int = 10) -> list[Trajectory]:
     """``n`` sessions whose fillers come from the training split of ``trajectories`` only."""
-
     if n <= 0:
         return []
     if max_fill < 4:

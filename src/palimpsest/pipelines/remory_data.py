@@ -90,7 +90,6 @@ def policy_record(policy) -> dict[str, Any]:
 
 def stage2_samples(rt, sess, policy, cfg: DataConfig) -> Iterator[dict[str, Any]]:
     """Stage II rows of one imported session (``pipelines.replay_sessions.prepare_sessions``), compiled as served."""
-
     limit = Budget(cfg.budget, cfg.max_target_tokens, cfg.soft_slots)  # what the served memory arm reserves
     teachers = {t: (ids, target) for t, ids, target in
                 teacher_boundaries(rt, sess, cfg.budget, cfg.max_history_tokens, cfg.max_target_tokens,

@@ -139,7 +139,6 @@ def _full_sizes(rt: Runtime, snap: SessionSnapshot) -> np.ndarray:
     """(M + 1,) the exact size of the whole history's prompt before each step t (what `full` would send),
     from each step's messages measured under the chat template once (messages are delimited by the
     template's special tokens, so their sizes add up)."""
-
     tok = rt.ledger.tokenizer
     prefix = prefix_messages(snap.session)
     base = len(chat_ids(tok, prefix))

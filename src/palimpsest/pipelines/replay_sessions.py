@@ -157,7 +157,6 @@ def action_targets(snap: SessionSnapshot) -> list[tuple[str, ...]]:
     """Per step t, the identifiers (ids, paths, URLs, numbers) of step t's recorded action that an earlier
     observation showed: what the agent went on to use from its history. A label-free check of a context,
     computed from the raw trajectory alone (no need annotations), so parameters may be fit on it."""
-
     out: list[tuple[str, ...]] = []
     seen_text: list[str] = []
     for step in snap.steps:
@@ -213,7 +212,6 @@ def teacher_boundaries(rt: Runtime, sess: ReplaySession, budget: int, window: in
     ``max_target_tokens`` + ``room`` (soft positions) does not fit ``budget``. A session whose fixed prefix
     leaves the budget less than ``MIN_HISTORY_ROOM`` tokens of history has none. ``eval-actions`` scores
     the actor there and the REMORY data builder trains there."""
-
     snap = rt.snapshot(sess.session_id)
     if snap.prefix_tokens + max_target_tokens + room + MIN_HISTORY_ROOM > budget:
         return

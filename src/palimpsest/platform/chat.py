@@ -134,7 +134,6 @@ class ChatIds:
     """The actor's input: ``context`` (the chat up to the soft-memory slot) and ``bridge`` (the messages after
     the slot and the assistant prompt the next action follows). Without soft memory the actor receives
     ``context + bridge``."""
-
     context: tuple[int, ...]
     bridge: tuple[int, ...]
     text: str | None = None  # the template's text the ids were encoded from

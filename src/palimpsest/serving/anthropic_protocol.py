@@ -143,7 +143,6 @@ def check_request(raw: Any) -> None:
 @dataclass(frozen=True)
 class MessagesRequest:
     """A checked Messages request and the chat-completions form the proxy records."""
-
     model: str
     stream: bool
     max_tokens: int

@@ -61,7 +61,6 @@ def build_app(config: ServeConfig | dict | None = None) -> Application:
 def preflight(cfg: ServeConfig) -> None:
     """What the app depends on outside Ray, checked before anything starts: the ledger's database and
     the MLflow tracking server (when one is configured). Each failure names what it could not reach."""
-
     configure(cfg.tracking.uri, cfg.tracking.artifact_location)  # exported: every replica inherits it
     check()
     open_store(cfg.ledger, timeout_s=10.0, pool_size=1).close()  # reachable, and its schema migrated

@@ -30,7 +30,6 @@ class _Strict(BaseModel):
 
 class RemoteActorConfig(_Strict):
     """An upstream OpenAI-compatible server as the actor (``palimpsest.serving.remote``)."""
-
     url: str = Field(..., pattern=r"^https?://[^\s/]+(/[^\s]*)?$", description="the upstream's base URL (without /v1)")
     model: str | None = Field(None, description="the upstream's model name; its first model when unset")
     api_key_env: str | None = Field(None, description="an environment variable holding the upstream's API key")
@@ -148,7 +147,6 @@ class TenantConfig(_Strict):
 
 class AuthConfig(_Strict):
     """API keys per tenant. Without tenants the server is single-tenant and must listen on loopback only."""
-
     tenants: dict[str, TenantConfig] = Field(default_factory=dict)
     tenants_file: str | None = Field(None, description="a YAML file of tenants (e.g. a mounted Kubernetes Secret), merged in")
 

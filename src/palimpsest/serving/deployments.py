@@ -114,7 +114,6 @@ class Actor:
 
     async def chat(self, messages: list[dict], max_tokens: int = 96, kind: str = "summary") -> str:
         """A helper generation (a step's summary, the ``ace`` LLM elasticizer), accounted under ``kind``."""
-
         ids = chat_ids(self.tokenizer, messages).all[-(self.cfg.max_model_len - max_tokens - 1):]
         return (await self.engine.generate(ids=ids, max_tokens=max_tokens, kind=kind))["text"]
 
@@ -252,7 +251,6 @@ class Summarizer:
     """Detailed, brief and structured summaries by the actor model (the rule writer as the floor)."""
 
     def __init__(self, cfg: dict, actor, model_name: str = "actor"):
-
         self.cfg = SummarizerConfig.model_validate(cfg)
         self.actor = actor
         self.rule = RuleSummarizer()
@@ -277,7 +275,6 @@ class Summarizer:
 
 
 def summaries_from_wire(d: dict) -> Summaries:
-
     return Summaries(Abstraction.from_json(d["abstraction"]), d["detailed"], d["brief"])
 
 

@@ -138,7 +138,6 @@ class RemoteEngine:
         return out
 
     def _chat_body(self, request: dict, stream: bool) -> dict:
-
         messages = [dict(m) for m in request["messages"]]
         tools = messages[0].pop("tools", None) if messages else None
         body: dict[str, Any] = {"model": self.model, "messages": messages, **self._sampling(request)}

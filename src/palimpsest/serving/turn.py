@@ -290,7 +290,6 @@ class TurnService:
             self.inflight -= 1
 
     async def _serve(self, session, arm: str, body, tool_choice, parallel_tool_calls, emit, noted: dict, started=None):
-
         sid = session.id
         budget, mem = self.size(self.cfg.arm(arm), body.budget, body.max_tokens)
         req = TurnRequest(session_id=sid, policy=self.policies[arm], budget=budget, temperature=body.temperature,

@@ -43,7 +43,6 @@ from palimpsest.training.teachers import TOP_K, Teacher, TeacherCache, compute_t
 @dataclass
 class MemoryArm:
     """Soft memory on top of a text policy, as serving adds it (``memory.*`` of the serve config)."""
-
     encoder: Any  # palimpsest.models.encoder.MemoryEncoder
     max_history_tokens: int = 1024
     max_field_chars: int = 4000
@@ -97,7 +96,6 @@ def evaluate_actions(rt, sessions, arms: list[Arm], budget: int, actor, *, data_
     """Score every arm at the sampled boundaries of ``sessions`` (replay sessions already imported into
     ``rt``'s ledger). ``allowed(trajectory)`` filters trajectories (held-out ones only, for a memory);
     ``only`` keeps just these (trajectory, t) boundaries (the learnability ladder's chosen ones)."""
-
     tok = rt.ledger.tokenizer
     cache = cache or TeacherCache(None)
     # the soft positions a memory arm reserves: boundaries are chosen as the REMORY data builder chooses them

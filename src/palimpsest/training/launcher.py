@@ -52,13 +52,11 @@ class PreparedRun:
 
 
 def resolve_actor(cfg: TrainConfig) -> Path:
-
     return resolve_actor_path(cfg.actor.path)
 
 
 def data_config(cfg: TrainConfig):
     """The data builder's config of a training config (``pipelines.remory_data.DataConfig``)."""
-
     d, m = cfg.data, cfg.memory
     slots = min(math.ceil(d.memory_tokens / m.block_size) * m.queries, m.max_slots)  # MemoryNetwork.slots_for
     return DataConfig(max_history_tokens=d.max_history_tokens, max_target_tokens=d.max_target_tokens,
@@ -272,7 +270,6 @@ def train_loop(loop_config: dict) -> None:
 
 def _export_bundle(cfg: TrainConfig, module, actor, out: Path, engine, data_dir: str | None = None) -> None:
     """Full weights + config for loading without DeepSpeed (gathered under ZeRO-3)."""
-
     params = list(module.parameters())
     if engine is not None and cfg.distributed.zero_stage == 3:
         import deepspeed

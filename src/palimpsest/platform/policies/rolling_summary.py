@@ -26,7 +26,6 @@ if TYPE_CHECKING:
 
 class RollingSummaryConfig(PolicyConfigBase):
     """Fold old steps into one rolling summary whenever the context passes a threshold."""
-
     type: Literal["rolling_summary"] = "rolling_summary"
     name: ClassVar[str] = "rolling_summary"
     keep_last: int = Field(4, ge=1, le=10_000, description="steps kept raw after a fold")
