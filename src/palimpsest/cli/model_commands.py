@@ -136,6 +136,7 @@ def _check_device(device: str) -> None:
 
 def _eval_actions_run(data, names, configs, budget, memory, include_train, max_target_tokens, window, seed, cache,
                       ledger, embedder, tokenizer, mlflow, max_boundaries, reference, device="cpu"):
+    # deferred: loads torch
     from palimpsest.models.actor import FrozenActor
     from palimpsest.training.actions import Arm, MemoryArm, TeacherCache, evaluate_actions
     from palimpsest.training.teachers import actor_key
@@ -162,6 +163,7 @@ def _eval_actions_run(data, names, configs, budget, memory, include_train, max_t
     act = FrozenActor.from_pretrained(actor_path, device=device)
     mem_arm = None
     if ref is not None:
+        # deferred: loads torch
         from palimpsest.models.encoder import MemoryEncoder
 
         mem_arm = MemoryArm(MemoryEncoder.load(ref, act), mem_tokens, mem_chars)

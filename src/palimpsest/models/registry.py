@@ -149,6 +149,7 @@ def load_bundle(path: str | Path) -> "MemoryNetwork":
     """A MemoryNetwork from a bundle; a checkpoint of another architecture is a clear error."""
     import torch
 
+    # deferred: loads torch
     from palimpsest.models.memory import MemoryConfig, MemoryNetwork
 
     path = Path(path)
@@ -167,6 +168,7 @@ def load_bundle(path: str | Path) -> "MemoryNetwork":
 def load_memory(ref: str | Path) -> "MemoryNetwork":
     """From a bundle directory or an MLflow model URI (the tracking store from $MLFLOW_TRACKING_URI, else the
     project's local one)."""
+    # deferred: loads torch
     from palimpsest.models.memory import MemoryNetwork
 
     if Path(ref).is_dir():

@@ -31,8 +31,8 @@ import random
 from typing import Any
 
 from palimpsest.models.registry import mlflow_experiment, tracking_uri
+from palimpsest.platform.ledger.experiments import reference_kind
 from palimpsest.platform.types import PalimpsestError
-from palimpsest.serving.shadow import reference_kind
 
 Z95 = 1.959963984540054
 Z80 = 0.8416212335729143  # the one-sided normal quantile of 80% power

@@ -18,6 +18,7 @@ EMBEDDERS = ("minilm", "hashing")
 
 def make_embedder(name: str) -> Embedder:
     if name == "minilm":
+        # deferred: loads torch
         from palimpsest.models.embedder import MiniLMEmbedder
 
         return MiniLMEmbedder()

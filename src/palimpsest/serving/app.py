@@ -33,6 +33,7 @@ from palimpsest.serving.deployments import (
 
 
 def build_app(config: ServeConfig | dict | None = None) -> Application:
+    # deferred: loads torch, fastapi
     from palimpsest.serving.ingress import Ingress
 
     cfg = parse_serve_config(config)

@@ -42,6 +42,7 @@ class Actor:
     """vLLM with prompt embeds; ``generate`` takes token ids, or context ids + a soft span + bridge ids."""
 
     def __init__(self, cfg: dict):
+        # deferred: loads torch
         from palimpsest.serving.engine import ActorEngine
 
         self.cfg = ActorConfig.model_validate(cfg)
@@ -151,6 +152,7 @@ class RemoteActor:
     def __init__(self, cfg: dict):
         from pathlib import Path
 
+        # deferred: loads torch
         from palimpsest.serving.engine import load_embedding_table
 
         self.cfg = ActorConfig.model_validate(cfg)
@@ -230,6 +232,7 @@ class Embedder:
 
     def __init__(self, kind: str = "minilm", device: str = "cpu"):
         if kind == "minilm":
+            # deferred: loads torch
             from palimpsest.models.embedder import MiniLMEmbedder
 
             self.model = MiniLMEmbedder(device=device)
@@ -297,6 +300,7 @@ class MemoryEncoder:
             ref = resolve_memory_ref(wanted)
             entry = {"enabled": False, "model": ref, "note": "no memory model" if ref is None else "", "max_slots": 0}
             if ref is not None and ref not in encoders:
+                # deferred: loads torch
                 from palimpsest.models.actor import FrozenActor
                 from palimpsest.models.encoder import MemoryEncoder as Encoder
 
@@ -447,6 +451,7 @@ class MemoryEncoder:
         if self.encoders:
             return next(iter(self.encoders.values())).actor
         if self._actor is None:
+            # deferred: loads torch
             from palimpsest.models.actor import FrozenActor
 
             self._actor = FrozenActor.from_pretrained(self.actor_path, device=self.device)

@@ -206,6 +206,7 @@ class Enrichment:
 
     async def _llm_worker(self) -> None:
         """Slow lane: summaries written by the actor for the most recent steps (they replace the rule ones)."""
+        # deferred: loads ray
         from palimpsest.serving.deployments import summaries_from_wire
 
         producer = (self.summarizer_info["name"], self.summarizer_info["version"])

@@ -47,6 +47,7 @@ class LocalServer:
         import ray
         from ray import serve
 
+        # deferred: loads ray
         from palimpsest.serving.app import build_app
 
         app = build_app(self.cfg)  # config and model paths are checked before Ray starts

@@ -64,11 +64,6 @@ def fidelity(student_logits, teacher_logits) -> tuple[float, float]:
     return float(kl.mean()), float(top1.mean())
 
 
-def reference_kind(reference: str) -> str:
-    """``full`` or ``policy@window``: the two references measure different things and are reported apart."""
-    return "full" if reference == "full" else "policy@window"
-
-
 @dataclass
 class Sample:
     session_id: str
@@ -191,4 +186,4 @@ class ShadowLane:
                                 reference=reference, kl=kl, top1=top1, tokens=len(s.reply))
 
 
-__all__ = ["ShadowLane", "fidelity", "reference_kind", "sampled"]
+__all__ = ["ShadowLane", "fidelity", "sampled"]

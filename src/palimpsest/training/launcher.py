@@ -94,6 +94,7 @@ TEACHERS = "teachers.parquet"
 
 
 def _teacher_key(cfg: TrainConfig, actor_path: str, data_sha: str, row: dict) -> str:
+    # deferred: loads torch
     from palimpsest.training.teachers import TeacherCache, actor_key
 
     return TeacherCache.key(actor_key(actor_path, cfg.actor.dtype), data_sha, row["trajectory"], int(row["t"]),
@@ -107,6 +108,7 @@ def cache_teachers(cfg: TrainConfig, actor_path: str, data_dir: Path, data_sha: 
     repeated run) are not computed again."""
     import torch
 
+    # deferred: loads torch
     from palimpsest.models.actor import FrozenActor
     from palimpsest.training.teachers import TeacherCache, compute_teacher
 
@@ -160,6 +162,7 @@ def _load_rows(data_dir: str, stage: int, split: str = "train") -> list[dict]:
 
 
 def build_memory(cfg: TrainConfig, actor) -> "object":
+    # deferred: loads torch
     from palimpsest.models.memory import MemoryConfig, MemoryNetwork
 
     mcfg = MemoryConfig(d_actor=actor.hidden_size, **cfg.memory.model_dump())
@@ -172,6 +175,7 @@ def train_loop(loop_config: dict) -> None:
     import torch
     import torch.distributed as dist
 
+    # deferred: loads torch
     from palimpsest.models.actor import FrozenActor
     from palimpsest.training.step import (
         DDPBackend,
@@ -218,6 +222,7 @@ def train_loop(loop_config: dict) -> None:
     rows = {1: _load_rows(loop_config["data_dir"], 1), 2: _load_rows(loop_config["data_dir"], 2)}
     teachers, data_sha = None, loop_config.get("data_sha")
     if cfg.optim.teacher_cache and (Path(loop_config["data_dir"]) / TEACHERS).is_file():
+        # deferred: loads torch
         from palimpsest.training.teachers import TeacherCache
 
         teachers = TeacherCache(Path(loop_config["data_dir"]) / TEACHERS)

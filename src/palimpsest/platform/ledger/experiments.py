@@ -10,6 +10,12 @@ from typing import Mapping
 from palimpsest.platform.types import LedgerError
 
 
+def reference_kind(reference: str) -> str:
+    """The kind of a shadow record's ``reference``: ``full`` (the whole history) or ``policy@window`` (the arm's
+    policy where the whole history does not fit). The two measure different things and are reported apart."""
+    return "full" if reference == "full" else "policy@window"
+
+
 class Experiments:
     """The ledger's A/B record (mixed into :class:`palimpsest.platform.ledger.Ledger`)."""
 
