@@ -45,7 +45,8 @@ def test_shadow_fidelity_is_the_exact_kl_over_the_whole_vocabulary():
 
     import torch
 
-    from palimpsest.serving.shadow import fidelity, sampled
+    from palimpsest.models.scorer import fidelity
+    from palimpsest.serving.shadow import sampled
 
     V = 500
     q = torch.full((2, V), -6.0, dtype=torch.float64)

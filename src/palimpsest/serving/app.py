@@ -22,14 +22,8 @@ from palimpsest.models.registry import resolve_actor_path
 from palimpsest.pipelines.tracking import check, configure
 from palimpsest.platform.stores import open_store
 from palimpsest.serving.config import ServeConfig, parse_serve_config
-from palimpsest.serving.deployments import (
-    Actor,
-    Embedder,
-    MemoryEncoder,
-    RemoteActor,
-    Summarizer,
-    deployment_env,
-)
+from palimpsest.serving.deployments import Actor, Embedder, RemoteActor, Summarizer, deployment_env
+from palimpsest.serving.memory_encoder import MemoryEncoder
 
 
 def build_app(config: ServeConfig | dict | None = None) -> Application:

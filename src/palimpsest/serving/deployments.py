@@ -1,4 +1,5 @@
-"""The child deployments of the composed app: Embedder, Summarizer, MemoryEncoder and Actor.
+"""The child deployments of the composed app: Embedder, Summarizer and Actor (the MemoryEncoder is
+``memory_encoder.py``'s).
 
 Each wraps one model-side class (no HTTP here; the ingress is the only place that knows HTTP). Tensors
 travel between them through DeploymentHandles: the memory encoder's soft span goes straight into the
@@ -8,24 +9,17 @@ actor call (the ingress passes the response along without awaiting it), so it ne
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 import os
-import time
-from collections import OrderedDict
-from typing import Any
 
 from ray import serve
 
-from palimpsest.models.registry import memory_meta, resolve_memory_ref
 from palimpsest.platform.abstraction import Abstraction, RuleSummarizer, Summaries
 from palimpsest.platform.chat import chat_ids
 from palimpsest.platform.embedding import HashingEmbedder
 from palimpsest.platform.tokens import get_tokenizer
-from palimpsest.platform.types import ConfigError, StepRecord
+from palimpsest.platform.types import StepRecord
 from palimpsest.serving.config import ActorConfig, SummarizerConfig
 from palimpsest.serving.remote import RemoteEngine
-from palimpsest.serving.shadow import fidelity
 from palimpsest.serving.summarizer import LLMSummarizer
 from palimpsest.serving.tools import ToolCalling
 
@@ -279,183 +273,6 @@ class Summarizer:
 
 def summaries_from_wire(d: dict) -> Summaries:
     return Summaries(Abstraction.from_json(d["abstraction"]), d["detailed"], d["brief"])
-
-
-@serve.deployment(name="MemoryEncoder", max_ongoing_requests=16)
-class MemoryEncoder:
-    """REMORY soft spans for compiled prompts, cached per (model, what the memory reads): a turn whose plan
-    leaves out the same steps as an earlier one reuses its span.
-
-    It holds every memory model the arms use (``default`` and per-arm ones) over one frozen actor copy, so an
-    A/B test can compare two memory models as well as memory against none."""
-
-    def __init__(self, actor_path: str, models: dict[str, str | None], device: str = "cpu",
-                 max_history_tokens: int = 1024, cache_size: int = 4096):
-
-        self.models: dict[str, dict] = {}
-        encoders: dict[str, Any] = {}
-        actor = None
-        for key, wanted in models.items():
-
-            ref = resolve_memory_ref(wanted)
-            entry = {"enabled": False, "model": ref, "note": "no memory model" if ref is None else "", "max_slots": 0}
-            if ref is not None and ref not in encoders:
-                # deferred: loads torch
-                from palimpsest.models.actor import FrozenActor
-                from palimpsest.models.encoder import MemoryEncoder as Encoder
-
-                actor = actor or FrozenActor.from_pretrained(actor_path, device=device)
-                try:
-                    encoders[ref] = Encoder.load(ref, actor)
-                except ConfigError as e:
-                    if wanted != "auto":
-                        raise
-                    # `auto` found a model trained for another actor: serve without soft memory, and say so.
-                    encoders[ref] = None
-                    entry["note"] = f"memory off: {e}"
-            if ref is not None and encoders.get(ref) is not None:
-
-                meta = memory_meta(ref)
-                data = meta.get("data") or {}
-                net = encoders[ref].memory.cfg  # how many soft positions a read yields (TurnService.soft_positions)
-                entry.update(enabled=True, max_slots=encoders[ref].slots_for(max_history_tokens),
-                             block_size=net.block_size, queries=net.queries,
-                             # what it was trained with: the ingress warns when an arm serves it otherwise
-                             policy_hash=(meta.get("policy") or {}).get("hash"),
-                             trained_reads={k: data.get(k) for k in ("memory_tokens", "max_observation_chars",
-                                                                     "memory_read")},
-                             trained_budget=data.get("budget"))
-            else:
-                entry["model"] = None
-            self.models[key] = entry
-        self.encoders = {k: encoders[e["model"]] for k, e in self.models.items() if e["enabled"]}
-        self.cache: OrderedDict[tuple[str, str, str], Any] = OrderedDict()
-        self.cache_size = cache_size
-        self._lock = asyncio.Lock()
-        self._score_lock = asyncio.Lock()
-        self.actor_path, self.device, self._actor = actor_path, device, None
-        self.hits = self.misses = 0
-        self.busy: dict[str, dict] = {}
-        self._prefixes: OrderedDict[str, tuple] = OrderedDict()  # reference prefills the shadow lane shares
-        self.prefix_cache_size = 3
-
-    def info(self) -> dict:
-        return {"models": self.models, "hits": self.hits, "misses": self.misses, "cached": len(self.cache)}
-
-    async def encode(self, key: str, session_id: str, history: list[int], summary: list[int]) -> dict:
-        import torch
-
-        if key not in self.encoders:
-            raise RuntimeError(f"no memory model is loaded for {key!r}")
-        t0 = time.perf_counter()
-        digest = hashlib.sha256(json.dumps([history, summary]).encode()).hexdigest()
-        ck = (self.models[key]["model"], session_id, digest)
-        if ck in self.cache:
-            self.hits += 1
-            self.cache.move_to_end(ck)
-            return {"soft": self.cache[ck], "ms": (time.perf_counter() - t0) * 1000, "cached": True}
-        async with self._lock:
-            if ck not in self.cache:
-                self.misses += 1
-                h = torch.as_tensor(history, dtype=torch.long)
-                s = torch.as_tensor(summary, dtype=torch.long)
-                t_enc = time.perf_counter()
-                soft = await asyncio.to_thread(self.encoders[key].encode, h, s)
-                self._busy("memory", time.perf_counter() - t_enc, len(history) + len(summary))
-                self.cache[ck] = soft.float().cpu().contiguous()
-                while len(self.cache) > self.cache_size:
-                    self.cache.popitem(last=False)
-        return {"soft": self.cache[ck], "ms": (time.perf_counter() - t0) * 1000, "cached": False}
-
-
-    async def score(self, key: str | None, session_id: str, history: list[int], summary: list[int],
-                    context: list[int], bridge: list[int], reply: list[int], reference: list[int],
-                    threads: int | None = None) -> tuple[float, float]:
-        """Shadow fidelity of one served turn: the frozen actor's next-token distributions at each reply token,
-        after the served prompt (the student: [context; soft span of memory ``key``; bridge], no span when ``key``
-        is None) and after ``reference`` (the teacher), give the exact KL(q || p) over the whole vocabulary and
-        top-1 agreement, averaged over the reply (``serving.shadow.fidelity``). Only the reply positions' logits
-        are computed (vLLM's prompt log-probabilities cover every prompt position and refuse prompt embeds).
-        ``threads``: torch threads for this scoring (the lane passes ``ab.shadow_threads`` while no turn is in
-        flight); None: the replica's own."""
-        import torch
-
-
-        span = (await self.encode(key, session_id, history, summary))["soft"] if key is not None else None
-        actor = self._scorer()
-        n = len(reply)
-
-        def run() -> tuple[float, float]:
-            t0 = time.perf_counter()
-            before = torch.get_num_threads()
-            if threads:
-                torch.set_num_threads(threads)
-            try:
-                return scored(t0)
-            finally:
-                torch.set_num_threads(before)
-
-        def scored(t0: float) -> tuple[float, float]:
-            with torch.no_grad():
-                dev = next(actor.model.parameters()).device
-                ids = lambda xs: torch.as_tensor(xs, dtype=torch.long, device=dev)  # noqa: E731
-                if span is None:
-                    student = actor(input_ids=ids(context + bridge + reply)[None], last=n + 1)[0, :n]
-                else:
-                    head = actor.embed(ids(context))
-                    embeds = torch.cat([head, span.to(dev, head.dtype), actor.embed(ids(bridge + reply))])[None]
-                    student = actor(inputs_embeds=embeds, last=n + 1)[0, :n]
-                teacher, reused = self._teacher(actor, reference, reply, ids)
-                result = fidelity(student, teacher)
-            # positions run through the actor: the student's prompt and reply, the reply after the reference, and
-            # the reference itself unless another arm's sample prefilled it
-            self._busy("shadow", time.perf_counter() - t0, len(context) + len(bridge) + n
-                       + (int(span.shape[0]) if span is not None else 0) + n + (0 if reused else len(reference)))
-            return result
-
-        async with self._score_lock:  # one scoring at a time; never holds the turn path's encode lock
-            return await asyncio.to_thread(run)
-
-    def _teacher(self, actor, reference: list[int], reply: list[int], ids):
-        """The reference's logits at each reply token, and whether its prefill was reused. The reference's prefill is kept (a few, least recently used
-        dropped): every arm of a paired trajectory is scored against the same reference at the same turn, so it
-        is computed once and each arm's reply continues from it."""
-        import torch
-
-        key = hashlib.sha256(json.dumps(reference).encode()).hexdigest()
-        reused = key in self._prefixes
-        if reused:
-            self._prefixes.move_to_end(key)
-            past, last = self._prefixes[key]
-        else:
-            past, last = actor.prefill(ids(reference))
-            self._prefixes[key] = (past, last)
-            while len(self._prefixes) > self.prefix_cache_size:
-                self._prefixes.popitem(last=False)
-        if len(reply) == 1:
-            return last[None], reused
-        return torch.cat([last[None], actor.continue_from(past, len(reference), ids(reply[:-1]))]), reused
-
-    def _busy(self, kind: str, seconds: float, tokens: int) -> None:
-        b = self.busy.setdefault(kind, {"calls": 0, "seconds": 0.0, "tokens": 0})
-        b["calls"] += 1
-        b["seconds"] += seconds
-        b["tokens"] += tokens
-
-    def stats(self) -> dict:
-        """Where this replica's model time went: memory encoding and shadow scoring (calls, seconds, positions)."""
-        return {k: dict(v) for k, v in self.busy.items()}
-
-    def _scorer(self):
-        """The frozen actor the memories read with, or (no memory model loaded) one loaded on first use."""
-        if self.encoders:
-            return next(iter(self.encoders.values())).actor
-        if self._actor is None:
-            # deferred: loads torch
-            from palimpsest.models.actor import FrozenActor
-
-            self._actor = FrozenActor.from_pretrained(self.actor_path, device=self.device)
-        return self._actor
 
 
 def deployment_env() -> dict[str, str]:

@@ -5,7 +5,7 @@ same turns, and both arms of a paired trajectory sample the same t), a low-prior
 the prompt the arm served against a reference with the action-fidelity measure (docs/metrics.md): the actor's
 next-token distributions over the tokens of the reply it served, once after the served prompt (the student q)
 and once after the reference prompt (p), give per reply token the exact KL(q || p) over the whole vocabulary
-and whether the two top-1 tokens agree (:func:`fidelity`).
+and whether the two top-1 tokens agree (``models.scorer.fidelity``).
 
 - The reference is the whole history (``full``) when it fits the actor's window beside the reply; otherwise the
   arm's own policy compiled at the largest budget the window allows (``POLICY@BUDGET``). Each record names it,
@@ -47,21 +47,6 @@ def sampled(session_id: str, t: int, rate: float) -> bool:
         return False
     h = int.from_bytes(hashlib.sha256(f"{session_id}\0{t}".encode()).digest()[:8], "big")
     return h / 2**64 < rate
-
-
-def fidelity(student_logits, teacher_logits) -> tuple[float, float]:
-    """Mean over positions of the exact KL(q || p) over the whole vocabulary (q: the student's next-token
-    distribution, p: the teacher's, both from (n, V) logits) and of top-1 agreement."""
-    import torch
-
-    if student_logits.ndim != 2 or student_logits.shape != teacher_logits.shape or not student_logits.shape[0]:
-        raise ValueError(f"expected two (n, V) logit tensors of one shape, got {tuple(student_logits.shape)} and "
-                         f"{tuple(teacher_logits.shape)}")
-    logq = torch.log_softmax(student_logits.double(), -1)
-    logp = torch.log_softmax(teacher_logits.double(), -1)
-    kl = (logq.exp() * (logq - logp)).sum(-1)  # exact: every token of the vocabulary, in float64
-    top1 = (student_logits.argmax(-1) == teacher_logits.argmax(-1)).double()
-    return float(kl.mean()), float(top1.mean())
 
 
 @dataclass
@@ -186,4 +171,4 @@ class ShadowLane:
                                 reference=reference, kl=kl, top1=top1, tokens=len(s.reply))
 
 
-__all__ = ["ShadowLane", "fidelity", "sampled"]
+__all__ = ["ShadowLane", "sampled"]
