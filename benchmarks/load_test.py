@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from palimpsest.pipelines.ab import percentile as pct
+from palimpsest.pipelines.ab_stats import percentile as pct
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -44,7 +44,7 @@ def prepared_rows(cfg, fresh: bool = False):
     from dataclasses import asdict
 
     from palimpsest.pipelines.trajectories import file_sha256
-    from palimpsest.training.launcher import _load_rows, data_config, prepare, resolve_actor
+    from palimpsest.training.prepare import _load_rows, data_config, prepare, resolve_actor
 
     data_dir = Path(cfg.storage).expanduser().resolve() / cfg.name / "data"
     report = data_dir / "report.json"
@@ -133,8 +133,9 @@ def main() -> None:
     from palimpsest.platform.policies import load_policy_file
     from palimpsest.training.actions import Arm, MemoryArm, TeacherCache, evaluate_actions, summarize_actions
     from palimpsest.training.config import load_train_config
-    from palimpsest.training.launcher import TEACHERS, _teacher_key, build_memory, data_config
+    from palimpsest.training.launcher import build_memory
     from palimpsest.training.losses import stage2_student
+    from palimpsest.training.prepare import TEACHERS, _teacher_key, data_config
     from palimpsest.training.step import LocalBackend, PrefixCache, Step, lr_at, sample_tensors
     from palimpsest.training.teachers import TOP_K, actor_key, compute_teacher, score
 

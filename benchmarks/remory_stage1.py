@@ -39,7 +39,7 @@ def spans(cfg, actor_path: str, corpus: str | None, chunks: int) -> tuple[list[d
     from palimpsest.pipelines.remory_data import stage1_rows
     from palimpsest.pipelines.trajectories import read_trajectories
     from palimpsest.platform.tokens import get_tokenizer
-    from palimpsest.training.launcher import data_config
+    from palimpsest.training.prepare import data_config
 
     dcfg = replace(data_config(cfg), stage1_corpus=corpus, stage1_chunks=chunks)
     rows = stage1_rows(read_trajectories(Path(cfg.data.file)).trajectories, get_tokenizer(actor_path), dcfg)
@@ -88,7 +88,8 @@ def main() -> None:
 
     from palimpsest.models.actor import FrozenActor
     from palimpsest.training.config import load_train_config
-    from palimpsest.training.launcher import build_memory, resolve_actor
+    from palimpsest.training.launcher import build_memory
+    from palimpsest.training.prepare import resolve_actor
     from palimpsest.training.step import LocalBackend, Step, lr_at, sample_tensors
 
     cfg = load_train_config(args.config)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from palimpsest.pipelines.ab import percentile as pct
+from palimpsest.pipelines.ab_stats import percentile as pct
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -144,10 +144,10 @@ async def prefix_cache_phase(args, trajs):
     """The same compiled turns sent to one engine twice: stable layout, then with the prefix moved each turn."""
     from palimpsest.pipelines.environment import open_runtime
     from palimpsest.pipelines.trajectories import import_trajectory
+    from palimpsest.platform.chat import chat_ids
+    from palimpsest.platform.types import BudgetError
     from palimpsest.serving.config import ActorConfig
     from palimpsest.serving.engine import ActorEngine
-    from palimpsest.platform.types import BudgetError
-    from palimpsest.platform.chat import chat_ids
 
     engine = ActorEngine(ActorConfig(model="smollm2", max_tokens=1))
     rt = open_runtime(args.work / "bench-prefix.db", "minilm", "smollm2")

@@ -128,7 +128,7 @@ def test_train_configs_reach_the_data_builder_and_the_network_whole(path):
     from palimpsest.models.memory import MemoryConfig
     from palimpsest.pipelines.remory_data import DataConfig
     from palimpsest.training.config import load_train_config
-    from palimpsest.training.launcher import data_config
+    from palimpsest.training.prepare import data_config
 
     cfg = load_train_config(path)
     built = data_config(cfg)

@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from palimpsest.pipelines.ab import ab_summary, diff_ci, mean_ci, summary_markdown, wilson
+from palimpsest.pipelines.ab import ab_summary, summary_markdown
+from palimpsest.pipelines.ab_stats import diff_ci, mean_ci, wilson
 from palimpsest.platform import Ledger
 from palimpsest.platform.types import LedgerError
 

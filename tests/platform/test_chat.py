@@ -262,8 +262,8 @@ def test_the_exact_count_holds_when_stored_counts_underestimate(smol, monkeypatc
     more markup): the assembled ids are what is bounded."""
     from palimpsest.platform import compiler
 
-    real = compiler._costs
-    monkeypatch.setattr(compiler, "_costs", lambda snap, overhead: (real(snap, overhead) * scale).astype(np.int64))
+    real = compiler.step_costs
+    monkeypatch.setattr(compiler, "step_costs", lambda snap, overhead: (real(snap, overhead) * scale).astype(np.int64))
     roomy = smol.turn("s1", "full", 100_000, record=False).prompt.tokens
     for policy in ("full", "pace", "ace", "pace_plus", "rolling_summary"):
         for budget in (roomy // 2, roomy - 40, roomy + 10):

@@ -52,7 +52,7 @@ def test_bad_configs_are_refused_before_any_worker(tmp_path, actor_dir, section,
 
 
 def test_missing_actor_and_empty_data_are_clear_errors(tmp_path, actor_dir):
-    from palimpsest.training.launcher import prepare
+    from palimpsest.training.prepare import prepare
 
     with pytest.raises(ConfigError, match="holds no HF model"):
         prepare(config(tmp_path, actor_dir, actor={"path": str(tmp_path / "nope")}))
@@ -97,10 +97,9 @@ def _check_same_step(cfg, actor_dir, summary, tracking):
     import torch
 
     from palimpsest.models.actor import FrozenActor
-    from palimpsest.training.launcher import _load_rows, build_memory
-    from palimpsest.training.step import grad_norms, sample_loss, sample_tensors
-
-    from palimpsest.training.step import lr_at
+    from palimpsest.training.launcher import build_memory
+    from palimpsest.training.prepare import _load_rows
+    from palimpsest.training.step import grad_norms, lr_at, sample_loss, sample_tensors
 
     client = mlflow.MlflowClient(tracking)
     # each stage's updates follow the config's schedule from its own first step (Stage I: steps 1-2, II: 3-6),
@@ -130,9 +129,7 @@ def _check_run(summary, marker, tracking, store):
     import mlflow
     import torch
 
-    from palimpsest.models.registry import load_memory
-    from palimpsest.models.registry import resolve_memory_ref
-    from palimpsest.models.registry import load_bundle
+    from palimpsest.models.registry import load_bundle, load_memory, resolve_memory_ref
 
     assert marker.exists()  # the worker was killed once ...
     assert summary["metrics"]["step"] == 6  # ... and the run still finished,
@@ -210,7 +207,7 @@ def test_zero3_and_ddp_train_and_export_the_same_architecture(tmp_path, actor_di
 
 
 def test_each_stage_walks_its_own_rows_from_the_shortest_history_epoch_by_epoch():
-    from palimpsest.training.launcher import curriculum_row
+    from palimpsest.training.prepare import curriculum_row
 
     stage1, world, n = 7, 2, 5
     # Stage II's first step on each rank takes the first (shortest) rows, whatever the global step count.

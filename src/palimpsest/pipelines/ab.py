@@ -26,17 +26,20 @@ served them), the outcomes clients posted, and the shadow lane's fidelity record
 
 from __future__ import annotations
 
-import math
-import random
 from typing import Any
 
 from palimpsest.models.registry import mlflow_experiment, tracking_uri
+from palimpsest.pipelines.ab_stats import (
+    diff_ci,
+    mde,
+    mean_ci,
+    percentile,
+    unpaired_mde,
+    wilson,
+)
 from palimpsest.platform.ledger.experiments import reference_kind
 from palimpsest.platform.types import PalimpsestError
 
-Z95 = 1.959963984540054
-Z80 = 0.8416212335729143  # the one-sided normal quantile of 80% power
-BOOTSTRAP = 2000  # resamples per interval (seeded: a report is reproducible)
 METRICS = (("tokens_context", "context tokens"), ("tokens_prompt", "actor input positions"),
            ("tokens_soft", "soft-memory positions"), ("plan_ms", "plan+compile ms"), ("embed_ms", "query-embedding wait ms"),
            ("memory_ms", "memory ms"),
@@ -44,93 +47,6 @@ METRICS = (("tokens_context", "context tokens"), ("tokens_prompt", "actor input 
            ("tokens_cached", "cached by vLLM per turn"), ("uncached", "uncached ids per turn (from the ids)"),
            ("billed", "billed ids per turn (from the ids)"), ("prefix_reuse", "prefix reuse (from the ids)"))
 KINDS = ("full", "policy@window")
-
-
-#: Student's t 97.5% quantiles for 1..30 degrees of freedom (beyond, the normal's): small samples get wide intervals.
-_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
-
-
-def t975(df: float) -> float:
-    """Student's t 97.5% quantile (beyond 30 degrees of freedom, the Cornish-Fisher expansion: within 0.1%)."""
-    if df != df or df < 1:
-        return float("nan")
-    if df <= len(_T975):
-        return _T975[int(df) - 1]  # a fractional df rounds down: the wider quantile
-    return Z95 + (Z95 ** 3 + Z95) / (4 * df) + (5 * Z95 ** 5 + 16 * Z95 ** 3 + 3 * Z95) / (96 * df ** 2)
-
-
-def _quantile(s: list[float], q: float) -> float:
-    k = (len(s) - 1) * q
-    f, c = math.floor(k), math.ceil(k)
-    return s[f] + (s[c] - s[f]) * (k - f)
-
-
-def mean_ci(xs: list[float], seed: int = 0) -> dict[str, float]:
-    """Mean with a 95% percentile-bootstrap interval (no interval below two values). Every resampled mean lies
-    within [min, max] of the values, so the interval never leaves the quantity's range."""
-    n = len(xs)
-    nan = float("nan")
-    if n == 0:
-        return {"n": 0, "mean": nan, "lo": nan, "hi": nan, "sd": nan}
-    m = sum(xs) / n
-    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1)) if n > 1 else 0.0
-    if n < 2:
-        return {"n": n, "mean": m, "lo": nan, "hi": nan, "sd": sd}
-    rng = random.Random(seed)
-    means = sorted(sum(rng.choices(xs, k=n)) / n for _ in range(BOOTSTRAP))
-    lo, hi = _quantile(means, 0.025), _quantile(means, 0.975)
-    return {"n": n, "mean": m, "lo": min(lo, m), "hi": max(hi, m), "sd": sd}
-
-
-def diff_ci(xs: list[float], ys: list[float], seed: int = 0) -> dict[str, float]:
-    """mean(ys) - mean(xs) of two independent samples, with a 95% bootstrap interval (each resampled apart)."""
-    nan = float("nan")
-    if not xs or not ys:
-        return {"diff": nan, "lo": nan, "hi": nan}
-    d = sum(ys) / len(ys) - sum(xs) / len(xs)
-    if len(xs) < 2 or len(ys) < 2:
-        return {"diff": d, "lo": nan, "hi": nan}
-    rng = random.Random(seed)
-    ds = sorted(sum(rng.choices(ys, k=len(ys))) / len(ys) - sum(rng.choices(xs, k=len(xs))) / len(xs)
-                for _ in range(BOOTSTRAP))
-    return {"diff": d, "lo": min(_quantile(ds, 0.025), d), "hi": max(_quantile(ds, 0.975), d)}
-
-
-def wilson(k: int, n: int) -> dict[str, float]:
-    """A proportion k/n with Wilson's 95% score interval (within [0, 1], sensible at 0 and n)."""
-    if n == 0:
-        return {"k": 0, "n": 0, "p": float("nan"), "lo": float("nan"), "hi": float("nan")}
-    p = k / n
-    z2 = Z95 * Z95
-    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
-    half = Z95 * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
-    return {"k": k, "n": n, "p": p, "lo": min(p, max(0.0, centre - half)), "hi": max(p, min(1.0, centre + half))}
-
-
-def percentile(xs: list[float], q: float) -> float:
-    return _quantile(sorted(xs), q) if xs else float("nan")
-
-
-def mde(sd: float, n: int) -> float:
-    """The smallest true mean difference a paired comparison of ``n`` units with spread ``sd`` detects at 80%
-    power, two-sided 5% (the t quantile for the test, the normal one for the power: approximate)."""
-    if n < 2 or sd != sd or sd == 0:  # no spread (e.g. identical outcomes): nothing to say about power
-        return float("nan")
-    return (t975(n - 1) + Z80) * sd / math.sqrt(n)
-
-
-def unpaired_mde(a: list[float], b: list[float]) -> float:
-    """As :func:`mde` for two independent samples (Welch's standard error)."""
-    if len(a) < 2 or len(b) < 2:
-        return float("nan")
-    va, vb = (mean_ci(a)["sd"] ** 2 / len(a)), (mean_ci(b)["sd"] ** 2 / len(b))
-    se = math.sqrt(va + vb)
-    if se == 0:
-        return float("nan")
-    den = va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1)
-    df = (va + vb) ** 2 / den if den > 0 else len(a) + len(b) - 2
-    return (t975(df) + Z80) * se
 
 
 def pair_key(session_id: str, arms: list[str]) -> tuple[str, str] | None:

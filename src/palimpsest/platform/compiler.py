@@ -21,7 +21,7 @@ plus a minimal rendering of the latest step is an error.
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -34,15 +34,6 @@ from palimpsest.platform.chat import (
     prefix_messages,
     prefix_size,
     soft_slot,
-)
-from palimpsest.platform.epochs import (
-    Boundary,
-    Compaction,
-    boundary_of,
-    empty_boundary,
-    estimate_extension,
-    extend,
-    extended_plan,
 )
 from palimpsest.platform.folding import RANGE_LINE_TOKENS, fold_old_history, protected_order
 from palimpsest.platform.tokens import ChatTokenizer
@@ -66,7 +57,7 @@ ELIDE_SHARE = 0.5
 _MAX_ROUNDS = 64
 
 
-def _messages_per_step(snap: "SessionSnapshot") -> np.ndarray:
+def messages_per_step(snap: "SessionSnapshot") -> np.ndarray:
     """(M,) how many messages a step renders as: its turn and its result, or one of them (built once per
     snapshot; ``SessionSnapshot.upto`` slices it)."""
     cached = snap._memo.get("messages_per_step")
@@ -82,12 +73,12 @@ def step_message_counts(steps) -> np.ndarray:
                        dtype=np.int64, count=len(steps))
 
 
-def _costs(snap: "SessionSnapshot", overhead: int) -> np.ndarray:
+def step_costs(snap: "SessionSnapshot", overhead: int) -> np.ndarray:
     """(M, 5) estimated tokens per resolution, template overhead included; DROP costs 0; a representation
     not written yet is -1."""
     costs = np.zeros((snap.t, 5), dtype=np.int64)
     costs[:, :4] = snap.tokens
-    extra = _messages_per_step(snap) * overhead
+    extra = messages_per_step(snap) * overhead
     costs[:, :4] = np.where(costs[:, :4] >= 0, costs[:, :4] + extra[:, None], -1)
     return costs
 
@@ -193,7 +184,7 @@ def compile_plan(snap: "SessionSnapshot", plan: RenderPlan, limit: Budget, token
         raise BudgetError(f"budget {budget} cannot hold the fixed prefix ({prefix_tokens} tokens) of session "
                           f"{snap.session.id!r}" + (f" plus the reserve of {reserve}" if reserve else ""))
     overhead = message_overhead(tokenizer)
-    costs = _costs(snap, overhead)
+    costs = step_costs(snap, overhead)
     level = _available_at_or_below(costs, plan.resolution.astype(np.int64))
     rows = np.arange(snap.t)
     # A summary never costs more than the raw step it stands for: show the raw one instead.
@@ -331,74 +322,6 @@ def assemble_prompt(tokenizer: ChatTokenizer, prefix: list[dict], messages: list
     )
 
 
-def compile_epoch(snap: "SessionSnapshot", plan_at: Callable[[int], RenderPlan], limit: Budget,
-                  tokenizer: ChatTokenizer, prev: Boundary | None, compaction: Compaction,
-                  policy: tuple[str, str] = ("", "")) -> tuple[RenderPlan, Prompt, Boundary, bool]:
-    """One turn of a compaction epoch (:mod:`palimpsest.platform.epochs`): the previous boundary's prompt plus
-    the steps appended since, raw, unless those ids plus the reserve would pass ``compaction.high`` x the total;
-    then a boundary: ``plan_at(plan budget)`` plans anew and the prompt is compacted to ``compaction.low`` x
-    budget (the whole budget where the low watermark cannot hold the prefix and the latest step). Returns
-    (plan, prompt, the boundary in effect, whether this turn is a new boundary). ``policy``: the policy's
-    (name, config hash), named by the plan of an append-only turn."""
-    if not isinstance(limit, Budget):
-        raise TypeError(f"limit must be a Budget, got {type(limit).__name__}")
-    budget, reserve = limit.total, limit.reserve
-    prefix = prefix_messages(snap.session)
-    prefix_tokens = prefix_size(tokenizer, prefix)
-    overhead = message_overhead(tokenizer)
-    base = prev if prev is not None and prev.t <= snap.t else empty_boundary(prefix, prefix_segments(prefix))
-    high = int(compaction.high * budget)
-    base_tokens = int(base.info.get("tokens", prefix_tokens))
-    estimate = estimate_extension(base, snap, base_tokens, overhead, _messages_per_step(snap))
-    before = estimate
-    # An extension far past the watermark (a long history met for the first time) is not counted exactly.
-    if estimate + reserve <= high * 1.25 + 64:
-        msgs, segments = extend(base, snap, overhead)
-        ids = chat_ids(tokenizer, msgs, base.split)
-        before = len(ids)
-        if len(ids) + reserve <= high:
-            plan = extended_plan(base, snap, *policy)
-            return plan, assemble_prompt(tokenizer, prefix, msgs, ids, segments, prefix_tokens, reserve), base, False
-    low = max(int(compaction.low * budget), 1)
-    # The oldest region as the previous boundary rendered it, within `keep` of the room: the cache keeps it.
-    kept = _kept_prefix(base, snap, overhead, int(compaction.keep * max(low - reserve - prefix_tokens, 0)))
-
-    def planned(plan_budget: int) -> RenderPlan:
-        plan = plan_at(plan_budget)
-        if kept:
-            plan.resolution[:kept] = base.resolution[:kept]
-            plan.frozen = np.zeros(len(plan), dtype=bool)
-            plan.frozen[:kept] = True
-            plan.reason_code[:kept] = len(plan.reasons)
-            plan.reasons.append(f"kept as the compaction boundary at t={base.t} rendered it (the prefix cache "
-                                "holds it)")
-            plan.info["kept"] = {"steps": kept, "boundary_t": base.t}
-        return plan
-
-    # the low watermark; where it cannot hold the prefix and the latest step, the high one, then the budget
-    targets = [low] + [b for b in (high, budget) if b > low]
-    for target in dict.fromkeys(targets):
-        try:
-            if reserve >= target:
-                continue  # this watermark cannot hold even the reserve
-            at = limit.of_total(target)
-            plan = planned(at.prompt)
-            prompt = compile_plan(snap, plan, at, tokenizer, slot="end")
-            low = target
-            break
-        except BudgetError:
-            if target == budget:
-                raise
-    kept = np.concatenate([base.resolution, np.full(snap.t - base.t, Resolution.FULL, np.int8)])
-    changed = int(np.count_nonzero(kept != plan.resolution)) if kept.size == len(plan) else len(plan)
-    info = {"t": snap.t, "previous_t": base.t, "previous_id": base.id, "before": int(before), "reserve": int(reserve),
-            "high": high, "target": low, "after": prompt.tokens, "changed": changed,
-            "trigger": f"{before} + {reserve} > {compaction.high:g} x {budget}" if base.t or snap.t else "start",
-            "tokens": prompt.tokens}
-    plan.info["compaction"] = info
-    return plan, prompt, boundary_of(plan, prompt.messages, prompt.segments, budget, info), True
-
-
 def _tighten(snap: "SessionSnapshot", caps: dict[int, int], pinned_idx: np.ndarray, ids, tokenizer,
              over: int) -> bool:
     """Lower the character cap of the largest pinned step so that about ``over`` tokens go; False when every
@@ -416,27 +339,3 @@ def _tighten(snap: "SessionSnapshot", caps: dict[int, int], pinned_idx: np.ndarr
     return True
 
 
-def _kept_prefix(b: Boundary, snap: "SessionSnapshot", overhead: int, limit: int) -> int:
-    """How many of the oldest steps a compaction keeps as boundary ``b`` rendered them: the longest run from
-    step 0 whose estimated cost (one line per hidden run) is within ``limit``, not ending inside a hidden
-    run (its line would change), and only where each level's text still exists."""
-    n = min(b.t, snap.t)
-    if n <= 0 or limit <= 0:
-        return 0
-    lv = b.resolution[:n].astype(np.int64)
-    costs = _costs(snap.upto(n), overhead)
-    cost = costs[np.arange(n), lv]
-    missing = np.flatnonzero(cost < 0)
-    if missing.size:
-        n = int(missing[0])
-        lv, cost = lv[:n], cost[:n]
-    hidden = lv == _DROP
-    starts = hidden & ~np.concatenate([[False], hidden[:-1]]) if n else hidden
-    cum = np.cumsum(np.where(hidden, 0, cost) + starts * (overhead + RANGE_LINE_TOKENS))
-    j = int(np.searchsorted(cum, limit, side="right"))
-    while j > 0 and j < n and hidden[j - 1] and hidden[j]:
-        j -= 1  # back to the start of that run: a longer run would rewrite its line
-    if 0 < j < n and hidden[j - 1]:
-        while j > 0 and hidden[j - 1]:
-            j -= 1
-    return j

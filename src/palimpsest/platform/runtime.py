@@ -21,8 +21,9 @@ import numpy as np
 from palimpsest.platform.abstraction import RuleSummarizer, Summaries
 from palimpsest.platform.budget import Budget
 from palimpsest.platform.chat import prefix_tokens
-from palimpsest.platform.compiler import ELIDE_SHARE, compile_epoch, compile_plan
+from palimpsest.platform.compiler import ELIDE_SHARE, compile_plan
 from palimpsest.platform.embedding import Embedder, HashingEmbedder
+from palimpsest.platform.epoch_compile import compile_epoch
 from palimpsest.platform.epochs import Boundary, compaction_of, epoch_key, turn_cost
 from palimpsest.platform.ledger import Ledger, SessionSnapshot
 from palimpsest.platform.policies import PolicyConfigBase, PolicyDeps, build_policy

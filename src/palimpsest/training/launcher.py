@@ -16,118 +16,32 @@ registered model tagged with the policy config it pairs with.
 from __future__ import annotations
 
 import json
-import math
 import os
 import resource
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from palimpsest.models.registry import (
     mlflow_experiment,
     register_bundle,
-    resolve_actor_path,
     tracking_errors,
     tracking_uri,
     write_bundle,
 )
-from palimpsest.pipelines.remory_data import DataConfig, build_datasets
 from palimpsest.pipelines.tracking import check, configure
-from palimpsest.platform.policies import load_policy_file
-from palimpsest.platform.types import ConfigError, PalimpsestError
+from palimpsest.platform.types import PalimpsestError
 from palimpsest.training.config import TrainConfig
+from palimpsest.training.prepare import (
+    TEACHERS,
+    _load_rows,
+    _teacher_key,
+    curriculum_row,
+    prepare,
+)
 
 __all__ = ["launch", "prepare", "register", "train_loop"]
-
-
-@dataclass(frozen=True)
-class PreparedRun:
-    config: TrainConfig
-    actor_path: str
-    data_dir: str
-    storage: str
-    data_report: dict
-
-
-def resolve_actor(cfg: TrainConfig) -> Path:
-    return resolve_actor_path(cfg.actor.path)
-
-
-def data_config(cfg: TrainConfig):
-    """The data builder's config of a training config (``pipelines.remory_data.DataConfig``)."""
-    d, m = cfg.data, cfg.memory
-    slots = min(math.ceil(d.memory_tokens / m.block_size) * m.queries, m.max_slots)  # MemoryNetwork.slots_for
-    return DataConfig(max_history_tokens=d.max_history_tokens, max_target_tokens=d.max_target_tokens,
-                      max_observation_chars=d.max_observation_chars, span_tokens=d.span_tokens,
-                      val_fraction=d.val_fraction, budget=d.budget, memory_tokens=d.memory_tokens, soft_slots=slots,
-                      recall_sessions=d.recall_sessions, recall_steps=d.recall_steps, stage1_corpus=d.stage1_corpus,
-                      stage1_chunks=d.stage1_chunks, seed=cfg.optim.seed)
-
-
-def prepare(cfg: TrainConfig) -> PreparedRun:
-    """Everything that can fail on bad input, on the driver: actor path, data, sizes."""
-    from transformers import AutoConfig
-
-
-    actor = resolve_actor(cfg)
-    hidden = AutoConfig.from_pretrained(str(actor)).hidden_size
-    if cfg.memory.d_model > 16 * hidden:
-        raise ConfigError(f"memory.d_model {cfg.memory.d_model} is out of proportion to the actor's {hidden}")
-    data = Path(cfg.data.file)
-    if not data.is_file():
-        raise ConfigError(f"training data not found: {data}")
-    storage = Path(cfg.storage).expanduser().resolve() / cfg.name
-    policy = load_policy_file(cfg.tracking.policy_config)
-    report = build_datasets(data, str(actor), storage / "data", data_config(cfg), policy, cfg.data.embedder)
-    if cfg.optim.stage2_steps and not report["counts"]["stage2"]["train"]:
-        raise ConfigError(f"{data}: no Stage II training sample (all boundaries fell in the validation split)")
-    if cfg.optim.stage1_steps and not report["counts"]["stage1"]["train"]:
-        raise ConfigError(f"{data}: no Stage I training sample")
-    if cfg.optim.stage2_steps and cfg.optim.teacher_cache:
-        report["teachers"] = cache_teachers(cfg, str(actor), storage / "data", report["data_sha256"])
-    return PreparedRun(cfg, str(actor), str(storage / "data"), str(storage), report)
-
-
-TEACHERS = "teachers.parquet"
-
-
-def _teacher_key(cfg: TrainConfig, actor_path: str, data_sha: str, row: dict) -> str:
-    # deferred: loads torch
-    from palimpsest.training.teachers import TeacherCache, actor_key
-
-    return TeacherCache.key(actor_key(actor_path, cfg.actor.dtype), data_sha, row["trajectory"], int(row["t"]),
-                            row["teacher"], row["target"])
-
-
-def cache_teachers(cfg: TrainConfig, actor_path: str, data_dir: Path, data_sha: str) -> dict:
-    """The teacher of every Stage II training row the run will visit, computed once on the driver (top-k +
-    tail mass, the cache ``eval-actions`` keeps; on a GPU when the run uses GPUs and the driver has one):
-    workers read it instead of a full teacher pass at every step. Rows already cached (a resumed or
-    repeated run) are not computed again."""
-    import torch
-
-    # deferred: loads torch
-    from palimpsest.models.actor import FrozenActor
-    from palimpsest.training.teachers import TeacherCache, compute_teacher
-
-    cache = TeacherCache(data_dir / TEACHERS)
-    rows = _load_rows(str(data_dir), 2)
-    o, world = cfg.optim, cfg.distributed.num_workers
-    visited = sorted({curriculum_row(o.stage1_steps + s, o.stage1_steps, world, r, len(rows))[1]
-                      for s in range(o.stage2_steps) for r in range(world)})
-    todo = [rows[i] for i in visited if _teacher_key(cfg, actor_path, data_sha, rows[i]) not in cache.rows]
-    t0 = time.perf_counter()
-    if todo:
-        device = "cuda" if cfg.distributed.use_gpu and torch.cuda.is_available() else "cpu"
-        actor = FrozenActor.from_pretrained(actor_path, dtype=cfg.actor.dtype, device=device)
-        for r in todo:
-            teacher = compute_teacher(actor, r["teacher"], r["target"])
-            cache.put(_teacher_key(cfg, actor_path, data_sha, r), r["trajectory"], int(r["t"]), teacher)
-        cache.save()
-    return {"rows": len(rows), "visited": len(visited), "computed": len(todo),
-            "seconds": round(time.perf_counter() - t0, 1)}
 
 
 def ds_config(cfg: TrainConfig) -> dict[str, Any]:
@@ -143,22 +57,6 @@ def ds_config(cfg: TrainConfig) -> dict[str, Any]:
     if cfg.actor.dtype == "bfloat16":
         out["bf16"] = {"enabled": True}
     return out
-
-
-def curriculum_row(step: int, stage1_steps: int, world: int, rank: int, n_rows: int) -> tuple[int, int]:
-    """(stage, row index) of a global step on one rank. Each stage walks its own rows from the start (they
-    are sorted shortest history first: the curriculum), the ranks taking consecutive rows, epoch after
-    epoch; Stage II starts at its shortest history, not where the global step count happens to point."""
-    stage = 1 if step < stage1_steps else 2
-    local = step if stage == 1 else step - stage1_steps
-    return stage, (local * world + rank) % n_rows
-
-
-def _load_rows(data_dir: str, stage: int, split: str = "train") -> list[dict]:
-    import pyarrow.parquet as pq
-
-    rows = pq.read_table(Path(data_dir) / f"stage{stage}.parquet").to_pylist()
-    return [r for r in rows if r["split"] == split]
 
 
 def build_memory(cfg: TrainConfig, actor) -> "object":

@@ -12,7 +12,8 @@ read and every write names its session; a step id of another session is "unknown
 
 One module per concern, one class over them:
 
-- ``store``: sessions, steps, summaries, keys, folds, compaction boundaries, work leases;
+- ``store``: sessions, steps, summaries, keys, folds;
+- ``boundaries``: compaction boundaries, work leases;
 - ``audit``: each compiled turn's plan, and the glimpses a turn used;
 - ``experiments``: served turns, outcomes and shadow fidelity (the A/B record);
 - ``snapshot``: the snapshot a policy plans on, and the delta a cached snapshot catches up with.
@@ -24,12 +25,13 @@ The ledger does not know the prompt: what a session's fixed prefix costs is hand
 from __future__ import annotations
 
 from palimpsest.platform.ledger.audit import Audit
+from palimpsest.platform.ledger.boundaries import Boundaries
 from palimpsest.platform.ledger.experiments import Experiments
 from palimpsest.platform.ledger.snapshot import SalientIndex, SessionSnapshot, SnapshotDelta, SnapshotReads
 from palimpsest.platform.ledger.store import PrefixCost, Store
 
 
-class Ledger(Store, Audit, Experiments, SnapshotReads):
+class Ledger(Store, Boundaries, Audit, Experiments, SnapshotReads):
     """Append-only step ledger. Thread-safe; several processes (SQLite) or machines (PostgreSQL) may
     share one.
 
