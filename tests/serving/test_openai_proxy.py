@@ -208,3 +208,35 @@ def test_a_messages_field_of_any_wrong_json_type_is_a_400_naming_it_never_a_cras
                 anthropic_protocol.read_request({**base, field: value})
             except anthropic_protocol.AnthropicInputError as e:
                 assert field in str(e), (field, value, str(e))
+
+
+def _turn(content: str, **extra):
+    from types import SimpleNamespace
+
+    tokens = {"prompt_total": 10, "cached_total": 0, "cached": 0, "completion": 4, "full_history_estimate": 10,
+              "context": 10}
+    return SimpleNamespace(content=content, tool_calls=[], finish_reason="length", stop_sequence=None, tokens=tokens,
+                           **extra)
+
+
+def test_a_stream_ends_with_the_text_the_tool_parser_held_back():
+    """A reply that opens like a tool call and never closes one is held back while it streams (it may be call
+    markup) and comes back whole as content: the stream sends it before it closes, as the whole reply has it."""
+    from palimpsest.serving.anthropic_proxy import EventWriter
+    from palimpsest.serving.openai_proxy import ChunkWriter
+
+    held = '<tool_call>{"name": "bash", "arguments": {'
+    writer = EventWriter("m", lambda turn: {})
+    frames = writer.started({"prompt": 10, "expected_cached": 0}) + writer.closing(_turn(held))
+    deltas = [json.loads(f.split("data: ", 1)[1]) for f in frames if f.startswith("event: content_block_delta")]
+    assert [d["delta"]["text"] for d in deltas] == [held]
+    # what was streamed already is not sent twice
+    writer = EventWriter("m", lambda turn: {})
+    frames = writer.text("Hello") + writer.closing(_turn("Hello world"))
+    texts = [json.loads(f.split("data: ", 1)[1])["delta"]["text"] for f in frames
+             if f.startswith("event: content_block_delta")]
+    assert texts == ["Hello", " world"]
+    chunks = ChunkWriter({"id": "x", "created": 0, "model": "m"}, "s", False)
+    frames = chunks.closing(_turn(held, arm="a", t=0, plan={}, latency_ms={}, glimpses=[]))
+    sent = [json.loads(f[6:])["choices"][0]["delta"].get("content") for f in frames if f.startswith("data: {")]
+    assert held in sent

@@ -25,9 +25,9 @@ from pydantic import ValidationError
 from palimpsest.platform.chat import chat_ids, raw_history_messages
 from palimpsest.platform.types import Session, UnknownSessionError
 from palimpsest.serving import anthropic_protocol, openai_proxy, sessions
-from palimpsest.serving.openai_protocol import parse_messages, plain
 from palimpsest.serving.errors import anthropic_error
-from palimpsest.serving.http import ARM_HEADER, SESSION_HEADER, HTTPProblem, stream_turn
+from palimpsest.serving.http import ARM_HEADER, SESSION_HEADER, HTTPProblem, stream_turn, unsent
+from palimpsest.serving.openai_protocol import parse_messages, plain
 from palimpsest.serving.schemas import ChatIn, TurnIn
 
 
@@ -120,6 +120,7 @@ class EventWriter:
 
     def __init__(self, model: str, extension: Callable[[Any], dict]):
         self.model, self.extension, self.opened, self.begun = model, extension, False, False
+        self.sent = ""  # the answer's text streamed so far
 
     def opening(self) -> list[str]:  # message_start waits for the compiled prompt's size (started)
         return []
@@ -135,6 +136,7 @@ class EventWriter:
 
     def text(self, text: str) -> list[str]:
         out = self.started(None)
+        self.sent += text
         if not self.opened:
             self.opened = True
             out.append(event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}))
@@ -142,7 +144,11 @@ class EventWriter:
         return out
 
     def closing(self, turn) -> list[str]:
-        return self.started(None) + closing_events(turn, self.opened, 0, self.extension(turn))
+        # text the tool parser held back as possible call markup and then gave back as content (a call that
+        # never closed) is sent now: the streamed message holds what the whole one would
+        rest = unsent(turn.content, self.sent)
+        out = self.started(None) + (self.text(rest) if rest else [])
+        return out + closing_events(turn, self.opened, 0, self.extension(turn))
 
     def error(self, code: int, message: str) -> list[str]:
         return [event("error", {"error": anthropic_error(code, message)[1]})]

@@ -24,9 +24,10 @@ from palimpsest.platform.types import (
     UnknownStepError,
 )
 from palimpsest.serving import errors
-from palimpsest.serving.errors import HistoryConflict
 from palimpsest.serving.embeds import EmbedsError
+from palimpsest.serving.errors import HistoryConflict
 from palimpsest.serving.remote import UpstreamError, UpstreamUnavailable
+
 
 def _retriable() -> tuple[type[BaseException], ...]:
     """Failures of a child replica (died, restarting, overloaded): the request may simply be retried."""
@@ -184,6 +185,13 @@ class Tenant:
         return internal_id if self.name is None else internal_id.split("::", 1)[1]
 
 
+
+
+def unsent(content: str | None, sent: str) -> str:
+    """The part of a reply's final ``content`` a stream has not sent (its text so far being ``sent``)."""
+    if not content or content == sent:
+        return ""
+    return content[len(sent):] if content.startswith(sent) else ("" if sent else content)
 
 
 async def stream_turn(run, writer, on_gone=None, ping_s: float | None = None):

@@ -19,8 +19,8 @@ import json
 from dataclasses import dataclass, field, replace
 
 from palimpsest.platform import toolcalls
-from palimpsest.serving.errors import HistoryConflict
 from palimpsest.platform.types import Authority, PalimpsestError, StepRecord
+from palimpsest.serving.errors import HistoryConflict
 
 
 def plain(content) -> str:

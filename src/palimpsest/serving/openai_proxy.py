@@ -17,7 +17,7 @@ from fastapi.responses import StreamingResponse
 from palimpsest.serving import sessions
 from palimpsest.serving.embeds import decode_embeds
 from palimpsest.serving.errors import openai_error
-from palimpsest.serving.http import SESSION_HEADER, HTTPProblem, _retriable_error, stream_turn
+from palimpsest.serving.http import SESSION_HEADER, HTTPProblem, _retriable_error, stream_turn, unsent
 from palimpsest.serving.schemas import ChatIn, CompletionIn, TurnIn
 
 # -- the OpenAI wire format of a served turn  ------------------------------
@@ -58,6 +58,7 @@ class ChunkWriter:
 
     def __init__(self, head: dict, ext: str, include_usage: bool):
         self.head, self.ext, self.include_usage = head, ext, include_usage
+        self.sent = ""  # the answer's text streamed so far
 
     def chunk(self, delta: dict, finish_reason: str | None = None, **extra) -> str:
         body = {**self.head, "object": "chat.completion.chunk",
@@ -74,10 +75,13 @@ class ChunkWriter:
         return []
 
     def text(self, text: str) -> list[str]:
+        self.sent += text
         return [self.chunk({"content": text})]
 
     def closing(self, turn) -> list[str]:
-        out = []
+        # content the tool parser held back as possible call markup, then gave back (a call that never closed)
+        rest = unsent(turn.content, self.sent)
+        out = self.text(rest) if rest else []
         if turn.tool_calls:
             out.append(self.chunk({"tool_calls": [{"index": k, **c} for k, c in enumerate(turn.tool_calls)]}))
         out.append(self.chunk({}, finish(turn), palimpsest=extension(self.ext, turn)))
