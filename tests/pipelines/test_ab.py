@@ -109,7 +109,7 @@ def test_paired_trajectories_detect_a_difference_the_unpaired_comparison_cannot(
     paired = s["paired"]["b"]["kl:full"]
     assert paired["n"] == 10 and paired["pairs"] == 20 and paired["significant"] and paired["hi"] < 0
     assert paired["mde"] < 0.05 < b["power"]["fidelity_kl_full_mde"]
-    assert paired["sessions_needed"] is not None and 2 <= paired["sessions_needed"] <= 10
+    assert paired["p"] == 2 / 2 ** 10  # every trajectory's difference has the same sign: the exact test's floor
     assert not s["paired"]["b"]["outcome"]["significant"]  # identical outcomes: no difference
     md = summary_markdown(s)
     assert "Paired by trajectory" in md and "| fidelity KL vs `full` | 10 (20) |" in md and "80% power" in md
@@ -140,3 +140,33 @@ def test_outcomes_are_recorded_append_only(ledger_url):
         led.record_outcome("s", "a", float("nan"))
     with pytest.raises(Exception, match="append-only"), led.transaction() as db:
         db.execute("DELETE FROM outcomes")
+
+
+def test_the_paired_test_keeps_its_level_on_noise_at_the_sample_sizes_of_a_rollout():
+    """No real difference, normal or heavy-tailed (Cauchy) per-trajectory differences, 3-12 trajectories: the
+    sign-flip test comes out significant at most 5% of the time (the bootstrap it replaces: 10-25%)."""
+    import numpy as np
+
+    from palimpsest.pipelines.ab_stats import sign_flip_p
+
+    rng = np.random.default_rng(7)
+    for n in (3, 4, 5, 6, 8, 12):
+        for draw in (rng.standard_normal, rng.standard_cauchy):
+            rate = np.mean([sign_flip_p(list(draw(n))) <= 0.05 for _ in range(400)])
+            assert rate <= 0.05 + 3 * (0.05 * 0.95 / 400) ** 0.5, (n, draw.__name__, rate)
+            if n <= 5:  # 2/2^n > 0.05: nothing can come out significant
+                assert rate == 0
+
+
+def test_the_paired_test_finds_a_real_difference_and_its_interval_matches_it():
+    from palimpsest.pipelines.ab_stats import paired_test
+
+    shifted = paired_test([0.9, 1.1, 1.3, 0.7, 1.0, 1.2, 0.8, 1.05])
+    assert shifted["significant"] and shifted["p"] == 2 / 2 ** 8 and 0 < shifted["lo"] < 1 < shifted["hi"]
+    assert shifted["mde"] < 1.0  # detectable: it was detected
+    few = paired_test([1.0, 1.1, 0.9])
+    assert not few["significant"] and few["lo"] == float("-inf") and few["mde"] == float("inf")
+    noise = paired_test([0.3, -0.2, 0.1, -0.4, 0.2, -0.1, 0.25, -0.3])
+    assert not noise["significant"] and noise["lo"] < 0 < noise["hi"]
+    big = paired_test([1.0 + 0.1 * k for k in range(20)])  # beyond 16 pairs: Monte Carlo, seeded
+    assert big["significant"] and not big["exact"] and big == paired_test([1.0 + 0.1 * k for k in range(20)])

@@ -63,7 +63,7 @@ def sse(text: str) -> list[tuple[str, dict]]:
     """Server-sent events as (event, data), read as a raw consumer reads them."""
     out = []
     for frame in text.split("\n\n"):
-        if not frame.strip():
+        if not frame.strip() or frame.startswith(":"):  # an SSE comment (a keep-alive before message_start)
             continue
         lines = dict(line.split(": ", 1) for line in frame.split("\n"))
         data = json.loads(lines["data"])
@@ -107,6 +107,13 @@ def test_the_live_errors_of_the_messages_routes_are_anthropics(server, client, m
         assert r.json()["error"]["type"] == errors.ANTHROPIC_TYPES[status]
     r = client.post("/v1/messages/nope", json={})  # an unknown route of the Messages API: its 404
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+
+    def chunks():  # no Content-Length: the limit counts the bytes as the route reads them
+        for _ in range(LIMIT // 4096 + 2):
+            yield b" " * 4096
+
+    r = client.post("/v1/messages", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large", r.text
     # a rewritten history is the API's 400, not a 409
     first = {**body(model, "err-2"), "messages": [{"role": "user", "content": TASK},
                                                    {"role": "assistant", "content": "ls"},
@@ -115,6 +122,20 @@ def test_the_live_errors_of_the_messages_routes_are_anthropics(server, client, m
     first["messages"][1]["content"] = "rm -rf /"
     r = client.post("/v1/messages", json=first)
     assert r.status_code == 400 and "rewrites recorded step" in error_message(r)
+
+
+def test_the_anthropic_client_reads_each_error_as_its_own_class(server, ac, model):
+    anthropic = pytest.importorskip("anthropic")
+    with pytest.raises(anthropic.NotFoundError) as e:
+        ac.messages.create(model="claude-sonnet-4-5", max_tokens=4, messages=[{"role": "user", "content": TASK}])
+    assert e.value.body["error"]["type"] == "not_found_error" and model in e.value.body["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError) as e:
+        ac.messages.create(model=model, max_tokens=4, messages=[{"role": "user", "content": "  "}])
+    assert e.value.body["error"]["message"].startswith("messages[0].content")
+    stranger = anthropic.Anthropic(base_url=server.url, api_key="not-a-key", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as e:
+        stranger.messages.create(model=model, max_tokens=4, messages=[{"role": "user", "content": TASK}])
+    assert e.value.body["error"]["type"] == "authentication_error"
 
 
 def test_the_openai_routes_answer_in_openais_error_shape(server, client, model):
@@ -221,7 +242,7 @@ def test_several_tool_results_in_one_message_as_blocks_and_with_is_error_are_eac
         ("toolu_a", "a.py\nb.py"), ("toolu_b", "(the tool reported an error)\nno such file")]
 
 
-def test_tool_choice_any_none_and_a_named_tool(ac, model):
+def test_tool_choice_any_none_and_a_named_tool(server, ac, model):
     base = {"model": model, "max_tokens": 8, "messages": [{"role": "user", "content": TASK}],
             "extra_body": {"temperature": 0.0}}
     named = ac.messages.create(**{**base, "max_tokens": 400}, tools=TOOLS, metadata={"user_id": "tc-tool"},
@@ -239,6 +260,10 @@ def test_tool_choice_any_none_and_a_named_tool(ac, model):
                                                                           and forced), anyone.content
     none = ac.messages.create(**base, tools=TOOLS, metadata={"user_id": "tc-none"}, tool_choice={"type": "none"})
     assert none.stop_reason != "tool_use" and all(b.type == "text" for b in none.content)
+    # each choice reached the turn as vLLM's conversion gives it, and is recorded with it
+    chosen = {r["session_id"]: r.get("tool_choice") for r in Ledger(server.cfg.ledger).served()}
+    assert json.loads(chosen["alice::tc-none"]) == "none" and json.loads(chosen["alice::tc-any"]) == "required"
+    assert json.loads(chosen["alice::tc-tool"]) == {"type": "function", "function": {"name": "run_shell"}}
 
 
 # -- what the prompt holds, and what is refused ------------------------------------------------------------
@@ -259,6 +284,8 @@ def test_what_would_be_dropped_silently_is_refused_by_name_and_nothing_is_record
            ({"tool_choice": {"type": "auto"}}, "tool_choice"),
            ({"messages": [{"role": "user", "content": [{"type": "text", "text": ""}]}]}, "messages[0].content[0].text"),
            ({"messages": [{"role": "user", "content": ""}]}, "messages[0].content"),
+           ({"messages": [{"role": "user", "content": [{"type": "text", "text": " \n"}]}]}, "messages[0].content[0].text"),
+           ({"temperature": 1.5}, "temperature"),
            ({"messages": [{"role": "user", "content": TASK}, {"role": "assistant", "content": []},
                           {"role": "user", "content": "go"}]}, "messages[1].content")]
     for patch, field in bad:

@@ -240,3 +240,33 @@ def test_a_stream_ends_with_the_text_the_tool_parser_held_back():
     frames = chunks.closing(_turn(held, arm="a", t=0, plan={}, latency_ms={}, glimpses=[]))
     sent = [json.loads(f[6:])["choices"][0]["delta"].get("content") for f in frames if f.startswith("data: {")]
     assert held in sent
+
+
+def test_the_served_document_asked_for_before_the_replica_is_ready_is_not_kept(monkeypatch):
+    """/openapi.json asked for before the Messages bodies can be documented (vLLM's protocol not imported, the
+    served model not known) comes without them and is not kept: the next request, once they can be, has them."""
+    import types
+
+    from fastapi import FastAPI, Request
+
+    from palimpsest.serving import anthropic_protocol
+    from palimpsest.serving.ingress import _openapi
+
+    app = FastAPI()
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> dict:
+        return {}
+
+    @app.post("/v1/messages/count_tokens")
+    async def count(request: Request) -> dict:
+        return {}
+
+    app.openapi = types.MethodType(_openapi, app)
+    monkeypatch.setattr(anthropic_protocol, "_served", [])
+    early = app.openapi()
+    assert "requestBody" not in early["paths"]["/v1/messages"]["post"]
+    anthropic_protocol.load()
+    anthropic_protocol.serve_models(["served-model"])
+    later = app.openapi()
+    assert later["paths"]["/v1/messages"]["post"]["requestBody"]["required"] is True

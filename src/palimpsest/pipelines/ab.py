@@ -19,9 +19,11 @@ served them), the outcomes clients posted, and the shadow lane's fidelity record
   reference (``full``, or one policy at the window: ``pace`` and ``pace+memory`` share ``pace@W``, ``pace`` and
   ``window`` do not); an identical turn's KL is exactly 0 (top-1 exactly 1); pairs where both arms served the
   reference itself (difference 0 by construction) are counted and left out; pairs with one side skipped or
-  missing are counted with the reason. Per-trajectory mean differences are the units: their bootstrap
-  interval, whether it excludes 0, the smallest difference detectable at 80% power, and the number of
-  trajectories (in the order driven) after which the difference first came out significant.
+  missing are counted with the reason. Per-trajectory mean differences are the units of one test, valid at
+  the few trajectories a rollout has: the sign-flip permutation test (``ab_stats.paired_test``), its p-value,
+  the interval that matches it, and the smallest difference it detects at 80% power. It is read once, at the
+  end: there is no "significant after k trajectories" (stopping at the first look that excludes 0 fires on
+  noise more than half the time).
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ from typing import Any
 from palimpsest.models.registry import mlflow_experiment, tracking_uri
 from palimpsest.pipelines.ab_stats import (
     diff_ci,
-    mde,
     mean_ci,
+    paired_test,
     percentile,
     unpaired_mde,
     wilson,
@@ -143,20 +145,11 @@ def ab_summary(served: list[dict], outcomes: list[dict], arms: list[str] | None 
 
 
 def _paired_stat(by_traj: dict[str, list[float]], order: list[str]) -> dict[str, Any]:
-    """Per-trajectory mean differences -> mean, bootstrap CI, significance, detectable difference, and after how
-    many trajectories (in ``order``) the difference first came out significant."""
+    """Per-trajectory mean differences -> their mean, the sign-flip test's p-value, significance and matching
+    interval, and the difference it detects at 80% power (``ab_stats.paired_test``)."""
     keys = [k for k in order if by_traj.get(k)]
     d = [sum(by_traj[k]) / len(by_traj[k]) for k in keys]
-    ci = mean_ci(d)
-    significant = ci["n"] >= 2 and (ci["lo"] > 0 or ci["hi"] < 0)
-    needed = None
-    for n in range(2, len(d) + 1):
-        c = mean_ci(d[:n])
-        if c["lo"] > 0 or c["hi"] < 0:
-            needed = n
-            break
-    return {**ci, "pairs": sum(len(by_traj[k]) for k in keys), "significant": bool(significant),
-            "mde": mde(ci["sd"], ci["n"]), "sessions_needed": needed}
+    return {**paired_test(d), "pairs": sum(len(by_traj[k]) for k in keys)}
 
 
 def _paired(out: dict, names: list[str], shadows: list[dict]) -> dict[str, Any]:
@@ -268,8 +261,10 @@ def summary_markdown(s: dict) -> str:
             lines.append(f"| {a} | " + " | ".join(cells) + " |")
     for a, per in s.get("paired", {}).items():
         lines += ["", f"Paired by trajectory and turn (each trajectory ran once per arm): `{a}` − `{s['control']}`; "
-                      "per-trajectory mean differences, 95% bootstrap CI; significant when it excludes 0:", "",
-                  "| metric | trajectories (turn pairs) | difference [95% CI] | significant | significant after | "
+                      "per-trajectory mean differences; a two-sided sign-flip permutation test (exact up to "
+                      "16 trajectories), significant when p ≤ 0.05, with the interval of the shifts it does not "
+                      "reject (unbounded where it can reject none: 5 trajectories or fewer):", "",
+                  "| metric | trajectories (turn pairs) | difference [95% interval] | p | significant | "
                   "detectable at 80% power |", "|---|---|---|---|---|---|"]
         for m, label in (("kl:full", "fidelity KL vs `full`"), ("top1:full", "top-1 vs `full`"),
                          ("kl:policy@window", "fidelity KL vs `policy@window`"),
@@ -279,9 +274,8 @@ def summary_markdown(s: dict) -> str:
             if not v["n"] and m.endswith("policy@window"):
                 continue
             d = 1 if m == "tokens_context" else 4 if m.startswith("kl") else 3
-            after = f"{v['sessions_needed']} trajectories" if v["sessions_needed"] else "-"
-            lines.append(f"| {label} | {v['n']} ({v['pairs']}) | {_ci(v, d)} | {'yes' if v['significant'] else 'no'} | "
-                         f"{after} | {_fmt(v['mde'], d)} |")
+            lines.append(f"| {label} | {v['n']} ({v['pairs']}) | {_ci(v, d)} | {_fmt(v['p'], 3)} | "
+                         f"{'yes' if v['significant'] else 'no'} | {_fmt(v['mde'], d)} |")
         left = [f"{per[f'kl:{k}']['both_identical']} turn pairs where both arms served the `{k}` reference itself"
                 for k in KINDS if per[f"kl:{k}"]["both_identical"]]
         if per["unpaired"]:

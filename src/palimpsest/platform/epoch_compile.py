@@ -15,13 +15,8 @@ from palimpsest.platform.chat import (
     prefix_messages,
     prefix_size,
 )
-from palimpsest.platform.compiler import (
-    assemble_prompt,
-    compile_plan,
-    messages_per_step,
-    prefix_segments,
-    step_costs,
-)
+from palimpsest.platform import compiler
+from palimpsest.platform.compiler import assemble_prompt, compile_plan, messages_per_step, prefix_segments
 from palimpsest.platform.epochs import (
     Boundary,
     Compaction,
@@ -122,7 +117,7 @@ def _kept_prefix(b: Boundary, snap: "SessionSnapshot", overhead: int, limit: int
     if n <= 0 or limit <= 0:
         return 0
     lv = b.resolution[:n].astype(np.int64)
-    costs = step_costs(snap.upto(n), overhead)
+    costs = compiler.step_costs(snap.upto(n), overhead)  # one owner of per-step costs
     cost = costs[np.arange(n), lv]
     missing = np.flatnonzero(cost < 0)
     if missing.size:

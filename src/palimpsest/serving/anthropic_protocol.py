@@ -8,7 +8,7 @@ tools, an unknown field) is refused first with a 400 naming it, as is what would
 A system prompt of several blocks is joined with a blank line between blocks
 (``SYSTEM_JOIN``). The replies are ``anthropic_proxy``'s.
 
-vLLM is imported on the first request (this module is loaded by the ingress, which otherwise needs none).
+vLLM's protocol is imported by :func:`load`, which a replica starts in a thread when it starts (``replica.py``).
 """
 
 from __future__ import annotations
@@ -66,8 +66,8 @@ def _check_blocks(blocks: Any, where: str, allowed: set[str]) -> None:
         if extra:
             raise AnthropicInputError(f"{at}.{sorted(extra)[0]}: not read by this endpoint (nothing is ignored "
                                       "silently; remove the field)")
-        if kind == "text" and not (isinstance(b.get("text"), str) and b["text"]):
-            raise AnthropicInputError(f"{at}.text: text content blocks must be non-empty")
+        if kind == "text" and not (isinstance(b.get("text"), str) and b["text"].strip()):
+            raise AnthropicInputError(f"{at}.text: text content blocks must contain non-whitespace text")
         if kind == "text" and b.get("citations"):
             raise AnthropicInputError(f"{at}.citations: citations are not served")
         if kind == "tool_result" and isinstance(b.get("content"), list):
@@ -105,6 +105,9 @@ def check_request(raw: Any) -> None:
                 raise AnthropicInputError(f"context_management.edits[{k}]: a {kind!r} edit is not served (this gateway "
                                           "compiles the context itself; clearing thinking blocks, which the actor "
                                           "never writes, is accepted)")
+    temperature = raw.get("temperature")
+    if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and not 0 <= temperature <= 1:
+        raise AnthropicInputError("temperature: between 0 and 1 (the Messages API's range)")
     metadata = raw.get("metadata")
     if metadata is not None:
         if not isinstance(metadata, dict):
@@ -128,7 +131,7 @@ def check_request(raw: Any) -> None:
             raise AnthropicInputError(f"messages[{i}].{sorted(set(m) - {'role', 'content'})[0]}: not read by this "
                                       "endpoint")
         allowed = {"text", "tool_use"} if m["role"] == "assistant" else {"text", "tool_result"}
-        if m.get("content") in ("", []):
+        if m.get("content") in ("", []) or (isinstance(m.get("content"), str) and not m["content"].strip()):
             raise AnthropicInputError(f"messages[{i}].content: a message must have non-empty content")
         _check_blocks(m.get("content"), f"messages[{i}].content", allowed)
     tools = raw.get("tools")

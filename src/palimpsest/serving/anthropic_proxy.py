@@ -131,8 +131,10 @@ class EventWriter:
         self.begun = True
         return [message_start(self.model, f"msg_{uuid.uuid4().hex}", info)]
 
-    def ping(self) -> list[str]:  # keep-alive, once the message has started
-        return [event("ping", {})] if self.begun else []
+    def ping(self) -> list[str]:
+        """Keep-alive: a ``ping`` event once the message has started; before (the prompt still compiling: an
+        ``ace`` LLM elasticizer, an embedder wait), an SSE comment, which every event-stream reader skips."""
+        return [event("ping", {})] if self.begun else [": keep-alive\n\n"]
 
     def text(self, text: str) -> list[str]:
         out = self.started(None)

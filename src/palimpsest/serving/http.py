@@ -1,5 +1,6 @@
-"""The HTTP shapes shared by every route: the FastAPI app, errors as one-line 4xx/5xx bodies, the body-size
-limit, the replica header, and tenants (API keys -> disjoint session namespaces)."""
+"""The HTTP shapes shared by every route: the FastAPI app, errors in the shape of each route's protocol
+(``errors.py``), the body-size limit, the replica header, tenants (API keys -> disjoint session namespaces), and
+the one driver of streamed turns."""
 
 from __future__ import annotations
 
@@ -69,6 +70,9 @@ def error_response(request: Request | None, status: int, message: str) -> JSONRe
     """An error in the shape of the protocol the route speaks (``serving/errors.py``), with ``Retry-After`` on
     a 503 (the operation did not commit: a retry is safe)."""
     path = request.url.path if request is not None else ""
+    root = request.scope.get("root_path", "") if request is not None else ""
+    if root and path.startswith(root):  # Serve keeps a route prefix in the path (serve.route_prefix)
+        path = path[len(root):]
     status, body = errors.body(errors.protocol_of(path), status, message)
     return JSONResponse(body, status_code=status, headers={"Retry-After": "5"} if status in (503, 529) else None)
 
@@ -122,6 +126,35 @@ LIMITS: dict[str, int | None] = {"max_request_bytes": None}
 
 def configure(max_request_bytes: int) -> None:
     LIMITS["max_request_bytes"] = max_request_bytes
+
+
+class _BodyLimit:
+    """The limit on bodies sent without a ``Content-Length`` (chunked): the bytes are counted as the route reads
+    them, and past the limit the read fails as a 413 in the route's protocol shape (nothing is recorded: the
+    body is read before anything is)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        limit = LIMITS.get("max_request_bytes")
+        if scope["type"] != "http" or limit is None:
+            return await self.app(scope, receive, send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b"")) if message["type"] == "http.request" else 0
+            if seen > limit:  # Starlette's own: FastAPI passes it through a body it is parsing
+                raise StarletteHTTPException(413, f"the body has more than {limit} bytes; at most {limit} are "
+                                                  "accepted")
+            return message
+
+        await self.app(scope, counted, send)
+
+
+app.add_middleware(_BodyLimit)
 
 
 @app.middleware("http")

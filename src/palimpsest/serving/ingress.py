@@ -45,6 +45,7 @@ def _openapi(self: FastAPI) -> dict:
         doc = FastAPI.openapi(self)
         models = anthropic_protocol.served_models()  # known once the replica has asked the actor
         if not (anthropic_protocol.loaded() and models):
+            self.openapi_schema = None  # FastAPI.openapi keeps what it built: this one must not be kept
             return doc
         try:
             self.openapi_schema = anthropic_proxy.documented(doc, models)

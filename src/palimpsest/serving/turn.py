@@ -1,7 +1,7 @@
 """The served turn, one owner: size -> compile -> memory -> generate -> record -> offer to the shadow lane.
 
 :class:`TurnService` is what every route that serves a turn calls (``POST .../turn``, the OpenAI chat proxy,
-the Messages endpoint); the ingress keeps HTTP, tenants and the wire formats. :func:`run_turn` is the
+the Messages endpoint); the routes keep HTTP and tenants, each protocol its wire format. :func:`run_turn` is the
 generation loop inside it (compile, soft memory, the actor, glimpses answered within the turn), over small
 handles so that tests and the REMORY data builder run it without Serve. The prompt is the platform's
 (``palimpsest.platform.chat``): its ids plus the reply's ``max_tokens`` plus the soft positions are at most
@@ -12,6 +12,7 @@ generation of the turn.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import re
 import time
@@ -236,7 +237,7 @@ async def run_turn(rt: Runtime, req: TurnRequest, generate: Generate, glimpse_li
 class TurnService:
     """Every served turn of an ingress replica: its size (budget, reply, soft positions, 422 past the actor's
     window), the compiled prompt and the memory's soft span, the actor, the record under its arm, and the offer
-    to the shadow lane. Built once the replica's dependencies answered (``Ingress._start``)."""
+    to the shadow lane. Built once the replica's dependencies answered (``Replica._start``)."""
 
     def __init__(self, runtime: Runtime, cfg, policies: dict, actor, memory, actor_info: dict, memory_info: dict,
                  metrics, shadow=None, enqueue: Callable[[str], None] | None = None):
@@ -332,7 +333,7 @@ class TurnService:
                   "reserve": ct.prompt.reserve, "generations": res.generations, "prompt_total": res.prompt_tokens_total,
                   "full_history_estimate": ct.plan.info.get("full_tokens_estimate", ct.prompt.tokens),
                   "cached_total": res.cached_tokens_total}
-        await asyncio.to_thread(self._record, sid, arm, ct, res, tokens, emit is not None, noted)
+        await asyncio.to_thread(self._record, sid, arm, ct, res, tokens, emit is not None, noted, tool_choice)
         self.metrics.observe_turn(arm, tokens, res.latency, len(res.glimpses))
         if self.shadow is not None:
             self._offer(sid, arm, mem, ct, res)
@@ -342,7 +343,7 @@ class TurnService:
                        prompt_hash=ct.prompt.prompt_hash, content=res.content, tool_calls=res.tool_calls)
 
     def _record(self, sid: str, arm: str, ct: CompiledTurn, res: TurnResult, tokens: dict, streamed: bool,
-                noted: dict) -> None:
+                noted: dict, tool_choice: Any = None) -> None:
         """The turn under its arm: tokens, latency by stage, and what its ids should cost against the session's
         previous turn (``platform.epochs.turn_cost``) beside what the actor's cache really held (tokens_cached)."""
         cost = ct.cost or {}
@@ -350,6 +351,7 @@ class TurnService:
             **{f"tokens_{k}": v for k, v in tokens.items()}, **{f"{k}_ms": v for k, v in res.latency.items()},
             "glimpses": len(res.glimpses), "budget": ct.budget, "memory_cached": bool(res.out.get("memory_cached", False)),
             "elided": len(ct.plan.info.get("elided", [])), "tool_calls": len(res.tool_calls), "streamed": streamed,
+            **({"tool_choice": json.dumps(tool_choice, sort_keys=True)} if tool_choice is not None else {}),
             **{f"embed_{k}": v for k, v in res.embed.items()},
             "compaction": bool(ct.compacted), "rebuilt": bool(ct.compacted) or ct.boundary is None,
             **({"expected_cached": cost["cached"], "uncached": cost["uncached"], "billed": cost["billed"],
