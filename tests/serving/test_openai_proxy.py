@@ -270,3 +270,34 @@ def test_the_served_document_asked_for_before_the_replica_is_ready_is_not_kept(m
     anthropic_protocol.serve_models(["served-model"])
     later = app.openapi()
     assert later["paths"]["/v1/messages"]["post"]["requestBody"]["required"] is True
+
+
+def test_errors_keep_their_protocols_shape_under_a_route_prefix():
+    """Serve keeps a route prefix (``serve.route_prefix``) in the request's path and names it in ``root_path``:
+    the protocol is read from the path below the prefix."""
+    from starlette.requests import Request
+
+    from palimpsest.serving.http import error_response
+
+    def at(path: str, root: str = "") -> dict:
+        request = Request({"type": "http", "method": "POST", "path": path, "root_path": root, "headers": [],
+                           "query_string": b""})
+        return json.loads(error_response(request, 404, "model: 'x' is not served here").body)
+
+    assert at("/p/v1/messages", "/p")["error"]["type"] == "not_found_error"
+    assert at("/p/v1/chat/completions", "/p")["error"]["code"] == "model_not_found"
+    assert at("/p/v1/sessions/s/turn", "/p") == {"error": "model: 'x' is not served here"}
+    assert at("/v1/messages")["type"] == "error"
+
+
+def test_a_messages_stream_keeps_alive_without_breaking_its_event_order():
+    """Before ``message_start`` (the prompt still compiling) the keep-alive is an SSE comment, which every
+    event-stream reader skips; after it, Anthropic's ``ping`` event."""
+    from palimpsest.serving.anthropic_proxy import EventWriter
+
+    writer = EventWriter("m", lambda turn: {})
+    assert writer.ping() == [": keep-alive\n\n"]
+    (start,) = writer.started({"prompt": 10, "expected_cached": 4})
+    usage = json.loads(start.split("data: ", 1)[1])["message"]["usage"]
+    assert (usage["input_tokens"], usage["cache_read_input_tokens"]) == (6, 4)
+    assert writer.ping() == ['event: ping\ndata: {"type": "ping"}\n\n']
