@@ -69,7 +69,7 @@ def error_message(r) -> str:
     from palimpsest.serving import errors
 
     body = r.json()
-    protocol = errors.protocol_of(r.request.url.path)
+    protocol = errors.protocol_of(r.request.url.path, "anthropic-version" in r.request.headers)
     if protocol == errors.ANTHROPIC:
         assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
         assert body["error"]["type"] == errors.ANTHROPIC_TYPES.get(r.status_code, body["error"]["type"]), body

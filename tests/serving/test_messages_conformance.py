@@ -138,6 +138,16 @@ def test_the_anthropic_client_reads_each_error_as_its_own_class(server, ac, mode
     assert e.value.body["error"]["type"] == "authentication_error"
 
 
+def test_models_answers_each_client_in_its_own_api(server, client, ac, model):
+    """``GET /v1/models`` is both APIs' route: an Anthropic client (``anthropic-version``) reads Anthropic's page,
+    an OpenAI client OpenAI's list, and an error there comes in the asking client's shape."""
+    page = ac.models.list()
+    assert [m.id for m in page.data] == [model] and page.data[0].type == "model"
+    assert client.get("/v1/models").json()["object"] == "list"
+    r = httpx.get(f"{server.url}/v1/models", headers={"anthropic-version": "2023-06-01"})  # no key
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+
+
 def test_the_openai_routes_answer_in_openais_error_shape(server, client, model):
     msgs = [{"role": "user", "content": TASK}]
     cases = [client.post("/v1/chat/completions", json={"messages": msgs}),  # no session named

@@ -201,6 +201,13 @@ def _narrow(schema: dict, fields: set[str]) -> None:
 # -- the routes' logic ------------------------------------------------------------------------------------
 
 
+def models(replica) -> dict:
+    """``GET /v1/models`` as the Models API answers an Anthropic client: the served actor, one page."""
+    model = replica.actor_info["model"]
+    return {"data": [{"type": "model", "id": model, "display_name": model, "created_at": "1970-01-01T00:00:00Z"}],
+            "has_more": False, "first_id": model, "last_id": model}
+
+
 async def read(replica, request: Request, counting: bool = False) -> tuple[Any, ChatIn]:
     """The request checked and converted (``anthropic_protocol.read_request``), its model served, and its
     chat-completions form validated as the chat proxy's."""

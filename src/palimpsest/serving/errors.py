@@ -41,9 +41,12 @@ _OPENAI_CODES = {401: "invalid_api_key", 403: "permission_denied", 404: "not_fou
 _FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")
 
 
-def protocol_of(path: str) -> str:
-    """The protocol a route speaks, by its path."""
+def protocol_of(path: str, anthropic_client: bool = False) -> str:
+    """The protocol a route speaks, by its path. ``/v1/models`` belongs to both APIs: an Anthropic client (its
+    requests carry ``anthropic-version``) is answered in Anthropic's shape."""
     if path == "/v1/messages" or path.startswith("/v1/messages/"):
+        return ANTHROPIC
+    if anthropic_client and (path == "/v1/models" or path.startswith("/v1/models/")):
         return ANTHROPIC
     if path in _OPENAI_PATHS or path.startswith("/v1/models/"):
         return OPENAI

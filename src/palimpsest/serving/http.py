@@ -73,7 +73,8 @@ def error_response(request: Request | None, status: int, message: str) -> JSONRe
     root = request.scope.get("root_path", "") if request is not None else ""
     if root and path.startswith(root):  # Serve keeps a route prefix in the path (serve.route_prefix)
         path = path[len(root):]
-    status, body = errors.body(errors.protocol_of(path), status, message)
+    anthropic_client = request is not None and "anthropic-version" in request.headers
+    status, body = errors.body(errors.protocol_of(path, anthropic_client), status, message)
     return JSONResponse(body, status_code=status, headers={"Retry-After": "5"} if status in (503, 529) else None)
 
 

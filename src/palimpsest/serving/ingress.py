@@ -108,10 +108,13 @@ class Ingress:
 
     # -- OpenAI-compatible (openai_proxy.py) ---------------------------------------------------------
 
-    @app.get("/v1/models", summary="The served actor (OpenAI-compatible)")
+    @app.get("/v1/models", summary="The served actor (OpenAI's list; Anthropic's to a client that sends "
+                                   "anthropic-version)")
     async def models(self, request: Request) -> dict:
         replica = await self._ready()
         replica.tenant(request)
+        if "anthropic-version" in request.headers:
+            return anthropic_proxy.models(replica)
         return openai_proxy.models(replica)
 
     @app.post("/v1/chat/completions", summary="OpenAI-compatible chat: the history is recorded and the context compiled")
