@@ -217,3 +217,44 @@ def test_a_preview_stores_no_boundary_and_a_historical_view_uses_the_boundary_of
     first = stored[0]
     past = runtime.turn(sid, "pace", BUDGET, reserve=RESERVE, at=first["t"] + 1, record=False)
     assert past.boundary.id == first["id"] and not past.compacted
+
+
+def test_two_replicas_compacting_the_same_turn_at_once_serve_the_one_boundary_in_effect(ledger_url):
+    """Two runtimes on one ledger compact the same turn concurrently, one of them planning without keys (the
+    embedder-down fallback), so their boundaries differ. Both compile before either records (a barrier). One
+    boundary is stored at that step, and both turns serve its prompt: the one that lost the race reads the
+    winner back before it serves."""
+    import threading
+
+    cfg = {"type": "pace", "compaction": {"high": 0.85, "low": 0.55}}
+    a, b = Runtime(Ledger(ledger_url)), Runtime(Ledger(ledger_url))
+    sid = _session(a)
+    for t in range(24):  # well past the high watermark: the first turn compacts
+        _grow(a, sid, t)
+    barrier = threading.Barrier(2, timeout=60)
+    for rt in (a, b):
+        compile_once = rt.compile
+
+        def compiled(*args, _compile=compile_once, **kwargs):
+            turn = _compile(*args, **kwargs)
+            if turn.compacted:
+                barrier.wait()  # both have compacted before either stores its boundary
+            return turn
+
+        rt.compile = compiled
+    turns: dict[str, object] = {}
+
+    def serve(name, rt, keys):
+        turns[name] = rt.turn(sid, cfg, BUDGET, reserve=RESERVE, keys=keys)
+
+    threads = [threading.Thread(target=serve, args=("a", a, True)), threading.Thread(target=serve, args=("b", b, False))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    rows = a.ledger.boundaries(sid)
+    assert len(rows) == 1, rows  # one boundary per (session, key, t)
+    in_effect = Runtime(Ledger(ledger_url)).turn(sid, cfg, BUDGET, reserve=RESERVE, record=False)
+    assert turns["a"].prompt.ids == turns["b"].prompt.ids == in_effect.prompt.ids
+    for rt in (a, b):
+        rt.ledger.close()

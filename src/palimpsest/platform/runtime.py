@@ -202,15 +202,20 @@ class Runtime:
         prev = None
         if compaction_of(pol) is not None:
             prev = self.boundary(session_id, epoch_key(pol.config_hash, limit.total), snap.t if at is None else at)
-        turn = self.compile(snap if keys else snap.without_keys(), pol, limit, boundary=prev)
+        planned = snap if keys else snap.without_keys()
+        turn = self.compile(planned, pol, limit, boundary=prev)
         # the fold, the boundary and the audit of a turn are stored together or not at all
         with self.ledger.transaction():
             if turn.plan.new_fold and turn.plan.fold is not None:
                 self.ledger.add_fold(session_id, turn.plan.config_hash, turn.plan.fold)
             if turn.compacted and turn.epoch_key is not None and at is None and record:  # a preview stores nothing
-                row = self.ledger.add_boundary(session_id, turn.epoch_key, turn.boundary)
-                turn = dataclasses.replace(turn, boundary=dataclasses.replace(turn.boundary, id=row))
-                turn.plan.info["compaction"]["id"] = row
+                row, stored = self.ledger.add_boundary(session_id, turn.epoch_key, turn.boundary)
+                if stored:
+                    turn = dataclasses.replace(turn, boundary=dataclasses.replace(turn.boundary, id=row))
+                    turn.plan.info["compaction"]["id"] = row
+                else:  # another replica compacted this turn first: its boundary is in effect, and is what is served
+                    winner = Boundary.decode(self.ledger.boundary_blob(session_id, row), row)
+                    turn = self.compile(planned, pol, limit, boundary=winner)
             if record:
                 self.ledger.record_turn(turn)
         if record and at is None:

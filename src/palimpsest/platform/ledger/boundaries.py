@@ -13,16 +13,23 @@ class Boundaries:
 
     # -- compaction boundaries (platform.epochs) ----------------------------------------------
 
-    def add_boundary(self, session_id: str, key: str, boundary) -> int:
-        """Store a compaction boundary (its exact messages and decisions) of a session under ``key``; returns
-        its row id. The latest row of a key at or before a step is the boundary in effect there."""
+    def add_boundary(self, session_id: str, key: str, boundary) -> tuple[int, bool]:
+        """Store a compaction boundary (its exact messages and decisions) of a session under ``key`` at its step
+        ``t``, unless one is stored there already: one boundary per (session, key, t). Returns (its row id,
+        whether this call stored it). Under the session's lock, so of two replicas compacting the same turn at
+        once the first stores its boundary and the second gets the first's row, which it serves from. The
+        latest row of a key at or before a step is the boundary in effect there."""
         with self._tx() as db:
             if not self._store.lock_session(db, session_id):
                 raise UnknownSessionError(f"unknown session {session_id!r}")
+            found = db.execute("SELECT id FROM boundaries WHERE session_id=? AND key=? AND t=? ORDER BY id LIMIT 1",
+                               (session_id, key, int(boundary.t))).fetchone()
+            if found is not None:
+                return int(found[0]), False
             (row,) = db.execute(
                 "INSERT INTO boundaries (session_id, key, t, digest, body, created) VALUES (?,?,?,?,?,?) RETURNING id",
                 (session_id, key, int(boundary.t), boundary.digest, boundary.encode(), time.time())).fetchone()
-        return int(row)
+        return int(row), True
 
     def last_boundary(self, session_id: str, key: str, at: int | None = None) -> int | None:
         """The row id of the session's last boundary under ``key`` (covering at most ``at`` steps), or None."""
