@@ -6,7 +6,7 @@ import pytest
 
 from palimpsest.platform import Ledger, Runtime
 from palimpsest.platform.chat import chat_ids
-from palimpsest.platform.epochs import Boundary, Compaction, cached_tokens, turn_cost
+from palimpsest.platform.epochs import Boundary, Compaction, cached_tokens, turn_cost, with_soft
 from palimpsest.platform.policies import parse_policy_config
 from palimpsest.platform.types import ConfigError
 from tests.helpers import STEPS, TASK, step
@@ -176,6 +176,10 @@ def test_turn_cost_counts_whole_blocks_and_never_the_last_id():
     cost = turn_cost(list(range(64)), list(range(64)) + [1] * 36, 0.1)
     assert cost["cached"] == 64 and cost["uncached"] == 36 and cost["billed"] == pytest.approx(36 + 6.4)
     assert cost["prefix_reuse"] == pytest.approx(0.64)
+    # a memory turn's soft positions are paid uncached, in every field (the served record's cost)
+    soft = with_soft(cost, 100, 28)
+    assert soft["cached"] == 64 and soft["uncached"] == 36 + 28 and soft["billed"] == pytest.approx(36 + 28 + 6.4)
+    assert soft["prefix_reuse"] == pytest.approx(64 / 128) and with_soft(cost, 100, 0) == cost
 
 
 def test_a_compaction_keeps_the_oldest_region_so_the_cache_holds_it(runtime):

@@ -218,3 +218,11 @@ def turn_cost(prev: Sequence[int] | None, ids: Sequence[int], cached_rate: float
     uncached = n - cached
     return {"cached": cached, "uncached": uncached, "billed": uncached + cached_rate * cached,
             "prefix_reuse": cached / n if n else 0.0}
+
+
+def with_soft(cost: dict, ids: int, soft: int) -> dict:
+    """A turn's cost (:func:`turn_cost` of its ``ids`` ids) with ``soft`` soft-memory positions added, paid as
+    uncached input: the prefix cache holds ids, and a span computed for this turn is never among them."""
+    n = ids + int(soft)
+    return {**cost, "uncached": cost["uncached"] + int(soft), "billed": cost["billed"] + int(soft),
+            "prefix_reuse": cost["cached"] / n if n else 0.0}

@@ -22,6 +22,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 from palimpsest.platform.budget import Budget
 from palimpsest.platform.chat import declared_tools, glimpse_call, memory_read, with_glimpse
 from palimpsest.platform.embedding import EmbedderUnavailable
+from palimpsest.platform.epochs import with_soft
 from palimpsest.platform.runtime import Runtime
 from palimpsest.platform.types import (
     BudgetError,
@@ -346,7 +347,7 @@ class TurnService:
                 noted: dict, tool_choice: Any = None) -> None:
         """The turn under its arm: tokens, latency by stage, and what its ids should cost against the session's
         previous turn (``platform.epochs.turn_cost``) beside what the actor's cache really held (tokens_cached)."""
-        cost = ct.cost or {}
+        cost = with_soft(ct.cost, len(ct.prompt.ids), res.soft_tokens) if ct.cost else {}
         self.runtime.ledger.record_served(sid, ct.t, arm, {
             **{f"tokens_{k}": v for k, v in tokens.items()}, **{f"{k}_ms": v for k, v in res.latency.items()},
             "glimpses": len(res.glimpses), "budget": ct.budget, "memory_cached": bool(res.out.get("memory_cached", False)),
