@@ -1,6 +1,8 @@
 """Compaction epochs (platform/epochs.py): append-only turns between boundaries, a boundary exactly when the
 high watermark is crossed, the budget on every turn, and replicas that agree byte for byte."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -123,23 +125,45 @@ def test_two_replicas_build_identical_prompts_after_a_restart(tmp_path):
         assert pb.prompt.ids == pc.prompt.ids and pb.prompt.prompt_hash == pc.prompt.prompt_hash
 
 
-def test_every_step_stays_glimpseable_and_the_soft_slot_is_the_boundary(runtime):
-    sid = _session(runtime)
+def _boundary_then_appends(runtime, sid):
     t, turn = 0, None
     while t < 40 or turn.compacted:  # end on an append-only turn after some boundaries
         _grow(runtime, sid, t)
         turn = runtime.turn(sid, "pace", BUDGET, reserve=RESERVE)
         t += 1
+    return turn
+
+
+def test_the_soft_slot_is_the_boundary(runtime):
+    sid = _session(runtime)
+    turn = _boundary_then_appends(runtime, sid)
     b = turn.boundary
     assert b is not None and 0 < b.t < turn.t
     # the memory's slot sits after the compacted history, before the steps appended since
     assert turn.prompt.soft_at == b.split
     assert list(turn.prompt.messages[: b.split]) == list(b.messages)
-    n = runtime.ledger.count(sid)
-    for k in range(n):
-        assert runtime.glimpse(sid, runtime.ledger.step_at(sid, k).id)
-        if k % 3 == 2:
-            runtime.append(sid, step(runtime.ledger.count(sid), "ls", "ok"))  # a new turn resets the glimpse count
+
+
+@pytest.mark.xfail(strict=True, reason="a finding, not fixed here: under pace's default epochs at this budget, 25 "
+                                       "of 40 steps are dropped with no line and no id on the prompt, so the agent "
+                                       "cannot name them to glimpse(#ID)")
+def test_every_step_stays_glimpseable(runtime):
+    """Glimpse-able means findable: every step is on the served prompt, shown or named by its id."""
+    sid = _session(runtime)
+    turn = _boundary_then_appends(runtime, sid)
+    # every step is on the prompt: shown (its action, unique per step here), or named by its id (a placeholder,
+    # a summary's marker, an elision, a hidden range's ids), or inside the folded summary of the oldest steps
+    text = turn.prompt.text
+    ranges = [(int(a), int(b)) for a, b in re.findall(r"ids #(\d+)\.\.#(\d+)", text)]
+    folded = max([int(u) + 1 for u in re.findall(r"## Summary of steps 0\.\.(\d+)", text)], default=0)
+    lost = []
+    for k in range(turn.t):
+        s = runtime.ledger.step_at(sid, k)
+        shown = s.action in text
+        named = re.search(rf"#{s.id}(?!\d)", text) is not None or any(a <= s.id <= b for a, b in ranges)
+        if not (shown or named or k < folded):
+            lost.append(k)
+    assert lost == [], f"steps neither shown nor named by id in the prompt: {lost}"
 
 
 def test_per_turn_mode_replans_and_a_bad_compaction_config_is_refused(runtime):
