@@ -1,18 +1,18 @@
-"""The A/B machinery's positive control: can the live report see a difference that is known to be there?
+"""The A/B machinery's controls: can the live report see a difference that is known to be there, and does it
+stay quiet where there is none?
 
-    .venv/bin/python benchmarks/ab_control.py [--demo] [--limit N] [--max-turns 2] [--first 4] [--budget B]
+    .venv/bin/python benchmarks/ab_control.py [--demo] [--limit N] [--max-turns 1] [--first 8] [--budget B]
         [--window W] [--out FILE]
 
-Runs `palimpsest demo --control`: the dev trajectories through the composed app on two arms, `pace` and the
-deliberately weak `last2` (only the two previous steps), each trajectory once per arm, every turn scored for
-shadow fidelity (the exact KL against the full-history reference). `last2` throws away nearly the whole
-history, so its fidelity must come out significantly worse than pace's in the paired comparison; the report
-says after how many trajectories (in the order driven) the difference first came out significant.
+Runs `palimpsest demo --control` (pipelines/ab_controls.py): the dev trajectories through the composed app,
+each once per arm: the weak `last2` (only the two previous steps, per turn), `pace` as users run it
+(compaction epochs), `pace-per-turn`, and `pace-aa` (`pace` again), every turn scored for shadow fidelity
+(the exact KL against the full-history reference). The positive controls are `pace` − `last2` and
+`pace-per-turn` − `last2`; the A/A control is `pace-aa` − `pace`. Defaults: budget 4,096, an 8K reference
+window, one turn per session at step 8 (``CONTROL_SHAPE``).
 
-``--demo`` then runs the demo's own arms (`pace`, `window`, and `pace+memory` when the registered memory was
-trained at the demo budget) in the same process, and prints the smallest difference of their paired fidelity
-that the same number of sessions could detect at 80% power, beside the control's observed difference.
-Results: ``benchmarks/results/ab_control.json``.
+``--demo`` then runs the demo's own arms in the same process and prints the smallest difference of their
+paired fidelity that the same test could detect at 80% power. Results: ``benchmarks/results/ab_controls.json``.
 """
 
 from __future__ import annotations
@@ -25,15 +25,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def paired_rows(summary: dict) -> list[dict]:
+def paired_rows(summary: dict | None) -> list[dict]:
     rows = []
-    for arm, per in summary["paired"].items():
+    for arm, per in (summary or {}).get("paired", {}).items():
         for metric in ("kl:full", "top1:full", "kl:policy@window"):
             v = per[metric]
             rows.append({"arm": arm, "control": summary["control"], "metric": metric, "trajectories": v["n"],
-                         "pairs": v["pairs"], "difference": v["mean"], "lo": v["lo"], "hi": v["hi"],
-                         "significant": v["significant"], "sessions_needed": v["sessions_needed"], "mde": v["mde"],
-                         "both_identical": v.get("both_identical")})
+                         "pairs": v["pairs"], "difference": v["mean"], "lo": v["lo"], "hi": v["hi"], "p": v["p"],
+                         "significant": v["significant"], "mde": v["mde"], "both_identical": v.get("both_identical"),
+                         "turn_kinds": per.get("turn_kinds"), "unpaired": per.get("unpaired")})
     return rows
 
 
@@ -42,13 +42,13 @@ def main() -> None:
     ap.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data" / "trajectories" / "dev.jsonl")
     ap.add_argument("--demo", action="store_true", help="also run the demo's own arms and print their power")
     ap.add_argument("--limit", type=int, default=None)
-    ap.add_argument("--max-turns", type=int, default=2, help="turns per session (at steps 4, 12, ...)")
-    ap.add_argument("--first", type=int, default=4, help="the first turn comes after this many steps")
-    ap.add_argument("--budget", type=int, default=None, help="the arms' budget (default: the demo's, 2,560)")
+    ap.add_argument("--max-turns", type=int, default=None, help="turns per session (default: the controls' 1)")
+    ap.add_argument("--first", type=int, default=None, help="the first turn comes after this many steps (default 8)")
+    ap.add_argument("--budget", type=int, default=None, help="the arms' budget (default: the controls' 4,096)")
     ap.add_argument("--window", type=int, default=None, help="the actor's window, the reach of the `full` reference "
-                                                             "(default: the demo's, 4,096)")
+                                                             "(default: the controls' 8,192)")
     ap.add_argument("--port", type=int, default=8131)
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "ab_control.json")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "ab_controls.json")
     args = ap.parse_args()
     from rich.console import Console
 
@@ -60,21 +60,22 @@ def main() -> None:
     for name, control in modes:
         r = run_main_demo(out, args.data, port=args.port, max_turns=args.max_turns, limit=args.limit, control=control,
                           first=args.first, budget=args.budget, window=args.window)
-        result["runs"][name] = {"paired": paired_rows(r["summary"]), "timings": r["timings"], "errors": len(r["errors"]),
-                                "report": r["markdown"], "breakdown": r["breakdown"]}
+        result["runs"][name] = {"paired": paired_rows(r["summary"]) + paired_rows(r.get("aa")),
+                                "verdicts": r.get("verdicts"), "timings": r["timings"], "errors": len(r["errors"]),
+                                "report": r["markdown"], "breakdown": r["breakdown"],
+                                "summary": r["summary"], "aa": r.get("aa")}
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2, default=str))  # each run as soon as it is done
-    print("\n| run | arm − control | metric | trajectories (pairs) | difference [95% CI] | significant | "
-          "significant after | detectable at 80% power |")
+    print("\n| run | arm − control | metric | trajectories (pairs) | difference [95% interval] | p | significant | "
+          "detectable at 80% power |")
     print("|---|---|---|---|---|---|---|---|")
     for name, run in result["runs"].items():
         for row in run["paired"]:
             if not row["trajectories"]:
                 continue
-            after = f"{row['sessions_needed']} trajectories" if row["sessions_needed"] else "-"
             print(f"| {name} | `{row['arm']}` − `{row['control']}` | {row['metric']} | {row['trajectories']} "
-                  f"({row['pairs']}) | {row['difference']:.4f} [{row['lo']:.4f}, {row['hi']:.4f}] | "
-                  f"{'yes' if row['significant'] else 'no'} | {after} | {row['mde']:.4f} |")
+                  f"({row['pairs']}) | {row['difference']:.4f} [{row['lo']:.4f}, {row['hi']:.4f}] | {row['p']:.3f} | "
+                  f"{'yes' if row['significant'] else 'no'} | {row['mde']:.4f} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2, default=str))
     print(f"\nresults: {args.out}")

@@ -5,7 +5,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from palimpsest.demo import CONTROL_ARMS, DEMO_SERVE, Progress, busy_markdown, demo_config
+from palimpsest.demo import CONTROL_ARMS, DEMO_SERVE, Progress, busy_markdown, demo_config, show_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -15,9 +15,15 @@ def test_the_demo_compares_two_policies_that_differ_and_the_control_a_weak_arm()
     assert [a.name for a in cfg.arms] == ["pace", "window"] and cfg.summarizer.mode == "rule"
     assert cfg.ab.shadow_rate == 1.0 and cfg.ab.shadow_queue >= 100  # every turn scored, none skipped for load
     control = demo_config(ROOT / DEMO_SERVE, control=True, full=False)
-    assert [a.name for a in control.arms] == [a["name"] for a in CONTROL_ARMS] == ["pace", "last2"]
+    assert [a.name for a in control.arms] == [a["name"] for a in CONTROL_ARMS] == [
+        "last2", "pace", "pace-per-turn", "pace-aa"]
     last2 = control.arm("last2").policy_config()
-    assert last2.type == "window" and last2.k == 2
+    assert last2.type == "window" and last2.k == 2 and last2.compaction.mode == "per_turn"
+    # the default configuration users run (compaction epochs) beside the seeds' per-turn planning, and the A/A
+    # arm: the very configuration of `pace`
+    assert control.arm("pace").policy_config().compaction.mode == "epochs"
+    assert control.arm("pace-per-turn").policy_config().compaction.mode == "per_turn"
+    assert control.arm("pace-aa").policy_config() == control.arm("pace").policy_config()
     assert demo_config(ROOT / DEMO_SERVE, control=False, full=True).summarizer.mode == "llm"
 
 
@@ -59,3 +65,17 @@ def test_a_control_run_may_widen_the_budget_and_the_reference_window_together():
     assert (cfg.budget, cfg.actor.max_model_len) == (4096, 8192)
     with pytest.raises(PalimpsestError, match="exceeds the actor's window"):
         demo_config(ROOT / DEMO_SERVE, control=True, full=False, budget=9000, window=8192)
+
+
+def test_a_report_in_a_log_keeps_every_table_line_whole():
+    """Output not on a terminal (a CI log, `| tee`): the markdown is printed as its own text, never wrapped at 80
+    columns; on a terminal it is rendered."""
+    import io
+
+    row = "| vs `full`: fidelity KL, non-identical turns (session mean, 95% CI; lower is closer) | 0.1019 [0.0559, 0.1702] | 0.1387 |"
+    buf = io.StringIO()
+    show_markdown(Console(file=buf, width=80), "| metric | a | b |\n|---|---|---|\n" + row + "\n")
+    assert row in buf.getvalue().splitlines()
+    term = io.StringIO()
+    show_markdown(Console(file=term, width=80, force_terminal=True), "| metric | a | b |\n|---|---|---|\n" + row + "\n")
+    assert row not in term.getvalue()  # rendered as a table

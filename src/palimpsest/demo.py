@@ -14,8 +14,9 @@ machine it runs on (2 CPU cores: about ten minutes after the install, BENCHMARKS
    MLflow run that holds it;
 6. shut everything down.
 
-``--control`` runs the positive control instead: `pace` against `last2`, a deliberately weak arm, so that the
-report must show a significant difference (if it cannot, it cannot see anything). ``--full`` is the larger run:
+``--control`` runs the controls instead (pipelines/ab_controls.py): the weak `last2` against `pace` as users run
+it (compaction epochs) and `pace` planned per turn (the positive controls), and `pace` against itself (the A/A
+control), at budget 4,096 with an 8K reference window, one turn per session at step 8. ``--full`` is the larger run:
 every trajectory, two turns per session (steps 4 and 12), LLM summaries of every step appended; as in the default
 run, a session ends at its last turn (the steps after it would be summarised for no turn to read).
 """
@@ -32,6 +33,14 @@ from rich.markdown import Markdown
 from palimpsest.models.assets import minilm_dir, smollm2_dir, smollm2_tokenizer_dir
 from palimpsest.models.registry import load_memory, memory_meta, resolve_memory_ref
 from palimpsest.pipelines.ab import ab_summary, log_ab, summary_markdown
+from palimpsest.pipelines.ab_controls import (
+    AA,
+    CONTROL_ARMS,
+    CONTROL_SHAPE,
+    POSITIVE,
+    control_verdicts,
+    verdicts_markdown,
+)
 from palimpsest.pipelines.live_ab import drive
 from palimpsest.pipelines.trajectories import read_trajectories
 from palimpsest.platform import Ledger
@@ -47,13 +56,6 @@ DEMO_SERVE = Path("configs/serve/demo.yaml")
 DEMO_TRAIN = Path("configs/train/remory_demo.yaml")
 MEMORY_ARM = "pace+memory"
 DEMO_TRAJECTORIES = 3  # the default run's share of the dev file (``--control`` and ``--full`` take every one)
-# Both arms compact per turn, so that each fills the same budget and they differ only in what they keep. With
-# compaction epochs `pace` would compact to 60% of the budget (so that the cache holds) while `last2` used all of it.
-CONTROL_ARMS = ({"name": "pace", "policy": {"type": "pace", "compaction": {"mode": "per_turn"}}, "weight": 1.0},
-                {"name": "last2", "policy": {"type": "window", "k": 2, "compaction": {"mode": "per_turn"}},
-                 "weight": 1.0})
-
-
 @dataclass
 class Progress:
     """One line per stage and per step inside it, with the elapsed time and an ETA from the rate so far."""
@@ -188,12 +190,43 @@ def demo_config(serve_config: Path, control: bool, full: bool, budget: int | Non
     return cfg.model_copy(update=update) if update else cfg
 
 
+def identical_note(summary: dict) -> str:
+    """The share of scored turns where an arm served its reference itself, said before any figure: those turns
+    have no difference to measure (at the demo's first turns much of a history still fits the budget)."""
+    parts, total, same = [], 0, 0
+    for arm, a in summary["arms"].items():
+        f = a["fidelity"]
+        n = f["scored"] + f["identical"]
+        total, same = total + n, same + f["identical"]
+        parts.append(f"`{arm}` {f['identical']} of {n}")
+    if not total:
+        return "No turn was scored for shadow fidelity.\n\n"
+    return (f"**{same} of {total} scored turns served their reference itself** ({', '.join(parts)}): their "
+            "fidelity is exact by construction, so they are counted and left out; the figures below cover the "
+            "turns where an arm changed something.\n\n")
+
+
+def show_markdown(out: Console, md: str) -> None:
+    """Markdown rendered on a terminal; in a log (output not a terminal) as its own text, lines whole: rich would
+    wrap every table at 80 columns into fragments."""
+    if out.is_terminal:
+        out.print(Markdown(md))
+    else:
+        out.print(md, markup=False, highlight=False, soft_wrap=True)
+
+
 def run_main_demo(out: Console, data: Path, serve_config: Path = DEMO_SERVE, train_config: Path = DEMO_TRAIN,
-                  port: int = 8000, every: int = 8, max_turns: int = 1, concurrency: int | None = None,
+                  port: int = 8000, every: int = 8, max_turns: int | None = None, concurrency: int | None = None,
                   limit: int | None = None, track: bool = True, control: bool = False, full: bool = False,
-                  first: int = 4, budget: int | None = None, window: int | None = None) -> dict:
+                  first: int | None = None, budget: int | None = None, window: int | None = None) -> dict:
+    """The demo (or with ``control`` the controls, in their shape, ``CONTROL_SHAPE``, where a value is not given).
+    Returns the summary (the positive controls' with ``control``, and ``aa``), timings, errors, the report."""
     import httpx
 
+    shape = CONTROL_SHAPE if control else {"first": 4, "max_turns": 1}
+    first = shape["first"] if first is None else first
+    max_turns = shape["max_turns"] if max_turns is None else max_turns
+    budget, window = budget or shape.get("budget"), window or shape.get("window")
 
     if not data.is_file():
         raise PalimpsestError(f"no trajectories at {data}; pass --data FILE")
@@ -216,7 +249,8 @@ def run_main_demo(out: Console, data: Path, serve_config: Path = DEMO_SERVE, tra
                                                                          memory=True)]})
         out.print(f"memory arm {'added' if fits else 'left out'}: {why}")
     else:
-        out.print("positive control: `pace` against `last2`, no memory arm")
+        out.print("the controls: `last2` against `pace` (compaction epochs) and `pace-per-turn`; `pace` against "
+                  f"`pace-aa` (A/A); budget {cfg.budget}, reference window {cfg.actor.max_model_len}, no memory arm")
     timings["memory_s"] = time.perf_counter() - t0
     if not any(a.memory for a in cfg.arms):
         cfg = cfg.model_copy(update={"memory": cfg.memory.model_copy(update={"model": None})})
@@ -268,15 +302,24 @@ def run_main_demo(out: Console, data: Path, serve_config: Path = DEMO_SERVE, tra
     progress.stage("report")
     ledger = Ledger(cfg.ledger)
     served = [r for r in ledger.served(res.started) if r["session_id"].startswith(prefix)]
+    calls = [r for r in ledger.served(res.started, kind="summary") if r["session_id"].startswith(prefix)]
     outcomes = [o for o in ledger.outcomes(res.started) if o["session_id"].startswith(prefix)]
     shadows = [r for r in ledger.shadows(res.started) if r["session_id"].startswith(prefix)]
-    summary = ab_summary(served, outcomes, arms, shadows)
-    md = summary_markdown(summary)
-    out.print(Markdown(md))
+    aa = verdicts = None
+    if control:  # two reports from one run: the positive controls, and the A/A control
+        summary = ab_summary(served, outcomes, list(POSITIVE), shadows, calls)
+        aa = ab_summary(served, outcomes, list(AA), shadows, calls)
+        verdicts = control_verdicts(summary, aa)
+        md = (summary_markdown(summary) + "\n**The A/A control**\n\n" + summary_markdown(aa) + "\n"
+              + verdicts_markdown(verdicts))
+    else:
+        summary = ab_summary(served, outcomes, arms, shadows, calls)
+        md = identical_note(summary) + summary_markdown(summary)
+    show_markdown(out, md)
     progress.close()
     stages = {f"{k} (stage)": v for k, v in progress.seconds.items()}
     breakdown = busy_markdown(busy, {**stages, "demo to the report": time.perf_counter() - progress.t0})
-    out.print(Markdown("**Where the time went**\n\n" + breakdown))
+    show_markdown(out, "**Where the time went**\n\n" + breakdown)
     run_id = None
     if track:
         run_id, uri = log_ab(summary, cfg.tracking.experiment,
@@ -288,5 +331,5 @@ def run_main_demo(out: Console, data: Path, serve_config: Path = DEMO_SERVE, tra
               f"start {timings['serve_start_s']:.0f} s, traffic {timings['traffic_s']:.0f} s, shadow "
               f"{timings['shadow_s']:.0f} s); everything is shut down")
     timings["total_s"] = time.perf_counter() - progress.t0
-    return {"summary": summary, "timings": {**timings, "stages": progress.seconds}, "errors": res.errors, "busy": busy, "run_id": run_id,
+    return {"summary": summary, "aa": aa, "verdicts": verdicts, "timings": {**timings, "stages": progress.seconds}, "errors": res.errors, "busy": busy, "run_id": run_id,
             "markdown": md, "breakdown": breakdown}

@@ -170,3 +170,36 @@ def test_the_paired_test_finds_a_real_difference_and_its_interval_matches_it():
     assert not noise["significant"] and noise["lo"] < 0 < noise["hi"]
     big = paired_test([1.0 + 0.1 * k for k in range(20)])  # beyond 16 pairs: Monte Carlo, seeded
     assert big["significant"] and not big["exact"] and big == paired_test([1.0 + 0.1 * k for k in range(20)])
+
+
+def test_an_arms_billed_cost_counts_its_summary_calls_with_the_split_shown(tmp_path):
+    """LLM summary calls are recorded under the session's arm (served rows of kind `summary`, apart from the
+    turns) and added to the arm's billed input per turn, split: turns + summaries = total."""
+    from types import SimpleNamespace
+
+    from palimpsest.platform import Runtime
+    from palimpsest.serving.enrichment import Enrichment
+    from tests.helpers import TASK
+
+    rt = Runtime(Ledger(str(tmp_path / "l.db")))
+    for sid in ("a@pace", "a@window"):
+        rt.ledger.create_session(sid, TASK)
+        rt.ledger.record_served(sid, 1, sid.split("@")[1], {**served(sid.split("@")[1], sid, 100, 10.0), "billed": 50.0})
+        rt.ledger.record_served(sid, 2, sid.split("@")[1], {**served(sid.split("@")[1], sid, 100, 10.0), "billed": 70.0})
+    lane = SimpleNamespace(runtime=rt, arm_of=lambda sid: sid.split("@")[1])
+    Enrichment._record_calls(lane, "a@pace", [{"calls": 1, "input": 300, "cached": 100, "generated": 40},
+                                              {"calls": 1, "input": 200, "cached": 0, "generated": 30}])
+    Enrichment._record_calls(lane, "a@window", [{"calls": 0, "input": 0, "cached": 0, "generated": 0}])  # rule writer
+    turns, calls = rt.ledger.served(), rt.ledger.served(kind="summary")
+    assert len(turns) == 4 and len(calls) == 1 and len(rt.ledger.served(kind=None)) == 5
+    s = ab_summary(turns, [], ["window", "pace"], [], calls)
+    p, w = s["arms"]["pace"]["summary_calls"], s["arms"]["window"]["summary_calls"]
+    assert s["arms"]["pace"]["turns"] == 2  # summary rows are not turns
+    assert (p["calls"], p["input"], p["cached"], p["generated"]) == (2, 500, 100, 70)
+    billed = 400 + 0.1 * 100  # uncached + the cached rate x cached
+    assert p["billed"] == pytest.approx(billed) and p["billed_per_turn"] == pytest.approx(billed / 2)
+    assert p["total_billed_per_turn"] == pytest.approx(60.0 + billed / 2)
+    assert w["calls"] == 0 and w["total_billed_per_turn"] == pytest.approx(60.0)
+    md = summary_markdown(s)
+    assert "| LLM summary calls: calls / input ids (cached) / generated ids | 0 / 0 (0) / 0 | 2 / 500 (100) / 70 |" in md
+    assert f"60.0 + {billed / 2:.1f} = {60 + billed / 2:.1f}" in md

@@ -115,3 +115,37 @@ def test_a_turn_that_served_its_reference_is_recorded_identical_and_never_scored
     assert rows["s@full"]["reference"] == "full"
     assert rows["s@last2"]["status"] == "scored" and rows["s@last2"]["kl"] == 0.25
     assert len(calls) == 1 and state["identical"] == 1 and state["scored"] == 1
+
+
+def test_the_full_reference_is_the_whole_history_uncompacted_whenever_it_fits(tmp_path):
+    """Between 0.9 and 1.0 of the window the whole history still fits: the reference is every step raw (a
+    default `full` policy in compaction epochs would have compacted it to the low watermark). Past the window,
+    the reference is the arm's policy planned per turn at the window, labelled so, never smaller than a
+    per-turn plan at a smaller budget; a reference smaller than the served prompt is noted."""
+    from palimpsest.platform import Ledger, Runtime
+    from palimpsest.platform.budget import Budget
+    from palimpsest.platform.types import Resolution
+    from palimpsest.serving.shadow import reference, smaller_note
+    from tests.helpers import TASK, per_turn, step
+
+    rt = Runtime(Ledger(str(tmp_path / "l.db")))
+    rt.ledger.create_session("s", TASK)
+    for t in range(30):
+        rt.append("s", step(t, f"cat src/module_{t}.py", f"line {t} " * 40))
+    snap = rt.snapshot("s")
+    whole = rt.turn("s", per_turn("full"), Budget(10**6, 8), record=False)
+    n = len(whole.prompt.ids)
+    assert (whole.plan.resolution == Resolution.FULL).all()
+    window = int(n / 0.95) + 8  # the history takes 95% of what the window leaves beside the reply
+    label, ids = reference(rt, snap, rt.policy("pace"), window, 8)
+    assert label == "full" and ids == list(whole.prompt.ids)
+    # a default (epochs) `full` at that window compacts: what the reference must not be
+    assert len(rt.compile(snap, rt.policy("full"), Budget(window, 8)).prompt.ids) < n
+
+    small = n // 2
+    label, ids = reference(rt, snap, rt.policy("pace"), small, 8)
+    assert label == f"pace per turn@{small}" and len(ids) <= small - 8
+    planned = rt.turn("s", per_turn("pace"), Budget(small, 8), record=False)
+    assert ids == list(planned.prompt.ids)
+    assert len(ids) >= len(rt.turn("s", per_turn("pace"), Budget(small // 2, 8), record=False).prompt.ids)
+    assert smaller_note(10, 12) == "reference smaller than served: 10 < 12 ids" and smaller_note(12, 12) == ""

@@ -19,6 +19,8 @@ from palimpsest.platform.policies import (
 from palimpsest.platform.types import BudgetError, PalimpsestError
 
 out = Console()
+if not out.is_terminal:  # a log or a pipe: progress lines stay whole, never wrapped at 80 columns
+    out.soft_wrap = True
 
 
 err = Console(stderr=True)

@@ -29,14 +29,17 @@ def demo(
                                       help="memory training config used when no memory model is registered"),
     port: int = typer.Option(8000, min=1, max=65535),
     every: int = typer.Option(8, min=1, help="a turn every N steps of each trajectory"),
-    first: int = typer.Option(4, min=1, help="the first turn comes after this many steps"),
-    max_turns: int = typer.Option(1, min=1, help="turns per session (each trajectory runs once per arm)"),
+    first: Optional[int] = typer.Option(None, min=1, help="the first turn comes after this many steps (default: 4; "
+                                                         "8 with --control)"),
+    max_turns: Optional[int] = typer.Option(None, min=1, help="turns per session, each trajectory once per arm "
+                                                             "(default: 1; 2 with --full)"),
     concurrency: Optional[int] = typer.Option(None, min=1, max=64, help="sessions driven at once (default: all, "
                                                                        "at most 16)"),
     limit: Optional[int] = typer.Option(None, min=1, help="only the first N trajectories (default: 3; every one "
                                                          "with --control or --full)"),
-    control: bool = typer.Option(False, "--control", help="the positive control: `pace` against the weak `last2` "
-                                                         "(the report must show a significant difference)"),
+    control: bool = typer.Option(False, "--control", help="the controls: the weak `last2` against `pace` (epochs) and "
+                                                         "`pace-per-turn`, and `pace` against itself (A/A), at budget "
+                                                         "4,096 with an 8K reference window"),
     full: bool = typer.Option(False, "--full", help="the larger run: every trajectory, two turns per session from "
                                                    "step 4, LLM summaries of every step appended (BENCHMARKS.md: "
                                                    "its time)"),
@@ -90,7 +93,8 @@ def ab_report(
         served = [r for r in led.served(since) if r["session_id"].startswith(prefix)]
         outcomes = [o for o in led.outcomes(since) if o["session_id"].startswith(prefix)]
         shadows = [r for r in led.shadows(since) if r["session_id"].startswith(prefix)]
-    summary = ab_summary(served, outcomes, [a.strip() for a in arms.split(",")] if arms else None, shadows)
+        calls = [r for r in led.served(since, kind="summary") if r["session_id"].startswith(prefix)]
+    summary = ab_summary(served, outcomes, [a.strip() for a in arms.split(",")] if arms else None, shadows, calls)
     md = ab_markdown(summary)
     if track:
         run_id, uri = log_ab(summary, experiment, {"ledger": str(ledger), "since": since, "prefix": prefix}, md)
@@ -98,6 +102,6 @@ def ab_report(
     if as_json:
         print(json.dumps(summary, default=float))
         return
-    out.print(md, markup=False, highlight=False)
+    out.print(md, markup=False, highlight=False, soft_wrap=True)
     if track:
         out.print(f"MLflow run {summary['mlflow']['run_id']} at {summary['mlflow']['tracking_uri']}")

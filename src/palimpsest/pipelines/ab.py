@@ -39,7 +39,8 @@ from palimpsest.pipelines.ab_stats import (
     unpaired_mde,
     wilson,
 )
-from palimpsest.platform.ledger.experiments import reference_kind
+from palimpsest.pipelines.ab_plot import fidelity_cost_figure
+from palimpsest.platform.ledger.experiments import REFERENCE_KINDS, reference_kind
 from palimpsest.platform.types import PalimpsestError
 
 METRICS = (("tokens_context", "context tokens"), ("tokens_prompt", "actor input positions"),
@@ -48,7 +49,7 @@ METRICS = (("tokens_context", "context tokens"), ("tokens_prompt", "actor input 
            ("actor_ms", "actor ms"), ("total_ms", "turn ms"), ("glimpses", "glimpses per turn"),
            ("tokens_cached", "cached by vLLM per turn"), ("uncached", "uncached ids per turn (from the ids)"),
            ("billed", "billed ids per turn (from the ids)"), ("prefix_reuse", "prefix reuse (from the ids)"))
-KINDS = ("full", "policy@window")
+KINDS = REFERENCE_KINDS
 
 
 def pair_key(session_id: str, arms: list[str]) -> tuple[str, str] | None:
@@ -89,12 +90,28 @@ def _fidelity(mine: list[dict]) -> dict[str, Any]:
                          "_kl": _per_session(sc, "kl")}
     return {"sampled": len(mine), "scored": len(scored), "identical": len(identical),
             "skipped": len(mine) - len(scored) - len(identical), "skip_reasons": reasons,
+            # the window forced a policy reference that holds fewer ids than the prompt it judged
+            "reference_smaller": sum(str(r.get("reason") or "").startswith("reference smaller") for r in scored),
             "identical_share": wilson(len(identical), len(scored) + len(identical)), "by_reference": by_kind}
 
 
+def _summary_calls(rows: list[dict], turns: list[dict]) -> dict[str, Any]:
+    """An arm's LLM summary calls (served rows of ``kind: summary``) and its billed input with them: the turns'
+    billed ids plus the calls' billed input, per turn, split."""
+    calls = {k: sum(float(r.get(f"summary_{k}", 0)) for r in rows)
+             for k in ("calls", "input", "cached", "generated", "billed")}
+    billed = [float(r["billed"]) for r in turns if r.get("billed") is not None]
+    n = len(turns)
+    turns_billed = sum(billed) / len(billed) if billed else float("nan")
+    per_turn = calls["billed"] / n if n else float("nan")
+    return {**calls, "billed_per_turn": per_turn, "turns_billed_per_turn": turns_billed,
+            "total_billed_per_turn": turns_billed + per_turn}
+
+
 def ab_summary(served: list[dict], outcomes: list[dict], arms: list[str] | None = None,
-               shadows: list[dict] | None = None) -> dict[str, Any]:
-    """Per arm: turns, sessions, errors, every metric's mean/CI and p50/p95, outcome per session, shadow fidelity
+               shadows: list[dict] | None = None, summaries: list[dict] | None = None) -> dict[str, Any]:
+    """Per arm: turns, sessions, errors, every metric's mean/CI and p50/p95, LLM summary calls (``summaries``: the
+    ledger's served rows of ``kind: summary``) and the billed input with them, outcome per session, shadow fidelity
     per reference kind over the non-identical turns, prefix-cache hit rate; each arm's difference from the first
     (control) arm with the smallest difference detectable at 80% power; and the paired comparison when sessions
     are named ID@ARM."""
@@ -126,6 +143,7 @@ def ab_summary(served: list[dict], outcomes: list[dict], arms: list[str] | None 
         a["compactions_per_100"] = 100.0 * sum(bool(r.get("rebuilt", r.get("compaction"))) for r in ok) / len(ok) \
             if ok else float("nan")
         a["fidelity"] = _fidelity([r for r in shadows if r["arm"] == arm])
+        a["summary_calls"] = _summary_calls([r for r in summaries or [] if r["arm"] == arm], ok)
         for kind in KINDS:
             values[arm][f"kl:{kind}"] = list(a["fidelity"]["by_reference"][kind].pop("_kl").values())
         a["_sessions"] = {"outcome": last, "tokens_context": _per_session(ok, "tokens_context")}
@@ -138,7 +156,7 @@ def ab_summary(served: list[dict], outcomes: list[dict], arms: list[str] | None 
                            **{k: diff_ci(vc[k], va[k]) for k, _ in METRICS}}
         a["power"] = {"outcome_mde": unpaired_mde(vc["outcome"], va["outcome"]),
                       "fidelity_kl_full_mde": unpaired_mde(vc["kl:full"], va["kl:full"])}
-    out["paired"] = _paired(out, names, shadows)
+    out["paired"] = _paired(out, names, shadows, {(r["session_id"], int(r["t"])): turn_kind(r) for r in served})
     for a in out["arms"].values():
         a.pop("_sessions")
     return out
@@ -152,8 +170,15 @@ def _paired_stat(by_traj: dict[str, list[float]], order: list[str]) -> dict[str,
     return {**paired_test(d), "pairs": sum(len(by_traj[k]) for k in keys)}
 
 
-def _paired(out: dict, names: list[str], shadows: list[dict]) -> dict[str, Any]:
-    """Turn-by-turn differences (arm − control) on the same (trajectory, t) for sessions named ID@ARM."""
+def turn_kind(row: dict) -> str:
+    """What a served turn did to the prompt: ``boundary`` (an epoch's compaction), ``per turn`` (a policy that
+    plans every turn) or ``append`` (an epoch extended by the steps since)."""
+    return "boundary" if row.get("compaction") else "per turn" if row.get("rebuilt") else "append"
+
+
+def _paired(out: dict, names: list[str], shadows: list[dict], kinds: dict[tuple[str, int], str]) -> dict[str, Any]:
+    """Turn-by-turn differences (arm − control) on the same (trajectory, t) for sessions named ID@ARM; ``kinds``:
+    the served turn's kind (:func:`turn_kind`) per (session, t), counted per pair on the arm's side."""
     result: dict[str, Any] = {}
     control = names[0]
     recs: dict[str, dict[tuple[str, int], dict]] = {arm: {} for arm in names}
@@ -175,6 +200,7 @@ def _paired(out: dict, names: list[str], shadows: list[dict]) -> dict[str, Any]:
             keys = sorted(a_by.keys() & b_by.keys())
             per[metric] = _paired_stat({k: [b_by[k] - a_by[k]] for k in keys}, keys)
         unpaired: dict[str, int] = {}
+        turns: dict[str, int] = {}
         for kind in KINDS:
             kl: dict[str, list[float]] = {}
             top1: dict[str, list[float]] = {}
@@ -200,11 +226,14 @@ def _paired(out: dict, names: list[str], shadows: list[dict]) -> dict[str, Any]:
                 value = {"kl": lambda r: r["kl"] if r["status"] == "scored" else 0.0,
                          "top1": lambda r: r["top1"] if r["status"] == "scored" else 1.0}
                 kl.setdefault(key[0], []).append(value["kl"](ra) - value["kl"](rc))
+                which = kinds.get((ra["session_id"], key[1]), "not recorded")
+                turns[which] = turns.get(which, 0) + 1
                 top1.setdefault(key[0], []).append(value["top1"](ra) - value["top1"](rc))
             per[f"kl:{kind}"] = {**_paired_stat(kl, order), "both_identical": both_identical}
             per[f"top1:{kind}"] = _paired_stat(top1, order)
         per["unpaired"] = unpaired
-        if any(v.get("n") for k, v in per.items() if isinstance(v, dict) and k != "unpaired"):
+        per["turn_kinds"] = turns  # the arm's served turn of each pair used: boundary, append or per turn
+        if any(v.get("n") for k, v in per.items() if isinstance(v, dict) and k not in ("unpaired", "turn_kinds")):
             result[arm] = per
     return result
 
@@ -234,6 +263,9 @@ def summary_markdown(s: dict) -> str:
     row("identical to the reference (share, Wilson 95% CI)", lambda a: (
         f"{_fmt(a['fidelity']['identical_share']['p'], 3)} [{_fmt(a['fidelity']['identical_share']['lo'], 3)}, "
         f"{_fmt(a['fidelity']['identical_share']['hi'], 3)}]"))
+    if any(s["arms"][a]["fidelity"].get("reference_smaller") for a in arms):
+        row("scored against a reference smaller than the served prompt (the window forced it)",
+            lambda a: str(a["fidelity"].get("reference_smaller", 0)))
     for kind in KINDS:
         if not any(s["arms"][a]["fidelity"]["by_reference"][kind]["scored"] +
                    s["arms"][a]["fidelity"]["by_reference"][kind]["identical"] for a in arms):
@@ -245,6 +277,12 @@ def summary_markdown(s: dict) -> str:
         row(f"vs `{kind}`: top-1 agreement, non-identical turns (session mean, 95% CI)",
             lambda a, k=kind: _ci(a["fidelity"]["by_reference"][k]["top1"]))
     row("prefix-cache hit rate", lambda a: _fmt(a["prefix_cache_hit_rate"], 3))
+    row("LLM summary calls: calls / input ids (cached) / generated ids", lambda a: (
+        f"{a['summary_calls']['calls']:.0f} / {a['summary_calls']['input']:,.0f} ({a['summary_calls']['cached']:,.0f})"
+        f" / {a['summary_calls']['generated']:,.0f}"))
+    row("billed input ids per turn, summary calls included: turns + summaries = total", lambda a: (
+        f"{_fmt(a['summary_calls']['turns_billed_per_turn'])} + {_fmt(a['summary_calls']['billed_per_turn'])} = "
+        f"{_fmt(a['summary_calls']['total_billed_per_turn'])}"))
     row("compactions per 100 turns", lambda a: _fmt(a.get("compactions_per_100", float("nan")), 1))
     for key, label in METRICS:
         digits = 2 if key == "glimpses" else 1
@@ -276,6 +314,9 @@ def summary_markdown(s: dict) -> str:
             d = 1 if m == "tokens_context" else 4 if m.startswith("kl") else 3
             lines.append(f"| {label} | {v['n']} ({v['pairs']}) | {_ci(v, d)} | {_fmt(v['p'], 3)} | "
                          f"{'yes' if v['significant'] else 'no'} | {_fmt(v['mde'], d)} |")
+        if per.get("turn_kinds"):
+            lines += ["", f"The `{a}` turns of those pairs: " + ", ".join(
+                f"{k} {v}" for k, v in sorted(per["turn_kinds"].items())) + "."]
         left = [f"{per[f'kl:{k}']['both_identical']} turn pairs where both arms served the `{k}` reference itself"
                 for k in KINDS if per[f"kl:{k}"]["both_identical"]]
         if per["unpaired"]:
@@ -311,4 +352,7 @@ def log_ab(summary: dict, experiment: str, params: dict[str, Any], markdown: str
         mlflow.log_metrics(metrics)
         mlflow.log_dict(summary, "ab_summary.json")
         mlflow.log_text(markdown, "ab_report.md")
+        fig = fidelity_cost_figure(summary)
+        if fig is not None:
+            mlflow.log_figure(fig, "fidelity_vs_cost.png")
         return run.info.run_id, tracking_uri()

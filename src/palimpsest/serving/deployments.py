@@ -107,10 +107,13 @@ class Actor:
                 out["memory_cached"] = memory["cached"]
             yield out
 
-    async def chat(self, messages: list[dict], max_tokens: int = 96, kind: str = "summary") -> str:
-        """A helper generation (a step's summary, the ``ace`` LLM elasticizer), accounted under ``kind``."""
+    async def chat(self, messages: list[dict], max_tokens: int = 96, kind: str = "summary",
+                   usage: bool = False) -> str | dict:
+        """A helper generation (a step's summary, the ``ace`` LLM elasticizer), accounted under ``kind``; with
+        ``usage``, ``{"text", "prompt_tokens", "cached_tokens", "completion_tokens"}``."""
         ids = chat_ids(self.tokenizer, messages).all[-(self.cfg.max_model_len - max_tokens - 1):]
-        return (await self.engine.generate(ids=ids, max_tokens=max_tokens, kind=kind))["text"]
+        out = await self.engine.generate(ids=ids, max_tokens=max_tokens, kind=kind)
+        return chat_usage(out, len(out.get("token_ids") or [])) if usage else out["text"]
 
     def embed_ids(self, ids: list[int]):
         """The actor's own input embeddings of ``ids`` (what a soft span is concatenated with)."""
@@ -197,10 +200,11 @@ class RemoteActor:
             out["memory_cached"] = memory["cached"]
         return out
 
-    async def chat(self, messages: list[dict], max_tokens: int = 96, kind: str = "summary") -> str:
+    async def chat(self, messages: list[dict], max_tokens: int = 96, kind: str = "summary",
+                   usage: bool = False) -> str | dict:
         await self._ready()
         out = await self.engine.generate({"messages": messages, "max_tokens": max_tokens})
-        return out["text"]
+        return chat_usage(out, int(out.get("completion_tokens") or 0)) if usage else out["text"]
 
     def embed_ids(self, ids: list[int]):
         import torch
@@ -252,8 +256,8 @@ class Summarizer:
         self.actor = actor
         self.rule = RuleSummarizer()
 
-        async def generate(messages: list[dict]) -> str:
-            return await self.actor.chat.remote(messages, self.cfg.max_tokens)
+        async def generate(messages: list[dict]) -> dict:
+            return await self.actor.chat.remote(messages, self.cfg.max_tokens, "summary", True)
 
         self.llm = LLMSummarizer(generate, model_name, self.cfg.timeout_s, self.cfg.max_input_chars)
 
@@ -263,12 +267,19 @@ class Summarizer:
 
     async def summarize(self, record: dict) -> dict:
         step = StepRecord(**record)
+        usage = {"calls": 0, "input": 0, "cached": 0, "generated": 0}  # the rule writer calls no model
         if self.cfg.mode == "llm":
-            s, producer, version = await self.llm.summarize(step)
+            s, producer, version, usage = await self.llm.summarize_counted(step)
         else:
             s, producer, version = self.rule.summarize(step), self.rule.name, self.rule.version
         return {"abstraction": s.abstraction.to_json(), "detailed": s.detailed, "brief": s.brief,
-                "producer": producer, "version": version}
+                "producer": producer, "version": version, "usage": usage}
+
+
+def chat_usage(out: dict, generated: int) -> dict:
+    """A helper generation's text and what it cost, from the engine's result."""
+    return {"text": out["text"], "prompt_tokens": int(out.get("prompt_tokens") or 0),
+            "cached_tokens": int(out.get("cached_tokens") or 0), "completion_tokens": int(generated)}
 
 
 def summaries_from_wire(d: dict) -> Summaries:

@@ -9,6 +9,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from typing import Callable
 
 import numpy as np
 
@@ -139,9 +140,11 @@ class HandleEmbedder:
 class Enrichment:
     """The two background lanes of one ingress replica (started on its event loop)."""
 
-    def __init__(self, runtime, policies: dict, summarizer, summarizer_info: dict, metrics, cfg):
+    def __init__(self, runtime, policies: dict, summarizer, summarizer_info: dict, metrics, cfg,
+                 arm_of: Callable[[str], str] | None = None):
         self.runtime, self.policies, self.summarizer = runtime, policies, summarizer
         self.summarizer_info, self.metrics, self.cfg = summarizer_info, metrics, cfg
+        self.arm_of = arm_of  # a session's arm: its summary calls are recorded under it
         self._queue: asyncio.Queue = asyncio.Queue()
         self._llm_queue: asyncio.Queue = asyncio.Queue()
         self._queued: set[str] = set()
@@ -232,6 +235,9 @@ class Enrichment:
                         if isinstance(r, dict) and r["producer"] == producer[0]:
                             await asyncio.to_thread(ledger.add_summaries, sid, s.id, summaries_from_wire(r),
                                                     r["producer"], r["version"])
+                    used = [r["usage"] for r in replies if isinstance(r, dict) and r.get("usage")]
+                    if used:
+                        await asyncio.to_thread(self._record_calls, sid, used)
                 finally:
                     if rt.leases:
                         await asyncio.to_thread(ledger.release, lease, rt.owner)
@@ -243,6 +249,24 @@ class Enrichment:
             except Exception as e:
                 self.metrics.errors.labels(arm="-", kind="summarize").inc()
                 log.warning("LLM summaries of %s failed: %s", sid, e)
+
+
+    def _record_calls(self, sid: str, used: list[dict]) -> None:
+        """The actor calls of one batch of a session's LLM summaries, recorded under the session's arm (a served
+        row of ``kind: summary``): calls, input ids (of them cached), generated ids, and the billed input at the
+        runtime's cached rate. ``pipelines/ab.py`` adds them to the arm's cost."""
+        calls = sum(int(u.get("calls", 0)) for u in used)
+        if not calls or self.arm_of is None:
+            return
+        inp = sum(int(u.get("input", 0)) for u in used)
+        cached = sum(int(u.get("cached", 0)) for u in used)
+        try:
+            self.runtime.ledger.record_served(sid, self.runtime.ledger.count(sid), self.arm_of(sid), {
+                "kind": "summary", "summary_calls": calls, "summary_input": inp, "summary_cached": cached,
+                "summary_generated": sum(int(u.get("generated", 0)) for u in used),
+                "summary_billed": inp - cached + self.runtime.cached_rate * cached})
+        except Exception as e:  # the record is best effort: the summaries themselves are stored
+            log.warning("could not record the summary calls of %s: %s", sid, e)
 
 
 def _record_dict(r: StepRecord) -> dict:

@@ -139,7 +139,7 @@ class Replica:
                                snapshot_cache_bytes=self.cfg.turns.snapshot_cache_mib << 20)
         self.policies = {a.name: self.runtime.policy(a.policy_config()) for a in self.cfg.arms}
         self.enrichment = Enrichment(self.runtime, self.policies, self.summarizer, self.summarizer_info, self.metrics,
-                                     self.cfg)
+                                     self.cfg, arm_of=lambda sid: self.arm_of(self.runtime.ledger.session(sid)))
         self.shadow = ShadowLane(self.runtime, self.cfg.ab, info["max_model_len"],
                                  busy=lambda: self.turns.inflight > 0, metrics=self.metrics)
         self.turns = TurnService(self.runtime, self.cfg, self.policies, self.actor, self.memory, info,

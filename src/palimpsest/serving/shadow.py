@@ -7,9 +7,12 @@ next-token distributions over the tokens of the reply it served, once after the 
 and once after the reference prompt (p), give per reply token the exact KL(q || p) over the whole vocabulary
 and whether the two top-1 tokens agree (``models.scorer.fidelity``).
 
-- The reference is the whole history (``full``) when it fits the actor's window beside the reply; otherwise the
-  arm's own policy compiled at the largest budget the window allows (``POLICY@BUDGET``). Each record names it,
-  and the report never pools the two kinds.
+- The reference (:func:`reference`) is the whole history, every step raw and nothing compacted (``full``),
+  whenever it fits the actor's window beside the reply. Otherwise it is the arm's own policy planned *per
+  turn* (whatever the arm's compaction mode) at the largest budget the window allows, labelled
+  ``POLICY per turn@BUDGET``. Each record names it, and the report never pools the two kinds. A reference
+  smaller than the prompt it judges (possible only in the second kind) is counted: the record's ``reason``
+  says so, and the report shows how many.
 - A turn whose served ids equal the reference's (and carry no soft span) is recorded as ``identical``: its KL
   is 0 by construction, so it is counted and left out of the fidelity mean, which covers the turns where the
   arm changed something. Nothing is scored for it.
@@ -35,6 +38,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from palimpsest.platform.budget import Budget
+from palimpsest.platform.epochs import Compaction
+from palimpsest.platform.ledger import SessionSnapshot
 from palimpsest.platform.types import CompiledTurn, Resolution
 
 log = logging.getLogger("palimpsest.shadow")
@@ -47,6 +53,29 @@ def sampled(session_id: str, t: int, rate: float) -> bool:
         return False
     h = int.from_bytes(hashlib.sha256(f"{session_id}\0{t}".encode()).digest()[:8], "big")
     return h / 2**64 < rate
+
+
+def per_turn(policy_config):
+    """The same policy config planning every turn anew (no compaction epochs)."""
+    return policy_config.model_copy(update={"compaction": Compaction(mode="per_turn")})
+
+
+def reference(runtime, snap: SessionSnapshot, policy, window: int, reply: int) -> tuple[str, list[int]]:
+    """(label, ids) of the prompt a served turn over ``snap`` is judged against, with ``reply`` ids to follow it in
+    an actor ``window``: the whole history uncompacted (``full``) when it fits; else ``policy`` planned per turn
+    at the largest budget the window allows (``NAME per turn@BUDGET``)."""
+    limit = Budget(window, reply)
+    whole = runtime.compile(snap, runtime.policy(per_turn(runtime.policy("full").cfg)), limit)
+    if (whole.plan.resolution == Resolution.FULL).all() and "elided" not in whole.plan.info:
+        return "full", list(whole.prompt.ids)
+    largest = runtime.compile(snap, runtime.policy(per_turn(policy.cfg)), limit)
+    return f"{policy.name} per turn@{limit.total}", list(largest.prompt.ids)
+
+
+def smaller_note(reference_ids: int, served_ids: int) -> str:
+    """The note a record carries when its reference holds fewer ids than the prompt it judges (the window forced
+    the reference to a policy's plan, and that plan kept less than the served turn): counted in the report."""
+    return f"reference smaller than served: {reference_ids} < {served_ids} ids" if reference_ids < served_ids else ""
 
 
 @dataclass
@@ -140,26 +169,19 @@ class ShadowLane:
             finally:
                 self._working = False
 
-    def _reference(self, s: Sample) -> tuple[str, list[int]]:
-        """The whole history when it fits the window beside the reply; else the arm's policy at the largest budget."""
-        budget = self.window - len(s.reply) - 1
-        snap = s.turn.snapshot
-        full = self.runtime.compile(snap, self.runtime.policy("full"), budget)
-        if (full.plan.resolution == Resolution.FULL).all() and "elided" not in full.plan.info:
-            return "full", list(full.prompt.ids)
-        largest = self.runtime.compile(snap, s.policy, budget)
-        return f"{s.policy.name}@{budget}", list(largest.prompt.ids)
-
     async def _score(self, s: Sample) -> None:
-        reference, ref_ids = await asyncio.to_thread(self._reference, s)
+        reference_label, ref_ids = await asyncio.to_thread(reference, self.runtime, s.turn.snapshot, s.policy,
+                                                           self.window, len(s.reply))
         p = s.turn.prompt
-        if not s.soft and list(p.context_ids) + list(p.bridge_ids) == ref_ids:
+        served = list(p.context_ids) + list(p.bridge_ids)
+        note = smaller_note(len(ref_ids), len(served))
+        if not s.soft and served == ref_ids:
             # the arm served the reference itself: KL 0 by construction, counted apart and never averaged in
             self.counts["identical"] += 1
             if self.metrics is not None:
                 self.metrics.shadow.labels(arm=s.arm, status="identical").inc()
             await asyncio.to_thread(self.runtime.ledger.record_shadow, s.session_id, s.turn.t, s.arm, "identical",
-                                    reference=reference, tokens=len(s.reply))
+                                    reference=reference_label, tokens=len(s.reply))
             return
         # the soft span (a handle response, as on the turn) goes from the memory encoder to the actor directly;
         # ab.shadow_threads only while no turn is in flight (a lane that does not yield scores beside the turns)
@@ -168,7 +190,7 @@ class ShadowLane:
         if self.metrics is not None:
             self.metrics.shadow.labels(arm=s.arm, status="scored").inc()
         await asyncio.to_thread(self.runtime.ledger.record_shadow, s.session_id, s.turn.t, s.arm, "scored",
-                                reference=reference, kl=kl, top1=top1, tokens=len(s.reply))
+                                reference=reference_label, kl=kl, top1=top1, tokens=len(s.reply), reason=note)
 
 
-__all__ = ["ShadowLane", "sampled"]
+__all__ = ["ShadowLane", "reference", "sampled", "smaller_note"]

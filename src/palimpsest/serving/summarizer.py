@@ -84,13 +84,24 @@ class LLMSummarizer:
 
     async def summarize(self, step: StepRecord) -> tuple[Summaries, str, str]:
         """(summaries, producer, version): the producer says which writer it came from."""
+        return (await self.summarize_counted(step))[:3]
+
+    async def summarize_counted(self, step: StepRecord) -> tuple[Summaries, str, str, dict]:
+        """``summarize`` and what its call cost: ``{"calls", "input", "cached", "generated"}`` ids, as the actor
+        reported them (a ``generate`` that returns its usage beside the text); a call that timed out or failed
+        counts as a call with the ids unknown (0)."""
         rule = abstract_step(step)
+        usage = {"calls": 1, "input": 0, "cached": 0, "generated": 0}
         try:
-            text = await asyncio.wait_for(self.generate(summary_messages(step, self.max_input_chars)), self.timeout_s)
+            out = await asyncio.wait_for(self.generate(summary_messages(step, self.max_input_chars)), self.timeout_s)
         except Exception:  # timeout, actor down, bad reply: the floor
-            text = None
-        reply = parse_reply(text) if text else None
+            out = None
+        if isinstance(out, dict):
+            usage.update(input=int(out.get("prompt_tokens") or 0), cached=int(out.get("cached_tokens") or 0),
+                         generated=int(out.get("completion_tokens") or 0))
+            out = out.get("text")
+        reply = parse_reply(out) if out else None
         if reply is None:
-            return Summaries(rule, render_detailed(rule), render_brief(rule)), self.rule.name, self.rule.version
+            return Summaries(rule, render_detailed(rule), render_brief(rule)), self.rule.name, self.rule.version, usage
         a = merge(rule, reply)
-        return Summaries(a, render_detailed(a), render_brief(a)), self.name, self.version
+        return Summaries(a, render_detailed(a), render_brief(a)), self.name, self.version, usage

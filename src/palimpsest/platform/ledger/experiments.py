@@ -10,6 +10,10 @@ from typing import Mapping
 from palimpsest.platform.types import LedgerError
 
 
+#: the kinds of shadow reference, never pooled (:func:`reference_kind`)
+REFERENCE_KINDS = ("full", "policy@window")
+
+
 def reference_kind(reference: str) -> str:
     """The kind of a shadow record's ``reference``: ``full`` (the whole history) or ``policy@window`` (the arm's
     policy where the whole history does not fit). The two measure different things and are reported apart."""
@@ -33,11 +37,13 @@ class Experiments:
             db.execute("INSERT INTO outcomes (session_id, arm, value, note, created) VALUES (?,?,?,?,?)",
                        (session_id, arm, float(value), note, time.time()))
 
-    def served(self, since: float = 0.0) -> list[dict]:
-        """Every served turn since ``since`` (unix time), oldest first."""
-        return [{"session_id": r[0], "t": r[1], "arm": r[2], **json.loads(r[3]), "created": r[4]}
+    def served(self, since: float = 0.0, kind: str | None = "turn") -> list[dict]:
+        """Every served turn since ``since`` (unix time), oldest first; ``kind="summary"``: the actor calls of LLM
+        summaries recorded under a session's arm instead; None: both."""
+        rows = [{"session_id": r[0], "t": r[1], "arm": r[2], **json.loads(r[3]), "created": r[4]}
                 for r in self._read("SELECT session_id, t, arm, metrics, created FROM served WHERE created>=?"
                                     " ORDER BY id", (since,))]
+        return rows if kind is None else [r for r in rows if r.get("kind", "turn") == kind]
 
     def record_shadow(self, session_id: str, t: int, arm: str, status: str, reason: str = "", reference: str = "",
                       kl: float | None = None, top1: float | None = None, tokens: int = 0) -> None:

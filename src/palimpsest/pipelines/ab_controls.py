@@ -1,0 +1,86 @@
+"""The A/B lane's controls, in the configuration users run (``palimpsest demo --control``).
+
+One live run drives every trajectory once per arm:
+
+- ``last2``: the two previous steps only, planned per turn: the deliberately weak arm, and the control;
+- ``pace``: PACE as users run it (the default compaction epochs);
+- ``pace-per-turn``: PACE planning every turn anew (the seeds' behaviour), at the same budget;
+- ``pace-aa``: ``pace`` again, under another name.
+
+Two comparisons come out of the same records:
+
+- **positive controls**: ``pace`` − ``last2`` and ``pace-per-turn`` − ``last2`` in fidelity KL to the full
+  history (negative: the arm is closer to the full-history actor than ``last2``). A lane that cannot see these
+  cannot see anything; if the default (epochs) loses, that is reported as it came out;
+- **the A/A control**: ``pace-aa`` − ``pace``. Two arms with one configuration must not come out significant.
+
+Each verdict names its direction, its test (``ab_stats.paired_test``) and which turns its pairs came from
+(an epoch's compaction boundary, an append-only turn, or a per-turn plan).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: the controls' arms, control (the weak arm) first
+CONTROL_ARMS: tuple[dict, ...] = (
+    {"name": "last2", "policy": {"type": "window", "k": 2, "compaction": {"mode": "per_turn"}}, "weight": 1.0},
+    {"name": "pace", "policy": {"type": "pace"}, "weight": 1.0},
+    {"name": "pace-per-turn", "policy": {"type": "pace", "compaction": {"mode": "per_turn"}}, "weight": 1.0},
+    {"name": "pace-aa", "policy": {"type": "pace"}, "weight": 1.0},
+)
+#: the positive controls' report: the weak arm first, then the two ways of running PACE
+POSITIVE = ("last2", "pace", "pace-per-turn")
+#: the A/A control's report: the same configuration under two names
+AA = ("pace", "pace-aa")
+#: where the controls run by default: the whole history of most dev trajectories fits an 8K reference at step
+#: 8, and it passes the 4K budget, so the arms differ (BENCHMARKS.md "The controls")
+CONTROL_SHAPE = {"budget": 4096, "window": 8192, "first": 8, "max_turns": 1}
+
+
+def verdict(summary: dict, arm: str, metric: str = "kl:full") -> dict[str, Any]:
+    """The paired comparison of ``arm`` against the summary's control on ``metric`` as one record: the mean
+    difference, its interval, p, significance, the pairs' turn kinds, and the direction in words."""
+    control = summary["control"]
+    per = (summary.get("paired") or {}).get(arm)
+    v = per.get(metric) if per else None
+    if not v or not v.get("n"):
+        return {"arm": arm, "control": control, "metric": metric, "n": 0, "direction": "no pairs"}
+    d = v["mean"]
+    closer = "closer to" if d < 0 else "further from" if d > 0 else "as close to"
+    return {"arm": arm, "control": control, "metric": metric, "n": v["n"], "pairs": v["pairs"], "difference": d,
+            "lo": v["lo"], "hi": v["hi"], "p": v["p"], "significant": bool(v["significant"]),
+            "turn_kinds": dict(per.get("turn_kinds") or {}),
+            "direction": f"`{arm}` is {closer} the full-history actor than `{control}`"}
+
+
+def control_verdicts(positive: dict, aa: dict) -> dict[str, Any]:
+    """The positive controls (each PACE arm against ``last2``) and the A/A control, with their verdicts."""
+    out = {"positive": [verdict(positive, arm) for arm in POSITIVE[1:]], "aa": verdict(aa, AA[1])}
+    a = out["aa"]
+    out["aa_ok"] = bool(a["n"]) and not a.get("significant", False)
+    return out
+
+
+def verdicts_markdown(v: dict) -> str:
+    """The controls' verdicts as plain lines (a log reads them as well as a terminal)."""
+    lines = ["**The controls** (fidelity KL to the full history, arm − control, paired by trajectory and turn; "
+             "sign-flip test):", ""]
+    for r in [*v["positive"], v["aa"]]:
+        if not r["n"]:
+            lines.append(f"- `{r['arm']}` − `{r['control']}`: no turn pairs against the `full` reference")
+            continue
+        kinds = ", ".join(f"{k} {n}" for k, n in sorted(r["turn_kinds"].items())) or "-"
+        sig = "significant" if r["significant"] else "not significant"
+        lines.append(f"- `{r['arm']}` − `{r['control']}`: {r['difference']:+.4f} [{r['lo']:+.4f}, {r['hi']:+.4f}], "
+                     f"p = {r['p']:.3f} over {r['n']} trajectories ({r['pairs']} turn pairs; the arm's turns: "
+                     f"{kinds}): {sig}; {r['direction']}")
+    a = v["aa"]
+    if a["n"]:
+        lines.append("- A/A: " + ("not significant, as it must be" if v["aa_ok"] else
+                                  "SIGNIFICANT between two arms of one configuration: the lane sees a difference "
+                                  "that is not there (a finding, not a setting to change)"))
+    return "\n".join(lines) + "\n"
+
+
+__all__ = ["AA", "CONTROL_ARMS", "CONTROL_SHAPE", "POSITIVE", "control_verdicts", "verdict", "verdicts_markdown"]
