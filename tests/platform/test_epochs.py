@@ -80,6 +80,24 @@ def test_a_boundary_happens_exactly_when_the_high_watermark_is_crossed(runtime):
     assert seen >= 2
 
 
+def test_a_prompt_exactly_at_the_high_watermark_extends_and_one_id_over_it_compacts(runtime):
+    """The size is what an append-only turn really sends (a preview at a budget nothing reaches), not a
+    recomputation. Then two budgets put the high watermark exactly at that size plus the reserve (equality: the
+    epoch extends, the ids unchanged) and one id below it (the size passes it by one: a boundary)."""
+    sid = _session(runtime)
+    for t in range(12):
+        _grow(runtime, sid, t)
+    cfg = {"type": "pace", "compaction": {"high": 0.5, "low": 0.3}}
+    free = runtime.turn(sid, cfg, 10**6, reserve=RESERVE, record=False)
+    assert not free.compacted
+    size = len(free.prompt.ids) + RESERVE
+    at = runtime.turn(sid, cfg, 2 * size, reserve=RESERVE, record=False)  # high x budget == size
+    assert not at.compacted and at.prompt.ids == free.prompt.ids
+    over = runtime.turn(sid, cfg, 2 * size - 2, reserve=RESERVE, record=False)  # high x budget == size - 1
+    assert over.compacted and len(over.prompt.ids) + RESERVE <= int(0.3 * (2 * size - 2))
+    assert over.plan.info["compaction"]["before"] + RESERVE == size
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_the_budget_bound_holds_on_every_turn(runtime, policy):
     sid = _session(runtime)
@@ -286,3 +304,22 @@ def test_two_replicas_compacting_the_same_turn_at_once_serve_the_one_boundary_in
     assert turns["a"].prompt.ids == turns["b"].prompt.ids == in_effect.prompt.ids
     for rt in (a, b):
         rt.ledger.close()
+
+
+def test_the_ledger_itself_refuses_a_second_boundary_at_one_session_key_and_step(ledger_url):
+    """Beyond the check under the session's lock, the schema refuses a second row at (session, key, t) from any
+    writer (migration 0006); a boundary at another step is stored."""
+    rt = Runtime(Ledger(ledger_url))
+    sid = _session(rt)
+    for t in range(24):
+        _grow(rt, sid, t)
+    rt.turn(sid, {"type": "pace"}, BUDGET, reserve=RESERVE)
+    (row,) = rt.ledger.boundaries(sid)
+    insert = "INSERT INTO boundaries (session_id, key, t, digest, body, created) VALUES (?,?,?,?,?,?)"
+    with pytest.raises(Exception, match="one boundary per"):
+        with rt.ledger._tx() as db:
+            db.execute(insert, (sid, row["key"], row["t"], "other", b"other", 0.0))
+    with rt.ledger._tx() as db:
+        db.execute(insert, (sid, row["key"], row["t"] + 1, "later", b"later", 0.0))
+    assert [r["t"] for r in rt.ledger.boundaries(sid)] == [row["t"], row["t"] + 1]
+    rt.ledger.close()
