@@ -79,3 +79,14 @@ def test_a_report_in_a_log_keeps_every_table_line_whole():
     term = io.StringIO()
     show_markdown(Console(file=term, width=80, force_terminal=True), "| metric | a | b |\n|---|---|---|\n" + row + "\n")
     assert row not in term.getvalue()  # rendered as a table
+
+
+def test_the_demo_report_opens_with_the_share_of_turns_that_served_their_reference():
+    from palimpsest.demo import identical_note
+
+    def arm(scored, identical):
+        return {"fidelity": {"scored": scored, "identical": identical}}
+
+    note = identical_note({"arms": {"pace": arm(1, 2), "window": arm(0, 3)}})
+    assert note.startswith("**5 of 6 scored turns served their reference itself** (`pace` 2 of 3, `window` 3 of 3)")
+    assert identical_note({"arms": {"pace": arm(0, 0)}}).startswith("No turn was scored")

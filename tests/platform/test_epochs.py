@@ -11,7 +11,7 @@ from palimpsest.platform.chat import chat_ids
 from palimpsest.platform.epochs import Boundary, Compaction, cached_tokens, turn_cost, with_soft
 from palimpsest.platform.policies import parse_policy_config
 from palimpsest.platform.types import ConfigError
-from tests.helpers import STEPS, TASK, step
+from tests.helpers import STEPS, TASK, per_turn, step
 
 POLICIES = ["full", "window", "rolling_summary", "pace", "ace", "pace_plus"]
 BUDGET, RESERVE = 1500, 64
@@ -72,8 +72,11 @@ def test_a_boundary_happens_exactly_when_the_high_watermark_is_crossed(runtime):
         if crossed:
             seen += 1
             info = turn.plan.info["compaction"]
-            assert info["before"] == would and info["target"] == int(0.5 * BUDGET)
-            assert turn.prompt.tokens + RESERVE <= int(0.5 * BUDGET)  # compacted to the low watermark
+            assert info["before"] == would
+            # compacted to the low watermark, or higher (up to the high one) to keep the recent steps in full
+            assert info["target"] == int(0.5 * BUDGET) or (
+                info["recent"]["raised"] and info["recent"]["full"] and info["target"] <= int(0.8 * BUDGET))
+            assert turn.prompt.tokens + RESERVE <= info["target"]
             (row,) = [r for r in runtime.ledger.audit(sid) if r["t"] == turn.t][-1:]
             assert row["compaction"]["id"] == turn.boundary.id  # the audit names the boundary and why
             assert "> 0.8 x 1500" in row["compaction"]["trigger"]
@@ -94,7 +97,7 @@ def test_a_prompt_exactly_at_the_high_watermark_extends_and_one_id_over_it_compa
     at = runtime.turn(sid, cfg, 2 * size, reserve=RESERVE, record=False)  # high x budget == size
     assert not at.compacted and at.prompt.ids == free.prompt.ids
     over = runtime.turn(sid, cfg, 2 * size - 2, reserve=RESERVE, record=False)  # high x budget == size - 1
-    assert over.compacted and len(over.prompt.ids) + RESERVE <= int(0.3 * (2 * size - 2))
+    assert over.compacted and len(over.prompt.ids) + RESERVE <= over.plan.info["compaction"]["target"]
     assert over.plan.info["compaction"]["before"] + RESERVE == size
 
 
@@ -323,3 +326,37 @@ def test_the_ledger_itself_refuses_a_second_boundary_at_one_session_key_and_step
         db.execute(insert, (sid, row["key"], row["t"] + 1, "later", b"later", 0.0))
     assert [r["t"] for r in rt.ledger.boundaries(sid)] == [row["t"], row["t"] + 1]
     rt.ledger.close()
+
+
+def test_a_boundary_never_degrades_the_recent_steps_where_a_higher_target_holds_them(runtime):
+    """PACE always shows its last N steps in full. When the low watermark cannot hold the prefix and those
+    steps, the boundary compacts to the lowest higher target (tenths of the budget, up to the high watermark)
+    that can, and the audit says so; a policy whose recents fit the low watermark compacts to it as before."""
+    from palimpsest.platform.types import Resolution
+
+    sid = _session(runtime)
+    for t in range(14):
+        runtime.append(sid, step(t, f"ls dir_{t}", f"file_{t}.py " * 12))
+    for t in (14, 15):  # two large recent steps: together more than the low watermark leaves for history
+        runtime.append(sid, step(t, f"cat big_{t}.log", " ".join(f"line{t}_{i}=value{i * 7}" for i in range(54))))
+    cfg = {"type": "pace", "recent": 2}
+    low = int(0.6 * BUDGET)
+    # the premise: planned at the low watermark, PACE cannot keep both recent steps full
+    at_low = runtime.turn(sid, per_turn("pace", recent=2), low, reserve=RESERVE, record=False)
+    assert not (at_low.plan.resolution[-2:] == Resolution.FULL).all()
+    turn = runtime.turn(sid, cfg, BUDGET, reserve=RESERVE)
+    assert turn.compacted
+    info = turn.plan.info["compaction"]
+    assert (turn.plan.resolution[-2:] == Resolution.FULL).all(), turn.plan.resolution[-4:]
+    assert info["recent"] == {"n": 2, "full": True, "first_target": low, "raised": True}
+    assert low < info["target"] <= int(0.9 * BUDGET) and (info["target"] - low) % (BUDGET // 10) == 0
+    assert turn.prompt.tokens + RESERVE <= info["target"]
+    (row,) = [r for r in runtime.ledger.audit(sid) if r["t"] == turn.t]
+    assert row["compaction"]["recent"]["raised"] is True  # the audit records it
+    # recents that fit the low watermark: compacted to it, not raised
+    other = _session(runtime, "e2")
+    for t in range(40):
+        _grow(runtime, other, t)
+    small = runtime.turn(other, cfg, BUDGET, reserve=RESERVE)
+    assert small.compacted and small.plan.info["compaction"]["target"] == low
+    assert small.plan.info["compaction"]["recent"]["raised"] is False

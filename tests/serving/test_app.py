@@ -608,13 +608,15 @@ def test_the_anthropic_client_runs_a_tool_loop_streams_and_counts_and_every_bloc
                      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
                                                    "content": [{"type": "text", "text": f"output {k}"}]}]}]
     events = []
-    with ac.messages.stream(model=model, max_tokens=5, system=system, messages=messages, tools=CLAUDE_TOOLS,
-                            metadata={"user_id": "cc-1"}) as stream:
+    # a constructed case: the tool is forced, so the streamed reply must end in exactly one call, `tool_use`
+    with ac.messages.stream(model=model, max_tokens=400, system=system, messages=messages, tools=CLAUDE_TOOLS,
+                            tool_choice={"type": "tool", "name": "run_shell"}, metadata={"user_id": "cc-1"}) as stream:
         for ev in stream:
             events.append(ev.type)
         final = stream.get_final_message()
     assert events[0] == "message_start" and events[-1] == "message_stop" and "message_delta" in events
-    assert final.stop_reason in ("end_turn", "max_tokens", "tool_use") and final.usage.output_tokens >= 1
+    assert final.stop_reason == "tool_use" and final.usage.output_tokens >= 1
+    assert [b.name for b in final.content if b.type == "tool_use"] == ["run_shell"]
     counted = ac.messages.count_tokens(model=model, system=system, messages=messages, tools=CLAUDE_TOOLS)
     bare = ac.messages.count_tokens(model=model, system=system, messages=messages)
     assert counted.input_tokens > bare.input_tokens > 0  # the tool declarations count

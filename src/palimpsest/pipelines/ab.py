@@ -200,7 +200,7 @@ def _paired(out: dict, names: list[str], shadows: list[dict], kinds: dict[tuple[
             keys = sorted(a_by.keys() & b_by.keys())
             per[metric] = _paired_stat({k: [b_by[k] - a_by[k]] for k in keys}, keys)
         unpaired: dict[str, int] = {}
-        turns: dict[str, int] = {}
+        turns: dict[str, dict[str, int]] = {}
         for kind in KINDS:
             kl: dict[str, list[float]] = {}
             top1: dict[str, list[float]] = {}
@@ -227,12 +227,12 @@ def _paired(out: dict, names: list[str], shadows: list[dict], kinds: dict[tuple[
                          "top1": lambda r: r["top1"] if r["status"] == "scored" else 1.0}
                 kl.setdefault(key[0], []).append(value["kl"](ra) - value["kl"](rc))
                 which = kinds.get((ra["session_id"], key[1]), "not recorded")
-                turns[which] = turns.get(which, 0) + 1
+                turns.setdefault(kind, {})[which] = turns.setdefault(kind, {}).get(which, 0) + 1
                 top1.setdefault(key[0], []).append(value["top1"](ra) - value["top1"](rc))
             per[f"kl:{kind}"] = {**_paired_stat(kl, order), "both_identical": both_identical}
             per[f"top1:{kind}"] = _paired_stat(top1, order)
         per["unpaired"] = unpaired
-        per["turn_kinds"] = turns  # the arm's served turn of each pair used: boundary, append or per turn
+        per["turn_kinds"] = turns  # per reference kind, the arm's served turn of each pair: boundary, append, per turn
         if any(v.get("n") for k, v in per.items() if isinstance(v, dict) and k not in ("unpaired", "turn_kinds")):
             result[arm] = per
     return result
@@ -315,8 +315,9 @@ def summary_markdown(s: dict) -> str:
             lines.append(f"| {label} | {v['n']} ({v['pairs']}) | {_ci(v, d)} | {_fmt(v['p'], 3)} | "
                          f"{'yes' if v['significant'] else 'no'} | {_fmt(v['mde'], d)} |")
         if per.get("turn_kinds"):
-            lines += ["", f"The `{a}` turns of those pairs: " + ", ".join(
-                f"{k} {v}" for k, v in sorted(per["turn_kinds"].items())) + "."]
+            lines += ["", f"The `{a}` turns of those pairs: " + "; ".join(
+                f"vs `{kind}`: " + ", ".join(f"{k} {v}" for k, v in sorted(c.items()))
+                for kind, c in per["turn_kinds"].items()) + "."]
         left = [f"{per[f'kl:{k}']['both_identical']} turn pairs where both arms served the `{k}` reference itself"
                 for k in KINDS if per[f"kl:{k}"]["both_identical"]]
         if per["unpaired"]:

@@ -50,7 +50,7 @@ def verdict(summary: dict, arm: str, metric: str = "kl:full") -> dict[str, Any]:
     closer = "closer to" if d < 0 else "further from" if d > 0 else "as close to"
     return {"arm": arm, "control": control, "metric": metric, "n": v["n"], "pairs": v["pairs"], "difference": d,
             "lo": v["lo"], "hi": v["hi"], "p": v["p"], "significant": bool(v["significant"]),
-            "turn_kinds": dict(per.get("turn_kinds") or {}),
+            "turn_kinds": dict((per.get("turn_kinds") or {}).get(metric.split(":", 1)[1], {})),
             "direction": f"`{arm}` is {closer} the full-history actor than `{control}`"}
 
 

@@ -108,14 +108,26 @@ def _next_cheaper(costs: np.ndarray, idx: np.ndarray, level: np.ndarray) -> np.n
     return nxt
 
 
+#: the score at or above which a plan's step is one of the policy's recent steps (``scored_plan_start``)
+PROTECTED = 1e9
+
+
 def _degrade(costs: np.ndarray, level: np.ndarray, pinned: np.ndarray, score: np.ndarray,
-             excess: int) -> tuple[np.ndarray, int] | None:
+             excess: int, last: np.ndarray | None = None) -> tuple[np.ndarray, int] | None:
     """One vectorised pass: degrade the lowest-scored unpinned steps one level each, in score order,
-    until ``excess`` tokens are saved (or every candidate was degraded once). Mutates ``level``;
-    returns the (t, before, after) rows and the tokens saved, or None when nothing can be degraded."""
+    until ``excess`` tokens are saved (or every candidate was degraded once). ``last`` steps (a policy's
+    recent steps, which its plan scores ``PROTECTED`` or above: PACE's last N, ACE's latest) are candidates
+    only once no other step can be degraded: a pass that needs more than one level of every other step never
+    takes a level of theirs.
+    Mutates ``level``; returns the (t, before, after) rows and the tokens saved, or None when nothing can be
+    degraded."""
     cand = np.flatnonzero(~pinned & (level < _DROP))
     if cand.size == 0:
         return None
+    if last is not None:
+        others = cand[~last[cand]]
+        if others.size:
+            cand = others
     order = cand[np.lexsort((cand, score[cand]))]  # lowest score first, older first on ties
     nxt = _next_cheaper(costs, order, level[order])
     cum = np.cumsum(costs[order, level[order]] - costs[order, nxt])
@@ -208,6 +220,7 @@ def compile_plan(snap: "SessionSnapshot", plan: RenderPlan, limit: Budget, token
     # than it folds into range lines once it costs more than its share of the room.
     bound = plan.history
     order = protected_order(plan.score, bound.recent_window if bound is not None else 0)
+    last = np.asarray(plan.score) >= PROTECTED  # the policy's recent steps: degraded only once nothing else can be
     line_cost = overhead + RANGE_LINE_TOKENS
     ranges = plan.fold_ranges
     folded = fold_old_history(costs, level, order, keep, bound, room - prefix_tokens - fold_tokens, line_cost,
@@ -227,7 +240,7 @@ def compile_plan(snap: "SessionSnapshot", plan: RenderPlan, limit: Budget, token
             runs_cost = len(_hidden_runs(level)) * line_cost
         if total + runs_cost <= room:
             break
-        step = _degrade(costs, level, keep, order, total + runs_cost - room)
+        step = _degrade(costs, level, keep, order, total + runs_cost - room, last)
         if step is None and keep is not pinned:
             keep = _release(plan, pinned)
             continue
@@ -245,7 +258,7 @@ def compile_plan(snap: "SessionSnapshot", plan: RenderPlan, limit: Budget, token
         over = len(ids) - room
         if over <= 0:
             break
-        step = _degrade(costs, level, keep, order, over)
+        step = _degrade(costs, level, keep, order, over, last)
         if step is not None:
             degraded.append(step[0])
             continue

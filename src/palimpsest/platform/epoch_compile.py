@@ -43,13 +43,16 @@ _DROP = int(Resolution.DROP)
 
 def compile_epoch(snap: "SessionSnapshot", plan_at: Callable[[int], RenderPlan], limit: Budget,
                   tokenizer: ChatTokenizer, prev: Boundary | None, compaction: Compaction,
-                  policy: tuple[str, str] = ("", "")) -> tuple[RenderPlan, Prompt, Boundary, bool]:
+                  policy: tuple[str, str] = ("", ""), recent: int = 1) -> tuple[RenderPlan, Prompt, Boundary, bool]:
     """One turn of a compaction epoch (:mod:`palimpsest.platform.epochs`): the previous boundary's prompt plus
     the steps appended since, raw, unless those ids plus the reserve would pass ``compaction.high`` x the total;
     then a boundary: ``plan_at(plan budget)`` plans anew and the prompt is compacted to ``compaction.low`` x
-    budget (the whole budget where the low watermark cannot hold the prefix and the latest step). Returns
-    (plan, prompt, the boundary in effect, whether this turn is a new boundary). ``policy``: the policy's
-    (name, config hash), named by the plan of an append-only turn."""
+    budget. A boundary never degrades the policy's ``recent`` latest steps (PACE's N, the latest step for
+    every policy): where the low watermark cannot hold them in full, it compacts to the lowest higher target
+    that can, in tenths of the budget up to the high watermark; where none can, to the low watermark (and the
+    whole budget where that cannot hold the prefix and the latest step). The audit's ``recent`` says which
+    happened. Returns (plan, prompt, the boundary in effect, whether this turn is a new boundary). ``policy``:
+    the policy's (name, config hash), named by the plan of an append-only turn."""
     if not isinstance(limit, Budget):
         raise TypeError(f"limit must be a Budget, got {type(limit).__name__}")
     budget, reserve = limit.total, limit.reserve
@@ -85,26 +88,48 @@ def compile_epoch(snap: "SessionSnapshot", plan_at: Callable[[int], RenderPlan],
             plan.info["kept"] = {"steps": kept, "boundary_t": base.t}
         return plan
 
-    # the low watermark; where it cannot hold the prefix and the latest step, the high one, then the budget
-    targets = [low] + [b for b in (high, budget) if b > low]
-    for target in dict.fromkeys(targets):
+    n_recent = min(max(int(recent), 1), snap.t)
+
+    def whole(p: RenderPlan) -> bool:
+        """The latest ``n_recent`` steps are shown in full (none of them cut to its head and tail)."""
+        if not n_recent:
+            return True
+        cut = {e["t"] for e in p.info.get("elided", [])}
+        return bool((p.resolution[len(p) - n_recent:] == Resolution.FULL).all()) and not any(
+            s.t in cut for s in snap.steps[len(p) - n_recent:])
+
+    # the low watermark, then higher targets for the recent steps (up to the high one), then where the low one
+    # cannot hold the prefix and the latest step, the high one and the budget
+    raised = [b for b in range(low + budget // 10, high, budget // 10 or 1)] + [high] if high > low else []
+    first = chosen = None
+    error: BudgetError | None = None
+    for target in dict.fromkeys([low, *raised, budget]):
+        if reserve >= target:
+            continue  # this watermark cannot hold even the reserve
+        at = limit.of_total(target)
         try:
-            if reserve >= target:
-                continue  # this watermark cannot hold even the reserve
-            at = limit.of_total(target)
-            plan = planned(at.prompt)
-            prompt = compile_plan(snap, plan, at, tokenizer, slot="end")
-            low = target
+            attempt = planned(at.prompt)
+            compiled = compile_plan(snap, attempt, at, tokenizer, slot="end")
+        except BudgetError as e:
+            error = e
+            continue
+        first = first or (attempt, compiled, target)
+        if whole(attempt):
+            chosen = (attempt, compiled, target)
             break
-        except BudgetError:
-            if target == budget:
-                raise
+        if target >= high:
+            break  # no target up to the high watermark keeps them: the first that fit
+    if first is None:
+        raise error or BudgetError(f"the budget of {budget} cannot hold the reserve of {reserve}")
+    plan, prompt, target = chosen or first
+    recent_info = {"n": n_recent, "full": whole(plan), "first_target": first[2], "raised": target != first[2]}
+    low = target
     kept = np.concatenate([base.resolution, np.full(snap.t - base.t, Resolution.FULL, np.int8)])
     changed = int(np.count_nonzero(kept != plan.resolution)) if kept.size == len(plan) else len(plan)
     info = {"t": snap.t, "previous_t": base.t, "previous_id": base.id, "before": int(before), "reserve": int(reserve),
             "high": high, "target": low, "after": prompt.tokens, "changed": changed,
             "trigger": f"{before} + {reserve} > {compaction.high:g} x {budget}" if base.t or snap.t else "start",
-            "tokens": prompt.tokens}
+            "tokens": prompt.tokens, "recent": recent_info}
     plan.info["compaction"] = info
     return plan, prompt, boundary_of(plan, prompt.messages, prompt.segments, budget, info), True
 

@@ -76,6 +76,13 @@ def compaction_of(policy) -> Compaction | None:
     return cfg if isinstance(cfg, Compaction) and cfg.epochs else None
 
 
+def recent_of(policy) -> int:
+    """How many of the latest steps a policy always shows in full, which a boundary never degrades: its
+    ``recent`` (PACE's N), else the latest step (ACE's latest raw; every policy shows it)."""
+    n = getattr(getattr(policy, "cfg", None), "recent", None)
+    return n if isinstance(n, int) and n >= 1 else 1
+
+
 def epoch_key(config_hash: str, budget: int) -> str:
     """What a session's boundaries are kept under: one epoch chain per policy config and budget."""
     return f"{config_hash}@{int(budget)}"

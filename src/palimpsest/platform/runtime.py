@@ -11,6 +11,7 @@ import functools
 import os
 import socket
 import threading
+import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from palimpsest.platform.chat import prefix_tokens
 from palimpsest.platform.compiler import ELIDE_SHARE, compile_plan
 from palimpsest.platform.embedding import Embedder, HashingEmbedder
 from palimpsest.platform.epoch_compile import compile_epoch
-from palimpsest.platform.epochs import Boundary, compaction_of, epoch_key, turn_cost
+from palimpsest.platform.epochs import Boundary, compaction_of, epoch_key, recent_of, turn_cost
 from palimpsest.platform.ledger import Ledger, SessionSnapshot
 from palimpsest.platform.policies import PolicyConfigBase, PolicyDeps, build_policy
 from palimpsest.platform.policies.base import ContextPolicy
@@ -142,6 +143,24 @@ class Runtime:
             self.ledger.add_keys(session_id, [s.id for s in chunk], self.embedder.name, vectors)
         return EnrichResult(len(no_sum), len(no_key))
 
+    def missing_keys(self, session_id: str) -> int:
+        """How many of the session's steps have no key of this runtime's embedder yet."""
+        snap = self.snapshot(session_id)
+        return int(snap.t - np.count_nonzero(snap.has_key))
+
+    def await_keys(self, session_id: str, timeout_s: float, poll_s: float = 0.05) -> bool:
+        """Write the session's missing keys (``enrich``), or wait for the runtime holding its enrichment lease to
+        write them, up to ``timeout_s``; returns whether none is missing. An unavailable embedder raises
+        (the caller plans without keys)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.enrich(session_id)
+            if not self.missing_keys(session_id):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(poll_s)
+
     # -- turns ------------------------------------------------------------------------------
 
     def snapshot(self, session_id: str, at: int | None = None) -> SessionSnapshot:
@@ -169,7 +188,7 @@ class Runtime:
                                 snapshot=snap)
         plan, prompt, now, compacted = compile_epoch(
             snap, lambda b: policy.plan(_as_planned(snap, b), b), limit, self.ledger.tokenizer, boundary,
-            epochs, (policy.name, policy.config_hash))
+            epochs, (policy.name, policy.config_hash), recent_of(policy))
         return CompiledTurn(session_id=snap.session.id, t=snap.t, budget=limit.total, plan=plan, prompt=prompt,
                             snapshot=snap, boundary=now, compacted=compacted,
                             epoch_key=epoch_key(policy.config_hash, limit.total))

@@ -210,6 +210,11 @@ class TurnPrepConfig(_Strict):
                                     "kept current from the ledger's change log (0: every turn reads its session whole)")
     stream_ping_s: float = Field(10.0, gt=0, le=300, description="a streamed Messages turn sends a `ping` event "
                                  "after this many seconds without another (a long prefill), as the Messages API does")
+    keys_wait_s: float = Field(5.0, ge=0, le=120, description="a turn that plans (a compaction boundary, or a "
+                               "policy planning per turn) first waits up to this long for the keys of steps the "
+                               "background enrichment has not written yet: a boundary's plan serves its whole "
+                               "epoch, and one made on missing keys differs from replica to replica (0: plan on "
+                               "what exists)")
 
 
 class ABConfig(_Strict):

@@ -70,6 +70,7 @@ class TurnRequest:
     tools: list[dict] | None = None  # the session's declared function tools, for the actor's tool parser
     tool_choice: Any = None  # auto, none, required or a named function
     parallel_tool_calls: bool | None = None
+    keys_wait_s: float = 0.0  # a planning turn waits up to this long for missing step keys (turns.keys_wait_s)
 
 
 @dataclass
@@ -100,13 +101,28 @@ async def compile_turn(rt: Runtime, req: TurnRequest,
                        clock: WaitClock | None) -> tuple[CompiledTurn, dict[str, float], str | None]:
     """Plan and compile in a worker thread (policies may block on the embedder); when the embedder is down
     the turn is planned as if no step had a key yet. Returns (turn, the embedder's part: ms waited, texts
-    looked up, lookups that joined a priming request in flight, requests the plan sent itself; fallback)."""
-    spent: dict[str, float] = {"ms": 0.0, "lookups": 0, "joined": 0, "requests": 0}
+    looked up, lookups that joined a priming request in flight, requests the plan sent itself; fallback).
+
+    A turn that plans (a compaction boundary, or a policy that plans every turn) while some step has no key
+    yet first waits, up to ``req.keys_wait_s``, for the enrichment to write them (``Runtime.await_keys``): the
+    plan is then the one every replica makes, not one of whichever keys existed at that moment. ``keys_ms``
+    and ``keys_missing`` say what it waited for."""
+    spent: dict[str, float] = {"ms": 0.0, "lookups": 0, "joined": 0, "requests": 0, "keys_ms": 0.0,
+                               "keys_missing": 0}
 
     def plan(keys: bool):
         if clock is not None:
             clock.reset_wait()
         try:
+            if keys and req.keys_wait_s > 0:
+                missing = rt.missing_keys(req.session_id)
+                if missing:
+                    preview = rt.turn(req.session_id, req.policy, req.budget, None, False, keys)
+                    if preview.compacted or preview.boundary is None:  # this turn plans: its keys matter
+                        t0 = time.perf_counter()
+                        rt.await_keys(req.session_id, req.keys_wait_s)
+                        spent["keys_ms"] += (time.perf_counter() - t0) * 1000
+                        spent["keys_missing"] = missing
             return rt.turn(req.session_id, req.policy, req.budget, None, True, keys)
         finally:  # a failed attempt's wait and requests count too (read in the thread that made them)
             if clock is not None:
@@ -298,7 +314,8 @@ class TurnService:
                           seed=body.seed,
                           sampling={k: v for k, v in (("top_p", body.top_p), ("stop", body.stop)) if v is not None},
                           tools=declared_tools(session.tools) if self.actor_info.get("tool_parser") else None,
-                          tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls)
+                          tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls,
+                          keys_wait_s=self.cfg.turns.keys_wait_s)
 
         reads: dict[int, Any] = {}  # the memory's read of the compiled turn, computed once
 
