@@ -35,3 +35,28 @@ def test_replay_is_logged_as_a_run_with_a_child_per_policy(tmp_path, monkeypatch
     assert by_policy["pace"].data.params["config.tau"] == "0.3"
     names = {a.path for a in client.list_artifacts(run_id)}
     assert {"summary.json", "steps.parquet", "summary.md"} <= names
+
+
+def test_an_ab_report_is_logged_with_its_fidelity_against_cost_plot(tmp_path, monkeypatch):
+    """The run holds the summary, the report and a figure of each arm's fidelity against its billed cost."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    from palimpsest.pipelines.ab import ab_summary, log_ab, summary_markdown
+    from palimpsest.pipelines.ab_plot import fidelity_cost_points
+
+    served, shadows = [], []
+    for i in range(4):
+        for arm, billed, kl in (("pace", 900.0 + i, 0.1 + 0.01 * i), ("window", 600.0 + i, 0.3 + 0.01 * i)):
+            sid = f"t{i}@{arm}"
+            served.append({"session_id": sid, "t": 4, "arm": arm, "tokens_context": 1000, "billed": billed})
+            shadows.append({"session_id": sid, "t": 4, "arm": arm, "status": "scored", "reason": "",
+                            "reference": "full", "kl": kl, "top1": 0.9, "tokens": 8})
+    s = ab_summary(served, [], ["pace", "window"], shadows)
+    points = {p["arm"]: p for p in fidelity_cost_points(s)}
+    assert points["pace"]["billed"] == pytest.approx(901.5) and points["window"]["kl"] == pytest.approx(0.315)
+    run_id, uri = log_ab(s, "ab-test", {"prefix": "t"}, summary_markdown(s))
+
+    import mlflow
+
+    names = {a.path for a in mlflow.MlflowClient(tracking_uri=uri).list_artifacts(run_id)}
+    assert {"ab_summary.json", "ab_report.md", "fidelity_vs_cost.png"} <= names
