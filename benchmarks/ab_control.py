@@ -54,7 +54,7 @@ def main() -> None:
 
     from palimpsest.demo import run_main_demo
 
-    out = Console()
+    out = Console(soft_wrap=True)
     result: dict = {"runs": {}}
     modes = [("control", True)] + ([("demo", False)] if args.demo else [])
     for name, control in modes:

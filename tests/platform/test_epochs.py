@@ -73,9 +73,9 @@ def test_a_boundary_happens_exactly_when_the_high_watermark_is_crossed(runtime):
             seen += 1
             info = turn.plan.info["compaction"]
             assert info["before"] == would
-            # compacted to the low watermark, or higher (up to the high one) to keep the recent steps in full
+            # compacted to the low watermark, or higher (at most halfway to the high one) to keep the recent steps
             assert info["target"] == int(0.5 * BUDGET) or (
-                info["recent"]["raised"] and info["recent"]["full"] and info["target"] <= int(0.8 * BUDGET))
+                info["recent"]["raised"] and info["recent"]["full"] and info["target"] <= int(0.65 * BUDGET))
             assert turn.prompt.tokens + RESERVE <= info["target"]
             (row,) = [r for r in runtime.ledger.audit(sid) if r["t"] == turn.t][-1:]
             assert row["compaction"]["id"] == turn.boundary.id  # the audit names the boundary and why
@@ -330,8 +330,8 @@ def test_the_ledger_itself_refuses_a_second_boundary_at_one_session_key_and_step
 
 def test_a_boundary_never_degrades_the_recent_steps_where_a_higher_target_holds_them(runtime):
     """PACE always shows its last N steps in full. When the low watermark cannot hold the prefix and those
-    steps, the boundary compacts to the lowest higher target (tenths of the budget, up to the high watermark)
-    that can, and the audit says so; a policy whose recents fit the low watermark compacts to it as before."""
+    steps, the boundary compacts to the lowest higher target (tenths of the budget, at most halfway to the high
+    watermark) that can, and the audit says so; a policy whose recents fit the low watermark compacts to it."""
     from palimpsest.platform.types import Resolution
 
     sid = _session(runtime)
@@ -349,7 +349,7 @@ def test_a_boundary_never_degrades_the_recent_steps_where_a_higher_target_holds_
     info = turn.plan.info["compaction"]
     assert (turn.plan.resolution[-2:] == Resolution.FULL).all(), turn.plan.resolution[-4:]
     assert info["recent"] == {"n": 2, "full": True, "first_target": low, "raised": True}
-    assert low < info["target"] <= int(0.9 * BUDGET) and (info["target"] - low) % (BUDGET // 10) == 0
+    assert low < info["target"] <= (low + int(0.9 * BUDGET)) // 2  # at most halfway: the epoch can still grow
     assert turn.prompt.tokens + RESERVE <= info["target"]
     (row,) = [r for r in runtime.ledger.audit(sid) if r["t"] == turn.t]
     assert row["compaction"]["recent"]["raised"] is True  # the audit records it

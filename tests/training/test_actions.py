@@ -150,3 +150,36 @@ def test_a_fitted_policy_is_never_scored_on_the_trajectories_it_was_fitted_on(tm
     own = [r["kl"] for r in res.boundaries if r["policy"] == "pace" and r["trajectory"] != "tr/1"]
     assert flipped.gap_closed["pace"] == pytest.approx(1 - (sum(own) / len(own)) / res.policies["pace_plus"]["kl"],
                                                        rel=1e-6)
+
+
+def test_an_epoch_policy_is_scored_on_its_chain_as_served_with_boundary_and_append_turns_apart(tmp_path, actor_dir):
+    """The student at a scored step is the turn serving sends there: the epoch's prompt extended since its last
+    boundary (an append turn), not a fresh compaction at that step; the summary gives the two kinds apart."""
+    from palimpsest.pipelines.replay_sessions import walk_turns
+    from palimpsest.platform.budget import Budget
+
+    f = tmp_path / "long.jsonl"
+    f.write_text(json.dumps(traj("tr/long", n=40, obs=8)) + "\n")
+    rt = open_runtime(tmp_path / "l.db", "hashing", str(actor_dir))
+    sessions = prepare_sessions(rt, read_trajectories(f).trajectories, False, file_sha256(f), [])
+    actor = FrozenActor.from_pretrained(actor_dir)
+    cfg = parse_policy_config({"type": "pace", "compaction": {"high": 0.9, "low": 0.5}})
+    res = evaluate_actions(rt, sessions, [Arm("full", parse_policy_config("full")), Arm("pace", cfg)], 700, actor,
+                           data_sha=file_sha256(f), actor_key=str(actor_dir), window=4096, max_target_tokens=8,
+                           reference="full")
+    rows = [r for r in res.boundaries if r["policy"] == "pace" and r.get("skipped") is None]
+    kinds = {r["turn"] for r in rows}
+    assert {"boundary", "append"} <= kinds, kinds
+    served = {rs.t: turn for rs, _s, turn, _e in walk_turns(rt, sessions[0], cfg, Budget(700, 8))}
+    fresh_differs = 0
+    for r in rows:
+        turn = served[r["t"]]
+        assert r["positions"] == len(turn.prompt.ids)  # the chain's turn, as served
+        assert r["turn"] == ("boundary" if turn.compacted else "append")
+        if r["turn"] == "append":  # a fresh compaction at that step would have sent another prompt
+            fresh = rt.compile(turn.snapshot, rt.policy(cfg), Budget(700, 8))
+            fresh_differs += list(fresh.prompt.ids) != list(turn.prompt.ids)
+    assert fresh_differs > 0
+    by_turn = res.policies["pace"]["by_turn"]
+    assert by_turn["boundary"]["boundaries"] + by_turn["append"]["boundaries"] == len(rows)
+    assert res.policies["full"]["by_turn"]["append"]["boundaries"] == res.policies["full"]["boundaries"]

@@ -106,6 +106,12 @@ def _actions_table(result) -> None:
                       f"{p['top1']:.3f}", f"{p['positions']:.0f}", str(p["boundaries"]), "-" if g is None else f"{g:.3f}")
     out.print(table)
     out.print(f"gap closed relative to {result.reference}, on the boundaries each row was scored on")
+    for label, p in result.policies.items():  # an epoch policy's boundary and append turns, apart
+        kinds = p.get("by_turn") or {}
+        if len(kinds) > 1 or "boundary" in kinds:
+            out.print(f"{label} by served turn: " + "; ".join(
+                f"{k} {v['boundaries']}: KL {v['kl']:.4f}, top-1 {v['top1']:.3f}, {v['positions']:.0f} positions"
+                for k, v in kinds.items()), highlight=False)
     for label, p in result.policies.items():
         if p.get("in_sample"):
             out.print(f"{label}: {p['in_sample']} boundaries left out, on trajectories its constants were fitted on")

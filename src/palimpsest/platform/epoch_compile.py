@@ -49,8 +49,9 @@ def compile_epoch(snap: "SessionSnapshot", plan_at: Callable[[int], RenderPlan],
     then a boundary: ``plan_at(plan budget)`` plans anew and the prompt is compacted to ``compaction.low`` x
     budget. A boundary never degrades the policy's ``recent`` latest steps (PACE's N, the latest step for
     every policy): where the low watermark cannot hold them in full, it compacts to the lowest higher target
-    that can, in tenths of the budget up to the high watermark; where none can, to the low watermark (and the
-    whole budget where that cannot hold the prefix and the latest step). The audit's ``recent`` says which
+    that can, in tenths of the budget up to halfway to the high watermark (so the epoch still has room to
+    grow); where none can, to the low watermark. Where the low watermark cannot hold the prefix and the latest
+    step at all, the lowest higher target that can, up to the whole budget. The audit's ``recent`` says which
     happened. Returns (plan, prompt, the boundary in effect, whether this turn is a new boundary). ``policy``:
     the policy's (name, config hash), named by the plan of an append-only turn."""
     if not isinstance(limit, Budget):
@@ -98,12 +99,14 @@ def compile_epoch(snap: "SessionSnapshot", plan_at: Callable[[int], RenderPlan],
         return bool((p.resolution[len(p) - n_recent:] == Resolution.FULL).all()) and not any(
             s.t in cut for s in snap.steps[len(p) - n_recent:])
 
-    # the low watermark, then higher targets for the recent steps (up to the high one), then where the low one
-    # cannot hold the prefix and the latest step, the high one and the budget
-    raised = [b for b in range(low + budget // 10, high, budget // 10 or 1)] + [high] if high > low else []
+    # the low watermark, then higher targets for the recent steps, at most halfway to the high watermark (a
+    # boundary at the high one would make the next turn one too); where none of them can hold the prefix and
+    # the latest step, the high watermark, then the budget
+    ceiling = (low + high) // 2
+    raised = [b for b in range(low + budget // 10, ceiling, budget // 10 or 1)] + [ceiling] if ceiling > low else []
     first = chosen = None
     error: BudgetError | None = None
-    for target in dict.fromkeys([low, *raised, budget]):
+    for target in dict.fromkeys([low, *raised, high, budget]):
         if reserve >= target:
             continue  # this watermark cannot hold even the reserve
         at = limit.of_total(target)
@@ -114,11 +117,11 @@ def compile_epoch(snap: "SessionSnapshot", plan_at: Callable[[int], RenderPlan],
             error = e
             continue
         first = first or (attempt, compiled, target)
-        if whole(attempt):
+        if whole(attempt) and target <= ceiling:
             chosen = (attempt, compiled, target)
             break
-        if target >= high:
-            break  # no target up to the high watermark keeps them: the first that fit
+        if target >= ceiling:
+            break  # no target up to the ceiling keeps them (or none below it fit at all): the first that fit
     if first is None:
         raise error or BudgetError(f"the budget of {budget} cannot hold the reserve of {reserve}")
     plan, prompt, target = chosen or first

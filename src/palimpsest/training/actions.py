@@ -143,7 +143,7 @@ def evaluate_actions(rt, sessions, arms: list[Arm], budget: int, actor, *, data_
                 if rs.t not in ts:
                     continue
                 target = torch.tensor(ts[rs.t], dtype=torch.long)
-                row = {"policy": arm.label, "trajectory": sid, "t": rs.t, "budget": budget}
+                row = {"policy": arm.label, "trajectory": sid, "t": rs.t, "budget": budget, "turn": turn_kind(turn)}
                 if sid in getattr(arm.config, "fitted_on", ()):  # the policy's constants were fitted here
                     rows.append({**row, "skipped": None, "in_sample": True})
                     continue
@@ -176,6 +176,15 @@ def evaluate_actions(rt, sessions, arms: list[Arm], budget: int, actor, *, data_
     return result
 
 
+def turn_kind(turn) -> str:
+    """What the served turn at a scored step was: ``boundary`` (an epoch's compaction), ``append`` (an epoch
+    extended by the steps since: the prompt of the chain as served) or ``per turn`` (a policy planning every
+    turn); ``none`` where no prompt fits."""
+    if isinstance(turn, BudgetError):
+        return "none"
+    return "boundary" if turn.compacted else "append" if turn.boundary is not None else "per turn"
+
+
 def summarize_actions(rows: list[dict], labels: list[str], reference: str | None, seed: int = 0) -> ActionsResult:
     policies: dict[str, dict] = {}
     for label in labels:
@@ -189,7 +198,13 @@ def summarize_actions(rows: list[dict], labels: list[str], reference: str | None
                            "top1": mean("top1"), "positions": mean("positions"), "boundaries": n,
                            "trajectories": len(groups),
                            "skipped": sum(1 for r in rows if r["policy"] == label and r.get("skipped")),
-                           "in_sample": sum(1 for r in rows if r["policy"] == label and r.get("in_sample"))}
+                           "in_sample": sum(1 for r in rows if r["policy"] == label and r.get("in_sample")),
+                           # the two kinds of served turn of an epoch policy, apart (per turn: every turn plans)
+                           "by_turn": {kind: {"boundaries": len(mine), "kl": float(np.mean([r["kl"] for r in mine])),
+                                              "top1": float(np.mean([r["top1"] for r in mine])),
+                                              "positions": float(np.mean([r["positions"] for r in mine]))}
+                                       for kind in ("boundary", "append", "per turn")
+                                       for mine in [[r for r in ok if r.get("turn") == kind]] if mine}}
     ref = reference if reference in policies else None
     ref_kl = {(r["trajectory"], r["t"]): r["kl"] for r in rows if r["policy"] == ref and r.get("kl") is not None}
     gap: dict[str, float | None] = {}
@@ -204,4 +219,4 @@ def summarize_actions(rows: list[dict], labels: list[str], reference: str | None
 
 
 __all__ = ["ActionsResult", "Arm", "MemoryArm", "TOP_K", "Teacher", "TeacherCache", "bootstrap_ci",
-           "evaluate_actions", "score", "summarize_actions", "teacher_of"]
+           "evaluate_actions", "score", "summarize_actions", "teacher_of", "turn_kind"]
