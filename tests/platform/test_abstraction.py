@@ -54,3 +54,18 @@ def test_authority_survives_abstraction_and_untrusted_text_stays_inside_its_bloc
 def test_extract_salient_does_not_count_path_parts_again():
     ids, paths, urls, numbers = extract_salient("edit django/core/validators.py and ipv4_re")
     assert paths == ["django/core/validators.py"] and "ipv4_re" in ids and "validators" not in ids
+
+
+def test_a_placeholder_keeps_the_identifiers_its_result_is_most_about_within_its_cap():
+    from palimpsest.platform.salient import PLACEHOLDER_ID_CHARS, PLACEHOLDER_IDS, placeholder_ids
+
+    obs = ("Traceback: KeyError 'DATABASE_URL' in src/app/settings.py line 42\n"
+           "src/app/settings.py: def parse_config(env): return env['DATABASE_URL']\n"
+           "see https://docs.example.com/config for parse_config")
+    kept = placeholder_ids(obs)
+    assert kept[0] == "src/app/settings.py" and "parse_config" in kept and "DATABASE_URL" in kept
+    assert len(kept) <= PLACEHOLDER_IDS and sum(len(k) + 2 for k in kept) <= PLACEHOLDER_ID_CHARS
+    assert "src/app/settings.py" not in placeholder_ids(obs, shown="[#3 bash] cat src/app/settings.py")
+    assert placeholder_ids(None) == [] and placeholder_ids("ok") == []
+    many = " ".join(f"pkg/module_{i}/handler_{i}.py" for i in range(30))
+    assert sum(len(k) + 2 for k in placeholder_ids(many)) <= PLACEHOLDER_ID_CHARS

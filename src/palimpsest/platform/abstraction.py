@@ -17,23 +17,12 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 
 from palimpsest.platform.render import authority_block, gist
+from palimpsest.platform.salient import uniq, extract_salient, ranked_ids
 from palimpsest.platform.types import Authority, StepRecord
 
 WRITER_NAME = "rule-abstraction"
 WRITER_VERSION = "2"
 
-_URL = re.compile(r"https?://[^\s'\"<>)\]}`]+")
-_PATH = re.compile(
-    r"(?<![\w/.-])(?:\.{0,2}/)?(?:[\w.-]+/)+[\w.-]*\w"
-    r"|\b[\w-]+\.(?:py|pyi|js|ts|tsx|jsx|md|rst|txt|json|ya?ml|toml|cfg|ini|c|h|cc|cpp|hpp|java|go|rs|rb|sh"
-    r"|html|css|csv|sql|xml|lock|log|ipynb)\b"
-)
-_HASH = re.compile(r"\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b")
-_ID = re.compile(r"\b(?=\w*\d)(?=\w*[A-Za-z])\w{5,}\b")
-_NUMBER = re.compile(r"(?<![\w.])\d{3,}(?![\w.])")
-_DOTTED = re.compile(r"\b[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+\b")
-_WORD = re.compile(r"\b[A-Za-z_]\w{5,}\b")
-_STRING = re.compile(r"'([^'\n]{8,100})'|\"([^\"\n]{8,100})\"")
 # An error line starts like one (a listing of source code that merely mentions `except FooError:`
 # is not a failure), or carries one of the shell's unmistakable messages anywhere.
 _ERROR_LINE = re.compile(
@@ -50,18 +39,6 @@ _FACT_LINES = 8
 _LINE_CHARS = 200
 
 
-def _is_identifier(w: str) -> bool:
-    return "_" in w or re.search(r"[a-z][A-Z]", w) is not None or sum(c.isupper() for c in w) >= 2
-
-
-def _uniq(items, limit: int) -> list[str]:
-    seen: dict[str, None] = {}
-    for it in items:
-        if it and it not in seen:
-            seen[it] = None
-            if len(seen) >= limit:
-                break
-    return list(seen)
 
 
 @dataclass(frozen=True)
@@ -106,22 +83,6 @@ def step_facts(step_id: int, abstraction_json: str, action: str) -> tuple[frozen
     return salient, a.outcome == "error" or bool(a.failed_actions), bool(a.follow_ups)
 
 
-def extract_salient(text: str, limit: int = 256) -> tuple[list[str], list[str], list[str], list[str]]:
-    """(identifiers, paths, urls, numbers) of a text, in order of first occurrence."""
-    urls = _uniq(_URL.findall(text), limit)
-    rest = _URL.sub(" ", text)
-    paths = _uniq((p for p in _PATH.findall(rest) if "/" in p or "." in p), limit)
-    rest = _PATH.sub(" ", rest)
-    ids: list[str] = []
-    ids += _DOTTED.findall(rest)
-    ids += _HASH.findall(rest)
-    ids += _ID.findall(rest)
-    ids += [w for w in _WORD.findall(rest) if _is_identifier(w)]
-    ids += [a or b for a, b in _STRING.findall(rest)]
-    numbers = _uniq(_NUMBER.findall(rest), limit)
-    return _uniq(ids, limit), paths, urls, numbers
-
-
 def _outcome(obs: str | None, errors: list[str]) -> str:
     if obs is None:
         return "unknown"
@@ -155,14 +116,14 @@ def _fact_lines(obs: str, identifiers: list[str], errors: list[str]) -> list[str
 def abstract_step(step: StepRecord) -> Abstraction:
     """The structured abstraction of one raw step. Pure and deterministic."""
     obs = step.observation or ""
-    errors = _uniq((ln.strip()[:_LINE_CHARS] for ln in obs.splitlines() if _ERROR_LINE.search(ln)), 6)
+    errors = uniq((ln.strip()[:_LINE_CHARS] for ln in obs.splitlines() if _ERROR_LINE.search(ln)), 6)
     ids, paths, urls, numbers = extract_salient(obs)
     # The brief keeps the most frequent ones: what an output keeps returning to is what it is about.
-    key_ids = sorted(paths[:24], key=lambda w: -obs.count(w))[:3] + sorted(ids, key=lambda w: -obs.count(w))[:_IDS_BRIEF]
+    key_ids = ranked_ids(obs, ids, paths, _IDS_BRIEF)
     outcome = _outcome(step.observation, errors)
     summary = gist(step.action or step.thought or step.kind, 160)
     failed = [{"action": gist(step.action, 120), "reason": errors[0] if errors else "non-zero exit"}] if outcome == "error" else []
-    follow = _uniq(
+    follow = uniq(
         (s.strip()[:_LINE_CHARS] for s in re.split(r"(?<=[.!?])\s+|\n", step.thought or "") if _FOLLOW_UP.search(s)), 2
     )
     return Abstraction(
@@ -207,7 +168,7 @@ def render_brief(a: Abstraction) -> str:
     head = f"{a.summary[:100]} -> {a.outcome}"
     if a.failed_actions:
         head += f" ({gist(a.failed_actions[0]['reason'], 60)})"
-    seen = _uniq(a.key_ids + a.urls[:1], _IDS_BRIEF + 4)
+    seen = uniq(a.key_ids + a.urls[:1], _IDS_BRIEF + 4)
     if seen:
         head += " " + authority_block(", ".join(seen), a.authority, inline=True)
     return head

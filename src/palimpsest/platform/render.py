@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 
 from palimpsest.platform import toolcalls
+from palimpsest.platform.salient import placeholder_ids
 from palimpsest.platform.types import Authority, Resolution, Step, StepRecord
 
 _WS = re.compile(r"\s+")
@@ -145,7 +146,9 @@ def step_messages(step: Step | StepRecord, step_id: int, resolution: Resolution,
         if acted or not has_obs:
             out.append(_msg("assistant", line))
         if has_obs:
-            note = f"[#{step_id} result hidden: glimpse(#{step_id})]" if acted else line
+            kept = placeholder_ids(step.observation, line)
+            named = f"; it names {', '.join(kept)}" if kept else ""
+            note = f"[#{step_id} result hidden: glimpse(#{step_id}){named}]" if acted else line
             out.append(_msg(observation_role(step.authority), note))
         return out
     summary = f"[#{step_id} {resolution.label} summary; glimpse(#{step_id}) for the full step]\n{body or ''}"
