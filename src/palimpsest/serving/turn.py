@@ -248,7 +248,8 @@ async def run_turn(rt: Runtime, req: TurnRequest, generate: Generate, glimpse_li
         latency={"plan": plan_ms, "embed": embed["ms"], "memory": float(out.get("memory_ms", 0.0)), "actor": actor_ms,
                  "total": total_ms},
         fallback=fallback, out=out, content=out.get("content", out["text"]), tool_calls=list(out.get("tool_calls") or []),
-        embed={k: embed[k] for k in ("lookups", "joined", "requests")}, stop_sequence=out.get("stop_sequence"))
+        embed={k: embed[k] for k in ("lookups", "joined", "requests", "keys_missing", "keys_ms")},
+        stop_sequence=out.get("stop_sequence"))
 
 
 class TurnService:
