@@ -79,9 +79,16 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2, default=str))
     print(f"\nresults: {args.out}")
-    control = next((r for r in result["runs"]["control"]["paired"] if r["metric"] == "kl:full"), None)
-    if control is None or not control["significant"]:
-        print("the positive control was NOT significant: the A/B report cannot see last2 against pace", file=sys.stderr)
+    verdicts = result["runs"]["control"]["verdicts"] or {}
+    per_turn = next((r for r in verdicts.get("positive", []) if r["arm"] == "pace-per-turn"), {})
+    failed = []
+    if not per_turn.get("significant") or per_turn.get("difference", 0) >= 0:
+        failed.append("the positive control (pace-per-turn closer than last2) was not significant")
+    if verdicts.get("aa_status") == "failed":
+        failed.append("the A/A control failed: two arms of one configuration differ")
+    for why in failed:
+        print(why, file=sys.stderr)
+    if failed:
         sys.exit(1)
 
 

@@ -309,7 +309,7 @@ def run_main_demo(out: Console, data: Path, serve_config: Path = DEMO_SERVE, tra
     if control:  # two reports from one run: the positive controls, and the A/A control
         summary = ab_summary(served, outcomes, list(POSITIVE), shadows, calls)
         aa = ab_summary(served, outcomes, list(AA), shadows, calls)
-        verdicts = control_verdicts(summary, aa)
+        verdicts = control_verdicts(summary, aa, served)
         md = (summary_markdown(summary) + "\n**The A/A control**\n\n" + summary_markdown(aa) + "\n"
               + verdicts_markdown(verdicts))
     else:
@@ -325,7 +325,8 @@ def run_main_demo(out: Console, data: Path, serve_config: Path = DEMO_SERVE, tra
         run_id, uri = log_ab(summary, cfg.tracking.experiment,
                              {"serve_config": str(serve_config), "data": str(data), "every": every, "first": first,
                               "max_turns": max_turns, "control": control, "full": full, "budget": cfg.budget,
-                              "summarizer": cfg.summarizer.mode}, md + "\n" + breakdown)
+                              "summarizer": cfg.summarizer.mode}, md + "\n" + breakdown,
+                             {"ab_aa_summary.json": aa, "ab_controls.json": verdicts} if control else None)
         out.print(f"MLflow: experiment {cfg.tracking.experiment!r}, run {run_id} at {uri}")
     out.print(f"demo finished in {time.perf_counter() - progress.t0:.0f} s (memory {timings['memory_s']:.0f} s, serve "
               f"start {timings['serve_start_s']:.0f} s, traffic {timings['traffic_s']:.0f} s, shadow "

@@ -28,19 +28,24 @@ def test_the_control_arms_plan_as_their_names_say():
 
 def test_each_verdict_states_its_direction_as_the_run_recorded_it():
     positive, aa = _summaries()
-    v = control_verdicts(positive, aa)
+    v = control_verdicts(positive, aa, RUN["served"])
     by = {r["arm"]: r for r in v["positive"]}
     # arm − last2 in KL to the full history: negative means closer to the full-history actor
     assert by["pace"]["n"] == 6 and round(by["pace"]["difference"], 4) == -0.0088
     assert by["pace"]["direction"] == "`pace` is closer to the full-history actor than `last2`"
     assert not by["pace"]["significant"] and round(by["pace"]["p"], 3) == 0.812
     assert round(by["pace-per-turn"]["difference"], 4) == -0.0067 and not by["pace-per-turn"]["significant"]
-    # the A/A control: not significant only because 5 trajectories cannot reach p <= 0.05 (2/2^5 = 0.0625)
+    # the A/A control: the test cannot reject at 5 trajectories (2/2^5 = 0.0625), but 5 of 10 pairs of one
+    # configuration served different prompts: failed, whatever p says
     a = v["aa"]
-    assert a["n"] == 5 and round(a["difference"], 4) == 0.9176 and a["p"] == 0.0625 and v["aa_ok"]
+    assert a["n"] == 5 and round(a["difference"], 4) == 0.9176 and a["p"] == 0.0625 and not a["significant"]
     assert a["direction"] == "`pace-aa` is further from the full-history actor than `pace`"
+    assert v["aa_prompts"] == {"pairs": 10, "differ": 5} and v["aa_status"] == "failed"
     md = verdicts_markdown(v)
-    assert "`pace` − `last2`: -0.0088" in md and "A/A: not significant" in md
+    assert "`pace` − `last2`: -0.0088" in md and "A/A: FAILED" in md and "5 of 10 pairs" in md
+    # the same records with the prompts in agreement: inconclusive at 5 trajectories, never "ok"
+    same = [{**r, "tokens_context": 1000} for r in RUN["served"]]
+    assert control_verdicts(positive, aa, same)["aa_status"] == "inconclusive"
 
 
 def test_the_recorded_aa_pairs_served_different_prompts_under_one_configuration():

@@ -86,9 +86,11 @@ def test_a_degraded_step_keeps_its_place_and_roles(smol_dir, tmp_path):
     assert roles == ["assistant", "tool"] * m
     sid = snap.steps[3].id
     assert p.messages[2 + 2 * 3]["content"].startswith(f"[#{sid} bash")
-    # a placeholder keeps, within its cap, the identifiers its result introduced (the ones it is most about)
-    assert p.messages[2 + 2 * 3 + 1]["content"] == (f"[#{sid} result hidden: glimpse(#{sid}); it names "
-                                                    "settings/module_0.py, settings/module_1.py, settings/module_2.py]")
+    # a placeholder keeps, within its cap, the identifiers its result introduced (the ones it is most about),
+    # inside the result's authority block
+    assert p.messages[2 + 2 * 3 + 1]["content"] == (
+        f'[#{sid} result hidden: glimpse(#{sid}); it names <untrusted source="tool">settings/module_0.py, '
+        'settings/module_1.py, settings/module_2.py</untrusted>]')
     assert "detailed summary; glimpse" in p.messages[2 + 2 * 1 + 1]["content"]
     assert "brief summary; glimpse" in p.messages[2 + 2 * 2 + 1]["content"]
     # REMORY's slot: after the summary part (up to the last step shown below full), before the recent raw turns

@@ -39,7 +39,7 @@ from palimpsest.pipelines.ab_stats import (
     unpaired_mde,
     wilson,
 )
-from palimpsest.pipelines.ab_plot import fidelity_cost_figure
+from palimpsest.pipelines.ab_plot import close_figure, fidelity_cost_figure
 from palimpsest.platform.ledger.experiments import REFERENCE_KINDS, reference_kind
 from palimpsest.platform.types import PalimpsestError
 
@@ -101,8 +101,8 @@ def _summary_calls(rows: list[dict], turns: list[dict]) -> dict[str, Any]:
     calls = {k: sum(float(r.get(f"summary_{k}", 0)) for r in rows)
              for k in ("calls", "input", "cached", "generated", "billed")}
     billed = [float(r["billed"]) for r in turns if r.get("billed") is not None]
-    n = len(turns)
-    turns_billed = sum(billed) / len(billed) if billed else float("nan")
+    n = len(billed)  # one denominator: the turns whose cost is known (a replica that served the previous turn)
+    turns_billed = sum(billed) / n if n else float("nan")
     per_turn = calls["billed"] / n if n else float("nan")
     return {**calls, "billed_per_turn": per_turn, "turns_billed_per_turn": turns_billed,
             "total_billed_per_turn": turns_billed + per_turn}
@@ -327,8 +327,9 @@ def summary_markdown(s: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def log_ab(summary: dict, experiment: str, params: dict[str, Any], markdown: str) -> tuple[str, str]:
-    """One MLflow run for the comparison; returns (run id, tracking URI)."""
+def log_ab(summary: dict, experiment: str, params: dict[str, Any], markdown: str,
+           extra: dict[str, Any] | None = None) -> tuple[str, str]:
+    """One MLflow run for the comparison (``extra``: further JSON artifacts by name); returns (run id, URI)."""
     mlflow, exp = mlflow_experiment(experiment)
     with mlflow.start_run(experiment_id=exp, run_name="ab-" + "-vs-".join(summary["arms"])) as run:
         mlflow.log_params({k: str(v)[:500] for k, v in params.items()})
@@ -353,7 +354,10 @@ def log_ab(summary: dict, experiment: str, params: dict[str, Any], markdown: str
         mlflow.log_metrics(metrics)
         mlflow.log_dict(summary, "ab_summary.json")
         mlflow.log_text(markdown, "ab_report.md")
+        for name, value in (extra or {}).items():
+            mlflow.log_dict(value, name)
         fig = fidelity_cost_figure(summary)
         if fig is not None:
             mlflow.log_figure(fig, "fidelity_vs_cost.png")
+            close_figure(fig)
         return run.info.run_id, tracking_uri()

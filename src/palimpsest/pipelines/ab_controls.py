@@ -47,18 +47,43 @@ def verdict(summary: dict, arm: str, metric: str = "kl:full") -> dict[str, Any]:
     if not v or not v.get("n"):
         return {"arm": arm, "control": control, "metric": metric, "n": 0, "direction": "no pairs"}
     d = v["mean"]
-    closer = "closer to" if d < 0 else "further from" if d > 0 else "as close to"
+    closer = "closer to" if d < -5e-5 else "further from" if d > 5e-5 else "as close to"
     return {"arm": arm, "control": control, "metric": metric, "n": v["n"], "pairs": v["pairs"], "difference": d,
             "lo": v["lo"], "hi": v["hi"], "p": v["p"], "significant": bool(v["significant"]),
             "turn_kinds": dict((per.get("turn_kinds") or {}).get(metric.split(":", 1)[1], {})),
             "direction": f"`{arm}` is {closer} the full-history actor than `{control}`"}
 
 
-def control_verdicts(positive: dict, aa: dict) -> dict[str, Any]:
-    """The positive controls (each PACE arm against ``last2``) and the A/A control, with their verdicts."""
-    out = {"positive": [verdict(positive, arm) for arm in POSITIVE[1:]], "aa": verdict(aa, AA[1])}
+def differing_prompts(served: list[dict], arms: tuple[str, str] = AA) -> tuple[int, int]:
+    """(pairs, pairs whose served prompts differ in size) of the two arms' turns on the same (trajectory, t):
+    two arms of one configuration serve the same prompt on a deterministic platform, so any differing pair is
+    a defect whatever the fidelity test says."""
+    by: dict[tuple[str, int], dict[str, int]] = {}
+    for r in served:
+        for arm in arms:
+            if r["session_id"].endswith("@" + arm):
+                by.setdefault((r["session_id"][: -len(arm) - 1], int(r["t"])), {})[arm] = r.get("tokens_context")
+    pairs = [v for v in by.values() if len(v) == 2]
+    return len(pairs), sum(v[arms[0]] != v[arms[1]] for v in pairs)
+
+
+def control_verdicts(positive: dict, aa: dict, served: list[dict] | None = None) -> dict[str, Any]:
+    """The positive controls (each PACE arm against ``last2``) and the A/A control, with their verdicts.
+
+    The A/A verdict (``aa_status``) is ``failed`` when the test finds a difference, or when two arms of one
+    configuration served prompts of different sizes (``served``: the run's served turns); ``inconclusive``
+    when the test could not have found one at this many trajectories (5 or fewer: the smallest p a sign-flip
+    test reaches is 2/2^n > 0.05), and ``ok`` otherwise."""
+    out: dict[str, Any] = {"positive": [verdict(positive, arm) for arm in POSITIVE[1:]], "aa": verdict(aa, AA[1])}
     a = out["aa"]
-    out["aa_ok"] = bool(a["n"]) and not a.get("significant", False)
+    pairs, differ = differing_prompts(served or [])
+    out["aa_prompts"] = {"pairs": pairs, "differ": differ}
+    if not a["n"]:
+        out["aa_status"] = "inconclusive"
+    elif a.get("significant") or differ:
+        out["aa_status"] = "failed"
+    else:
+        out["aa_status"] = "ok" if 2.0 / 2 ** a["n"] <= 0.05 else "inconclusive"
     return out
 
 
@@ -75,12 +100,15 @@ def verdicts_markdown(v: dict) -> str:
         lines.append(f"- `{r['arm']}` − `{r['control']}`: {r['difference']:+.4f} [{r['lo']:+.4f}, {r['hi']:+.4f}], "
                      f"p = {r['p']:.3f} over {r['n']} trajectories ({r['pairs']} turn pairs; the arm's turns: "
                      f"{kinds}): {sig}; {r['direction']}")
-    a = v["aa"]
-    if a["n"]:
-        lines.append("- A/A: " + ("not significant, as it must be" if v["aa_ok"] else
-                                  "SIGNIFICANT between two arms of one configuration: the lane sees a difference "
-                                  "that is not there (a finding, not a setting to change)"))
+    a, prompts = v["aa"], v.get("aa_prompts") or {"pairs": 0, "differ": 0}
+    said = {"ok": "no difference found, and the test could have found one",
+            "inconclusive": f"no difference found, but at {a['n']} trajectories the test cannot find one (the "
+                            "smallest p it reaches is above 0.05): read the prompts' agreement instead",
+            "failed": "FAILED: two arms of one configuration differ (a finding, not a setting to change)"}
+    lines.append(f"- A/A: {said[v['aa_status']]}; served prompts that differ in size: {prompts['differ']} of "
+                 f"{prompts['pairs']} pairs")
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["AA", "CONTROL_ARMS", "CONTROL_SHAPE", "POSITIVE", "control_verdicts", "verdict", "verdicts_markdown"]
+__all__ = ["AA", "CONTROL_ARMS", "CONTROL_SHAPE", "POSITIVE", "control_verdicts", "differing_prompts", "verdict",
+           "verdicts_markdown"]

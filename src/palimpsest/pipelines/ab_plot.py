@@ -8,11 +8,13 @@ from palimpsest.platform.ledger.experiments import REFERENCE_KINDS as KINDS
 
 
 def fidelity_cost_points(summary: dict) -> list[dict[str, Any]]:
-    """Per arm and reference kind with scored turns: billed ids per turn (mean) and fidelity KL (session mean,
-    its 95% interval). An arm with no scored turn against a kind has no point for it."""
+    """Per arm and reference kind with scored turns: billed input ids per turn, its summary calls included (mean),
+    and fidelity KL (session mean, its 95% interval). An arm with no scored turn against a kind, or whose turns'
+    cost is unknown, has no point for it."""
     points = []
     for arm, a in summary["arms"].items():
-        billed = a["metrics"]["billed"]["mean"]
+        calls = a.get("summary_calls") or {}
+        billed = calls.get("total_billed_per_turn", a["metrics"]["billed"]["mean"])  # summary calls included
         for kind in KINDS:
             kl = a["fidelity"]["by_reference"][kind]["kl"]
             if kl["n"] and billed == billed:
@@ -43,7 +45,7 @@ def fidelity_cost_figure(summary: dict):
                     fmt=marker, capsize=3, label=f"vs `{kind}`")
         for p in mine:
             ax.annotate(p["arm"], (p["billed"], p["kl"]), textcoords="offset points", xytext=(5, 4), fontsize=8)
-    ax.set_xlabel("billed ids per turn (mean; uncached + cached at the cached rate)")
+    ax.set_xlabel("billed input ids per turn (uncached + cached at the cached rate; summary calls included)")
     ax.set_ylabel("fidelity KL, non-identical turns (session mean)")
     ax.set_title("fidelity against cost per arm (lower left is better)")
     ax.legend(fontsize=8)
@@ -51,4 +53,11 @@ def fidelity_cost_figure(summary: dict):
     return fig
 
 
-__all__ = ["fidelity_cost_figure", "fidelity_cost_points"]
+def close_figure(fig) -> None:
+    """Release a figure made here (pyplot keeps every open figure until it is closed)."""
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
+__all__ = ["close_figure", "fidelity_cost_figure", "fidelity_cost_points"]

@@ -146,8 +146,8 @@ def step_messages(step: Step | StepRecord, step_id: int, resolution: Resolution,
         if acted or not has_obs:
             out.append(_msg("assistant", line))
         if has_obs:
-            kept = placeholder_ids(step.observation, line)
-            named = f"; it names {', '.join(kept)}" if kept else ""
+            kept = placeholder_ids(step.observation, line)  # the result's words: inside its authority block
+            named = f"; it names {authority_block(', '.join(kept), step.authority, inline=True)}" if kept else ""
             note = f"[#{step_id} result hidden: glimpse(#{step_id}){named}]" if acted else line
             out.append(_msg(observation_role(step.authority), note))
         return out

@@ -245,7 +245,10 @@ class Runtime:
                 self._last_ids[key] = ids
                 while len(self._last_ids) > 1024:
                     self._last_ids.popitem(last=False)
-            turn = dataclasses.replace(turn, cost=turn_cost(prev, ids, self.cached_rate) if prev is not None else None)
+            if prev is None and self.ledger.turns_recorded(session_id, turn.plan.config_hash, turn.budget) > 1:
+                return turn  # a previous turn this replica did not serve: what the cache holds is unknown
+            # a session's first turn: nothing of it is cached, every id is paid in full
+            turn = dataclasses.replace(turn, cost=turn_cost(prev, ids, self.cached_rate))
         return turn
 
     def glimpse(self, session_id: str, step_id: int | str) -> str:

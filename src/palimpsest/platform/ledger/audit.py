@@ -43,6 +43,12 @@ class Audit:
                  plan_blob, json.dumps([[t, _LABELS[b], _LABELS[a]] for t, b, a in p.degraded.tolist()]), time.time()),
             )
 
+    def turns_recorded(self, session_id: str, config_hash: str, budget: int) -> int:
+        """How many turns of a session are audited under one policy config and budget."""
+        row = self._read_one("SELECT COUNT(*) FROM audit WHERE session_id=? AND config_hash=? AND budget=?",
+                             (session_id, config_hash, int(budget)))
+        return int(row[0]) if row else 0
+
     def audit(self, session_id: str) -> list[dict]:
         """Every recorded turn of a session, oldest first, with its full plan decoded."""
         self.session(session_id)
