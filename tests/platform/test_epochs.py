@@ -359,3 +359,23 @@ def test_a_boundary_never_degrades_the_recent_steps_where_a_higher_target_holds_
     small = runtime.turn(other, cfg, BUDGET, reserve=RESERVE)
     assert small.compacted and small.plan.info["compaction"]["target"] == low
     assert small.plan.info["compaction"]["recent"]["raised"] is False
+
+
+def test_a_sessions_first_turn_is_billed_in_full_and_an_unknown_previous_turn_is_not_guessed(ledger_url):
+    """The first turn of a session has nothing cached: every id is uncached and billed in full. A replica that
+    did not serve the previous turn cannot know what the cache holds: no cost rather than a wrong one."""
+    a = Runtime(Ledger(ledger_url))
+    sid = _session(a)
+    for t in range(3):
+        _grow(a, sid, t)
+    first = a.turn(sid, {"type": "pace"}, BUDGET, reserve=RESERVE)
+    n = len(first.prompt.ids)
+    assert first.cost == {"cached": 0, "uncached": n, "billed": n, "prefix_reuse": 0.0}
+    _grow(a, sid, 3)
+    second = a.turn(sid, {"type": "pace"}, BUDGET, reserve=RESERVE)
+    assert second.cost["cached"] > 0 and second.cost["uncached"] < len(second.prompt.ids)
+    _grow(a, sid, 4)
+    other = Runtime(Ledger(ledger_url))  # served none of this session's turns
+    assert other.turn(sid, {"type": "pace"}, BUDGET, reserve=RESERVE).cost is None
+    for rt in (a, other):
+        rt.ledger.close()
