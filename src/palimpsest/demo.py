@@ -31,7 +31,7 @@ from rich.console import Console
 from rich.markdown import Markdown
 
 from palimpsest.models.assets import minilm_dir, smollm2_dir, smollm2_tokenizer_dir
-from palimpsest.models.registry import load_memory, memory_meta, resolve_memory_ref
+from palimpsest.models.registry import read_bundle, resolve_memory_ref
 from palimpsest.pipelines.ab import ab_summary, log_ab, summary_markdown
 from palimpsest.pipelines.ab_controls import (
     AA,
@@ -46,7 +46,7 @@ from palimpsest.pipelines.trajectories import read_trajectories
 from palimpsest.platform import Ledger
 from palimpsest.platform.chat import chat_ids
 from palimpsest.platform.tokens import get_tokenizer
-from palimpsest.platform.types import PalimpsestError
+from palimpsest.platform.types import ConfigError, PalimpsestError
 from palimpsest.serving.config import ArmConfig, load_serve_config, parse_serve_config
 from palimpsest.serving.local import LocalServer
 from palimpsest.training.config import load_train_config
@@ -95,7 +95,12 @@ def ensure_memory(out: Console, train_config: Path, data: Path) -> str | None:
         import json
 
         hidden = json.loads((smollm2_dir() / "config.json").read_text())["hidden_size"]
-        if load_memory(ref).cfg.d_actor == hidden:
+        try:
+            bundle = read_bundle(ref)
+        except ConfigError as e:  # another architecture, or unreadable: a new one is trained
+            out.print(f"registered memory {ref} not used: {e}")
+            bundle = None
+        if bundle is not None and bundle.actor.get("hidden_size") == hidden:
             out.print(f"memory model: {ref} (registered)")
             return ref
 
@@ -114,7 +119,7 @@ def memory_fits(ref: str | None, budget: int) -> tuple[bool, str]:
     """Whether the registered memory was trained on prompts at this budget (it learned what they leave out)."""
     if ref is None:
         return False, "no memory model"
-    trained = (memory_meta(ref).get("data") or {}).get("budget")
+    trained = read_bundle(ref).budget
     if trained != budget:
         return False, f"{ref} was trained at budget {trained}, the demo serves {budget}"
     return True, f"{ref}, trained at budget {trained}"

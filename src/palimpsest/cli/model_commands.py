@@ -26,7 +26,7 @@ from palimpsest.cli.common import (
 )
 from palimpsest.cli.replay_commands import _policy_set
 from palimpsest.models.assets import smollm2_dir, smollm2_tokenizer_dir
-from palimpsest.models.registry import load_memory, memory_meta, resolve_actor_path, resolve_memory_ref
+from palimpsest.models.registry import read_bundle, resolve_actor_path, resolve_memory_ref
 from palimpsest.pipelines.environment import open_runtime
 from palimpsest.pipelines.replay_sessions import TimedEmbedder, prepare_sessions
 from palimpsest.pipelines.tracking import log_actions
@@ -155,16 +155,14 @@ def _eval_actions_run(data, names, configs, budget, memory, include_train, max_t
         ref = resolve_memory_ref(memory or "auto")
         if ref is None:
             raise PalimpsestError("NAME+memory needs a memory model: --memory, or a registered palimpsest-memory")
-        meta = memory_meta(ref).get("data") or {}
-        if "train_trajectories" in meta:
-            trained_on = set(meta["train_trajectories"])
-        elif not include_train:
+        bundle = read_bundle(ref)
+        trained_on = bundle.train_trajectories
+        if trained_on is None and not include_train:
             raise PalimpsestError(f"memory model {ref} records no training split, so its held-out trajectories are "
                                   "unknown: pass --include-train to score every trajectory")
-        if meta:
-            # Read as the memory was trained to read (serving's memory.* should say the same).
-            mem_tokens = int(meta.get("memory_tokens", mem_tokens))
-            mem_chars = int(meta.get("max_observation_chars", mem_chars))
+        # Read as the memory was trained to read (serving's memory.* should say the same).
+        mem_tokens = bundle.memory_tokens or mem_tokens
+        mem_chars = bundle.max_field_chars or mem_chars
     actor_path = str(resolve_actor_path("smollm2" if tokenizer == "smollm2" else tokenizer))
     act = FrozenActor.from_pretrained(actor_path, device=device)
     mem_arm = None
@@ -240,14 +238,13 @@ def eval_memory(
         ref = resolve_memory_ref(model)
         if ref is None:
             raise PalimpsestError(f"--model {model!r} names no memory model")
-        load_memory(ref)  # not a memory model: a clear error before anything else
-        meta = memory_meta(ref)
-        trained, data_meta = meta.get("policy"), meta.get("data") or {}
+        bundle = read_bundle(ref)  # not a memory model, or an old architecture: a clear error before anything else
+        trained = bundle.policy
         # By default, the student prompts are the ones the memory trained on: its budget and reply length.
-        budget = budget if budget is not None else data_meta.get("budget")
+        budget = budget if budget is not None else bundle.budget
         if not isinstance(budget, int):
             raise PalimpsestError(f"{model}: the bundle records no training budget; pass --budget")
-        max_target_tokens = max_target_tokens or int(data_meta.get("max_target_tokens", 48))
+        max_target_tokens = max_target_tokens or bundle.max_target_tokens or 48
         if policy is None and isinstance(trained, dict) and isinstance(trained.get("config"), dict):
 
             cfg = parse_policy_config(trained["config"])

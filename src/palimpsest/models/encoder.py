@@ -11,31 +11,31 @@ from pathlib import Path
 import torch
 
 from palimpsest.models.actor import FrozenActor
-from palimpsest.models.memory import MemoryNetwork
+from palimpsest.models.memory_network import MemoryNetwork
 from palimpsest.models.registry import load_memory
 from palimpsest.platform.types import ConfigError
 
 
 class MemoryEncoder:
-    """(history ids, summary ids) -> soft span (S, d_actor) in the actor's input-embedding space."""
+    """(history ids, summary ids) -> soft span (S, d_actor) in the actor's input-embedding space. The network runs
+    the actor's own layers (LoRA beside them), so it is built beside the actor that serves."""
 
     def __init__(self, memory: MemoryNetwork, actor: FrozenActor):
-        if memory.cfg.d_actor != actor.hidden_size:
-            raise ConfigError(f"memory was trained for hidden size {memory.cfg.d_actor}, the actor has {actor.hidden_size}")
-        self.memory = memory.to(actor.device).eval()  # beside the actor, whose states it reads
+        if memory.d != actor.hidden_size:
+            raise ConfigError(f"memory was built for hidden size {memory.d}, the actor has {actor.hidden_size}")
+        self.memory = memory.eval()
         self.actor = actor
 
     @classmethod
     def load(cls, ref: str | Path, actor: FrozenActor) -> "MemoryEncoder":
-        return cls(load_memory(ref), actor)
+        return cls(load_memory(ref, actor), actor)
 
     @torch.inference_mode()
     def encode(self, history: torch.Tensor, summary: torch.Tensor | None = None) -> torch.Tensor:
         if history.dim() != 1 or history.numel() == 0:
             raise ValueError("history must be a non-empty 1-D tensor of token ids")
-        feats = self.actor.hidden_states(history, self.memory.cfg.feature_layer)
         summary_embeds = self.actor.embed(summary) if summary is not None and summary.numel() else None
-        return self.memory(feats, summary_embeds)
+        return self.memory(history.to(self.actor.device), summary_embeds)
 
     def slots_for(self, positions: int) -> int:
         return self.memory.slots_for(positions)

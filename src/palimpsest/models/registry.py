@@ -5,10 +5,11 @@ One module owns these so that training, serving, evaluation and the demo resolve
 open a tracking run the same way. Nothing here imports from ``pipelines`` or ``serving``, and torch and MLflow
 are imported only inside the functions that need them.
 
-A memory **bundle** is a directory with ``memory.json`` (the network's config, the actor's embedding norm,
-the actor, the policy the samples were compiled with and the data split) and ``memory.pt`` (full weights):
-loadable without DeepSpeed. A **model reference** is a bundle directory or an MLflow model URI
-(``models:/palimpsest-memory/latest``, ``runs:/...``).
+A memory **bundle** is a directory with ``memory.json`` (:class:`MemoryBundle`: the architecture, the network's
+config, the actor, the policy the samples were compiled with and the data record) and ``memory.pt`` (the
+network's state dict, its own parameters only): loadable without DeepSpeed, and never a pickled module. A
+**model reference** is a bundle directory or an MLflow model URI (``models:/palimpsest-memory/latest``,
+``runs:/...``); a registered version's source is its run's logged bundle.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,8 +25,9 @@ from palimpsest.models.assets import smollm2_dir
 from palimpsest.platform.types import ConfigError, PalimpsestError
 
 if TYPE_CHECKING:
-    from palimpsest.models.memory import MemoryNetwork
+    from palimpsest.models.memory_network import MemoryNetwork
 
+ARCHITECTURE = "actor-lora/1"  # models.memory.ARCHITECTURE (kept here so reading a record needs no torch)
 REGISTERED_MODEL = "palimpsest-memory"  # the MLflow registry name training registers under
 BUNDLE_WEIGHTS = "memory.pt"
 BUNDLE_META = "memory.json"
@@ -108,29 +111,106 @@ def resolve_memory_ref(model: str | None) -> str | None:
     return f"models:/{REGISTERED_MODEL}/{latest.version}"
 
 
-def memory_meta(ref: str | None) -> dict:
-    """What a memory model's bundle records (``memory.json``), for a bundle directory or a registered
-    ``models:/NAME/VERSION`` (read from the checkpoint its run logged); {} when there is none to read."""
-    if not ref:
-        return {}
-    local = Path(str(ref), BUNDLE_META)
-    if local.is_file():
-        return json.loads(local.read_text())
-    if not str(ref).startswith("models:/"):
-        return {}
-    try:
-        import mlflow
+@dataclass(frozen=True)
+class MemoryBundle:
+    """What a memory bundle records (``memory.json``), read in one place: its architecture, the network's config,
+    the actor it was trained beside, the policy its samples were compiled with, and the data record (the
+    build's settings, its split, the file's sha). Everything else reads a bundle through this record."""
 
-        name, version = str(ref)[len("models:/"):].split("/", 1)
-        mlflow.set_tracking_uri(tracking_uri())
-        client = mlflow.MlflowClient()
-        if version == "latest":
-            version = str(max(int(v.version) for v in client.search_model_versions(f"name='{name}'")))
-        run_id = client.get_model_version(name, version).run_id
-        path = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=f"checkpoint/{BUNDLE_META}")
-        return json.loads(Path(path).read_text())
-    except Exception:  # an older registration without a logged checkpoint, or no store: nothing recorded
-        return {}
+    architecture: str
+    memory: dict  # models.memory.MemoryConfig, as JSON
+    actor: dict  # the training config's actor section (path, dtype) and its hidden size
+    policy: dict = field(default_factory=dict)
+    data: dict = field(default_factory=dict)
+    name: str | None = None
+
+    @classmethod
+    def from_json(cls, meta: dict, where: str) -> "MemoryBundle":
+        arch = meta.get("architecture")
+        if arch != ARCHITECTURE:
+            was = arch or "resampler (a Perceiver-style network over the actor's last hidden states)"
+            raise ConfigError(f"{where}: a memory of architecture {was!r}; this version serves {ARCHITECTURE!r} "
+                              "(the actor's own layers with LoRA): train a new one with `palimpsest train`")
+        try:
+            return cls(architecture=arch, memory=dict(meta["memory"]), actor=dict(meta["actor"]),
+                       policy=dict(meta.get("policy") or {}), data=dict(meta.get("data") or {}), name=meta.get("name"))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"{where}: the bundle record is incomplete: {e}") from None
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @property
+    def budget(self) -> int | None:
+        """The student's budget the memory was trained at."""
+        b = self.data.get("budget")
+        return int(b) if b is not None else None
+
+    @property
+    def memory_tokens(self) -> int | None:
+        v = self.data.get("memory_tokens")
+        return int(v) if v is not None else None
+
+    @property
+    def max_field_chars(self) -> int | None:
+        v = self.data.get("max_observation_chars")
+        return int(v) if v is not None else None
+
+    @property
+    def max_target_tokens(self) -> int | None:
+        v = self.data.get("max_target_tokens")
+        return int(v) if v is not None else None
+
+    @property
+    def train_trajectories(self) -> set[str] | None:
+        """The trajectories its samples came from (None: not recorded)."""
+        v = self.data.get("train_trajectories")
+        return set(v) if v is not None else None
+
+    @property
+    def policy_hash(self) -> str | None:
+        return self.policy.get("hash")
+
+
+def _bundle_dir(ref: str | Path) -> Path:
+    """A model reference as a local bundle directory: the directory itself, or a registered version's files
+    (``models:/NAME/VERSION``, ``runs:/ID/checkpoint``) downloaded from the tracking store."""
+    if Path(str(ref)).is_dir():
+        return Path(str(ref))
+    ref = str(ref)
+    if not ref.startswith(("models:/", "runs:/")):
+        raise ConfigError(f"{ref!r} is neither a memory bundle directory nor an MLflow model URI")
+    import mlflow
+
+    mlflow.set_tracking_uri(tracking_uri())
+    try:
+        if ref.startswith("models:/"):
+            name, version = ref[len("models:/"):].split("/", 1)
+            client = mlflow.MlflowClient()
+            if version == "latest":
+                version = str(max(int(v.version) for v in client.search_model_versions(f"name='{name}'")))
+            mv = client.get_model_version(name, version)
+            path = mlflow.artifacts.download_artifacts(artifact_uri=mv.source)
+        else:
+            path = mlflow.artifacts.download_artifacts(artifact_uri=ref)
+    except Exception as e:
+        raise ConfigError(f"cannot load memory model {ref}: {e}") from None
+    return Path(path)
+
+
+def read_bundle(ref: str | Path) -> MemoryBundle:
+    """The record of a memory bundle (a directory or a registered model); a bundle of another architecture, or
+    none at all, is a ConfigError naming it."""
+    path = _bundle_dir(ref)
+    meta_file = path / BUNDLE_META
+    if not meta_file.is_file() or not (path / BUNDLE_WEIGHTS).is_file():
+        raise ConfigError(f"{ref} holds no memory bundle ({BUNDLE_META} and {BUNDLE_WEIGHTS} expected)")
+    return MemoryBundle.from_json(json.loads(meta_file.read_text()), str(ref))
+
+
+def memory_bundle(ref: str | None) -> MemoryBundle | None:
+    """The record of ``ref``, or None when no memory is configured."""
+    return read_bundle(ref) if ref else None
 
 
 # ---------------------------------------------------------------------------------------------- the bundle
@@ -145,46 +225,29 @@ def write_bundle(out: Path, state: dict, meta: dict) -> None:
     (out / BUNDLE_META).write_text(json.dumps(meta, indent=2))
 
 
-def load_bundle(path: str | Path) -> "MemoryNetwork":
-    """A MemoryNetwork from a bundle; a checkpoint of another architecture is a clear error."""
+def load_memory(ref: str | Path, actor) -> "MemoryNetwork":
+    """The memory network of a bundle directory or an MLflow model URI, beside ``actor`` (a ``FrozenActor``): the
+    network runs the actor's own layers, so the actor must be the one it was trained with (its hidden size and
+    depth are checked). A bundle of another architecture is refused by name."""
     import torch
 
     # deferred: loads torch
-    from palimpsest.models.memory import MemoryConfig, MemoryNetwork
+    from palimpsest.models.memory import MemoryConfig
+    from palimpsest.models.memory_network import MemoryNetwork
 
-    path = Path(path)
-    meta_file, weights = path / BUNDLE_META, path / BUNDLE_WEIGHTS
-    if not meta_file.is_file() or not weights.is_file():
-        raise ConfigError(f"{path} holds no memory bundle ({BUNDLE_META} and {BUNDLE_WEIGHTS} expected)")
-    meta = json.loads(meta_file.read_text())
+    path = _bundle_dir(ref)
+    bundle = read_bundle(path)
+    want = bundle.actor
+    have = {"hidden_size": actor.hidden_size, "layers": int(actor.model.config.num_hidden_layers)}
+    for key, value in have.items():
+        if want.get(key) is not None and int(want[key]) != value:
+            raise ConfigError(f"{ref}: the memory was trained beside an actor with {key} {want[key]}; "
+                              f"this actor has {value}")
     try:
-        net = MemoryNetwork(MemoryConfig(**meta["memory"]), embed_norm=meta["embed_norm"])
-        net.load_state_dict(torch.load(weights, weights_only=True), strict=True)
-    except (TypeError, ValueError, RuntimeError, KeyError) as e:
-        raise ConfigError(f"{path}: the checkpoint does not match a memory network of its config: {e}") from None
-    return net.eval()
-
-
-def load_memory(ref: str | Path) -> "MemoryNetwork":
-    """From a bundle directory or an MLflow model URI (the tracking store from $MLFLOW_TRACKING_URI, else the
-    project's local one)."""
-    # deferred: loads torch
-    from palimpsest.models.memory import MemoryNetwork
-
-    if Path(ref).is_dir():
-        return load_bundle(ref)
-    ref = str(ref)
-    if not ref.startswith(("models:/", "runs:/")):
-        raise ConfigError(f"{ref!r} is neither a checkpoint directory nor an MLflow model URI")
-    import mlflow
-
-    mlflow.set_tracking_uri(tracking_uri())
-    try:
-        net = mlflow.pytorch.load_model(ref)
-    except Exception as e:
-        raise ConfigError(f"cannot load memory model {ref}: {e}") from None
-    if not isinstance(net, MemoryNetwork):
-        raise ConfigError(f"{ref} is a {type(net).__name__}, not a memory network")
+        net = MemoryNetwork(MemoryConfig(**bundle.memory), actor)
+        net.load_state_dict(torch.load(path / BUNDLE_WEIGHTS, weights_only=True, map_location="cpu"), strict=True)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ConfigError(f"{ref}: the checkpoint does not match a memory network of its config: {e}") from None
     return net.eval()
 
 
@@ -199,13 +262,18 @@ def register_bundle(bundle: Path, run_id: str, register_as: str | None, tags: di
         # the resolved policy config the samples were compiled with, content and hash, beside the checkpoint
         policy = json.loads((bundle / BUNDLE_META).read_text()).get("policy") or {}
         mlflow.log_dict(policy, "policy.json")
-        if not register_as:
-            return None
-        info = mlflow.pytorch.log_model(load_bundle(bundle), name="memory", serialization_format="pickle",
-                                        pip_requirements=[], registered_model_name=register_as)
-    version = str(info.registered_model_version)
+    if not register_as:
+        return None
+    # the bundle as it is (state dict + record), no pickled module: the version's source is the logged checkpoint
     client = mlflow.MlflowClient()
-    for key, value in {**tags, "policy_hash": policy.get("hash")}.items():
+    try:
+        client.create_registered_model(register_as)
+    except mlflow.exceptions.MlflowException as e:
+        if "RESOURCE_ALREADY_EXISTS" not in str(e.error_code):
+            raise
+    run = client.get_run(run_id)
+    version = str(client.create_model_version(register_as, f"{run.info.artifact_uri}/checkpoint", run_id=run_id).version)
+    for key, value in {**tags, "policy_hash": policy.get("hash"), "architecture": ARCHITECTURE}.items():
         if value:
             client.set_model_version_tag(register_as, version, key, value)
     return f"models:/{register_as}/{version}"

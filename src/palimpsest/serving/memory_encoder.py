@@ -13,7 +13,7 @@ from typing import Any
 
 from ray import serve
 
-from palimpsest.models.registry import memory_meta, resolve_memory_ref
+from palimpsest.models.registry import read_bundle, resolve_memory_ref
 from palimpsest.platform.types import ConfigError
 
 
@@ -49,13 +49,13 @@ class MemoryEncoder:
                     entry["note"] = f"memory off: {e}"
             if ref is not None and encoders.get(ref) is not None:
 
-                meta = memory_meta(ref)
-                data = meta.get("data") or {}
+                bundle = read_bundle(ref)
+                data = bundle.data
                 net = encoders[ref].memory.cfg  # how many soft positions a read yields (TurnService.soft_positions)
                 entry.update(enabled=True, max_slots=encoders[ref].slots_for(max_history_tokens),
                              block_size=net.block_size, queries=net.queries,
                              # what it was trained with: the ingress warns when an arm serves it otherwise
-                             policy_hash=(meta.get("policy") or {}).get("hash"),
+                             policy_hash=bundle.policy_hash,
                              trained_reads={k: data.get(k) for k in ("memory_tokens", "max_observation_chars",
                                                                      "memory_read")},
                              trained_budget=data.get("budget"))

@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from palimpsest.models.memory import MemoryConfig
 from palimpsest.platform.config import problems, read_yaml
 from palimpsest.platform.types import ConfigError
 
@@ -46,48 +47,21 @@ class DataSection(_Strict):
     stage1_chunks: int = Field(0, ge=0, le=10_000_000, description="at most this many corpus spans (0: all)")
 
 
-class MemorySection(_Strict):
-    d_model: int = Field(256, ge=8)
-    n_heads: int = Field(4, ge=1)
-    n_layers: int = Field(2, ge=1)
-    block_size: int = Field(256, ge=1)
-    queries: int = Field(16, ge=1)
-    max_slots: int = Field(128, ge=1)
-    feature_layer: int = -1
-    learn_scale: bool = Field(False, description="learn a gain on the soft vectors' norm (else the token embeddings' "
-                              "mean norm, fixed)")
-    slot_embedding: bool = Field(False, description="learn an embedding of each soft position's index, added before "
-                                 "the output (every block of the history shares the same queries)")
-    slot_bias: bool = Field(False, description="learn a free vector per soft position in the actor's input space, "
-                            "added to the network's output (the ladder's free span is its special case)")
-    feature_skip: bool = Field(False, description="each soft position also carries the mean of the actor's states "
-                               "over its share of the source, through a learned map (see skip_init)")
-    skip_init: Literal["identity", "zero"] = Field("identity", description="the feature skip's map at the start: "
-                                                   "identity (the pooled states as they are) or zero (silent)")
-    skip_pool: Literal["mean", "attention"] = Field("mean", description="how the feature skip pools a soft "
-                                                    "position's share: its mean, or attention with a learned score "
-                                                    "per state (zero at the start: the mean)")
-
-    @model_validator(mode="after")
-    def _sizes(self) -> "MemorySection":
-        if self.queries > self.block_size:
-            raise ValueError(f"queries ({self.queries}) must not exceed block_size ({self.block_size})")
-        if self.queries == self.block_size:
-            raise ValueError(f"queries ({self.queries}) must be fewer than block_size ({self.block_size}): "
-                             "a merge must shrink the memory")
-        if self.max_slots < self.queries:
-            raise ValueError(f"max_slots ({self.max_slots}) must be at least queries ({self.queries})")
-        if self.d_model % self.n_heads:
-            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
-        return self
-
-
 class OptimSection(_Strict):
     stage1_steps: int = Field(40, ge=0)
     stage2_steps: int = Field(80, ge=0)
-    lr: float = Field(1e-3, gt=0)
-    schedule: Literal["constant", "cosine"] = Field("constant", description="the learning rate over each stage's "
-                                                    "steps: constant, or cosine from lr to 0 (training.step.lr_at)")
+    lr: float = Field(1e-4, gt=0, description="the LoRA adapters' learning rate")
+    lr_slots: float = Field(1e-3, gt=0, description="the per-slot input vectors'")
+    lr_readout: float = Field(1e-5, gt=0, description="the readout's (it starts at identity)")
+    lr_summary: float = Field(1e-4, gt=0, description="the summary attention's and its gates'")
+    warmup_steps: int = Field(0, ge=0, description="linear warmup at the start of each stage")
+    schedule: Literal["constant", "cosine"] = Field("cosine", description="the learning rate over each stage's "
+                                                    "steps after warmup: constant, or cosine to 0 "
+                                                    "(training.step.lr_at)")
+    grad_accum: int = Field(1, ge=1, le=1024, description="rows per update (gradient accumulation)")
+    stage1_continuation: float = Field(0.0, ge=0.0, le=1.0, description="Stage I's weight of continuation "
+                                       "(the memory of a span's first half predicts its second) beside "
+                                       "reconstruction")
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
     kl_decay: float = Field(0.05, ge=0, description="w_j proportional to 1 / (1 + kl_decay * j)")
@@ -121,11 +95,16 @@ class TrackingSection(_Strict):
     policy_config: str = Field("configs/policies/pace_plus.yaml", description="the policy config this memory pairs with")
 
 
+def group_lrs(o: OptimSection) -> dict[str, float]:
+    """The learning rate of each parameter group of ``models.memory_network.MemoryNetwork.parameter_groups``."""
+    return {"lora": o.lr, "slots": o.lr_slots, "readout": o.lr_readout, "summary": o.lr_summary}
+
+
 class TrainConfig(_Strict):
     name: str = Field(..., pattern=r"^[\w.-]{1,64}$")
     actor: ActorSection = ActorSection()
     data: DataSection
-    memory: MemorySection = MemorySection()
+    memory: MemoryConfig = MemoryConfig()  # the network's one config (models/memory.py), as trained and served
     optim: OptimSection = OptimSection()
     distributed: DistributedSection = DistributedSection()
     tracking: TrackingSection = TrackingSection()

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from palimpsest.models.registry import (
+    ARCHITECTURE,
     mlflow_experiment,
     register_bundle,
     tracking_errors,
@@ -32,7 +33,7 @@ from palimpsest.models.registry import (
 )
 from palimpsest.pipelines.tracking import check, configure
 from palimpsest.platform.types import PalimpsestError
-from palimpsest.training.config import TrainConfig
+from palimpsest.training.config import TrainConfig, group_lrs
 from palimpsest.training.prepare import (
     TEACHERS,
     _load_rows,
@@ -48,7 +49,7 @@ def ds_config(cfg: TrainConfig) -> dict[str, Any]:
     o = cfg.optim
     out: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": 1,
+        "gradient_accumulation_steps": o.grad_accum,
         "gradient_clipping": o.grad_clip,
         "optimizer": {"type": "AdamW", "params": {"lr": o.lr, "weight_decay": o.weight_decay, "torch_adam": True}},
         "zero_optimization": {"stage": cfg.distributed.zero_stage},
@@ -61,10 +62,9 @@ def ds_config(cfg: TrainConfig) -> dict[str, Any]:
 
 def build_memory(cfg: TrainConfig, actor) -> "object":
     # deferred: loads torch
-    from palimpsest.models.memory import MemoryConfig, MemoryNetwork
+    from palimpsest.models.memory_network import MemoryNetwork
 
-    mcfg = MemoryConfig(d_actor=actor.hidden_size, **cfg.memory.model_dump())
-    return MemoryNetwork(mcfg, embed_norm=actor.embed_norm())
+    return MemoryNetwork(cfg.memory, actor)
 
 
 def train_loop(loop_config: dict) -> None:
@@ -97,11 +97,12 @@ def train_loop(loop_config: dict) -> None:
     actor = FrozenActor.from_pretrained(loop_config["actor_path"], dtype=cfg.actor.dtype, device=str(device))
     memnet = build_memory(cfg, actor).to(device)
     o = cfg.optim
-    backend = (DeepSpeedBackend(memnet, ds_config(cfg)) if cfg.distributed.strategy == "deepspeed"
-               else DDPBackend(memnet, o.lr, o.weight_decay, o.grad_clip))  # plain DDP, for comparison
+    lrs = group_lrs(o)
+    backend = (DeepSpeedBackend(memnet, ds_config(cfg), lrs) if cfg.distributed.strategy == "deepspeed"
+               else DDPBackend(memnet, lrs, o.weight_decay, o.grad_clip, o.grad_accum))  # plain DDP, for comparison
     engine = getattr(backend, "engine", None)
     prefix = PrefixCache(rows=o.prefix_cache_rows) if o.prefix_cache_rows else None
-    run_step = Step(backend, actor, o.kl_decay, prefix)  # the step the ladder and the tests run
+    run_step = Step(backend, actor, o.kl_decay, prefix, continuation=o.stage1_continuation)  # the step the ladder and the tests run
 
     step = 0
     ckpt = ray.train.get_checkpoint()
@@ -141,7 +142,7 @@ def train_loop(loop_config: dict) -> None:
         teacher = (teachers.get(_teacher_key(cfg, loop_config["actor_path"], data_sha, row))
                    if stage == 2 and teachers is not None else None)  # None: a full teacher pass
         start, steps = (0, cfg.optim.stage1_steps) if stage == 1 else (cfg.optim.stage1_steps, cfg.optim.stage2_steps)
-        backend.set_lr(lr_at(step - start, steps, cfg.optim.lr, cfg.optim.schedule))
+        backend.set_lr(lr_at(step - start, steps, 1.0, cfg.optim.schedule, cfg.optim.warmup_steps))
         figures = run_step(sample, stage, int(passes), teacher)
         step += 1
         tokens = sum(int(v.numel()) for v in sample.values())
@@ -182,8 +183,10 @@ def _export_bundle(cfg: TrainConfig, module, actor, out: Path, engine, data_dir:
     else:
         state = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
     report = _data_report(data_dir)
-    meta = {"memory": {"d_actor": actor.hidden_size, **cfg.memory.model_dump()}, "embed_norm": actor.embed_norm(),
-            "actor": cfg.actor.model_dump(), "policy_config": cfg.tracking.policy_config, "name": cfg.name,
+    meta = {"architecture": ARCHITECTURE, "memory": cfg.memory.to_dict(),
+            "actor": {**cfg.actor.model_dump(), "hidden_size": actor.hidden_size,
+                      "layers": int(actor.model.config.num_hidden_layers), "embed_norm": actor.embed_norm()},
+            "policy_config": cfg.tracking.policy_config, "name": cfg.name,
             # the resolved policy config the samples were compiled with (content and hash)
             "policy": {"file": cfg.tracking.policy_config, **(report.get("policy") or {})},
             "data": {**cfg.data.model_dump(), "sha256": report.get("data_sha256"), **_splits(data_dir),

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from palimpsest.models.actor import FrozenActor
-from palimpsest.models.memory import MemoryNetwork
+from palimpsest.models.memory_network import MemoryNetwork
 from palimpsest.training.teachers import coarse_kl
 
 
@@ -54,14 +54,13 @@ def memory_of(memnet: MemoryNetwork, actor: FrozenActor, history: torch.Tensor,
               summary: torch.Tensor | None = None, min_passes: int = 0, prefix=None) -> torch.Tensor:
     """The soft span (M, d) for a history (ids), optionally reading the summary's embeddings.
     ``memnet`` may be wrapped (a DeepSpeed engine or DDP): calling the wrapper keeps its hooks. ``prefix``
-    (a ``training.step.PrefixCache``) keeps the actor's features of a history seen before."""
-    cfg = memnet.module.cfg if hasattr(memnet, "module") else memnet.cfg
-    if prefix is not None:  # the actor is frozen: a history's features never change
-        feats = prefix.get(prefix.key(f"features{cfg.feature_layer}", history),
-                           lambda: actor.hidden_states(history, cfg.feature_layer))
+    (a ``training.step.PrefixCache``) keeps the actor's prefill of a history seen before (what the memory reads)."""
+    net = memnet.module if hasattr(memnet, "module") else memnet
+    if prefix is not None:  # the actor is frozen: a history's keys and values never change
+        src = prefix.get(prefix.key("source", history), lambda: net.source(history))
     else:
-        feats = actor.hidden_states(history, cfg.feature_layer)  # (H, d), no grad: the actor is frozen
-    return memnet(feats, actor.embed(summary) if summary is not None and summary.numel() else None, min_passes)
+        src = net.source(history)  # no grad: the actor's prefill of each block
+    return memnet(src, actor.embed(summary) if summary is not None and summary.numel() else None, min_passes)
 
 
 def stage1_logits(memnet: MemoryNetwork | None, actor: FrozenActor, sample: StageISample,
@@ -78,8 +77,23 @@ def stage1_logits(memnet: MemoryNetwork | None, actor: FrozenActor, sample: Stag
     return actor(inputs_embeds=torch.cat(parts)[None], last=t + 1)[0, :t]  # the positions that predict the span
 
 
-def stage1_loss(memnet: MemoryNetwork, actor: FrozenActor, sample: StageISample, min_passes: int = 0) -> torch.Tensor:
-    return F.cross_entropy(stage1_logits(memnet, actor, sample, min_passes).float(), sample["span"])
+def stage1_loss(memnet: MemoryNetwork, actor: FrozenActor, sample: StageISample, min_passes: int = 0,
+                continuation: float = 0.0) -> torch.Tensor:
+    """Reconstruction (cross-entropy of the span after [memory; "repeat"]), mixed with weight ``continuation``
+    with continuation: the memory of the span's first half, then the actor predicts the second half from it
+    alone (ICAE's pretraining pairs the two objectives)."""
+    recon = F.cross_entropy(stage1_logits(memnet, actor, sample, min_passes).float(), sample["span"])
+    if continuation <= 0.0:
+        return recon
+    span = sample["span"]
+    half = span.shape[0] // 2
+    if half < 1:
+        return recon
+    head, tail = span[:half], span[half:]
+    embeds = torch.cat([memory_of(memnet, actor, head, None, min_passes), actor.embed(tail)])
+    t = tail.shape[0]
+    logits = actor(inputs_embeds=embeds[None], last=t + 1)[0, :t]
+    return (1 - continuation) * recon + continuation * F.cross_entropy(logits.float(), tail)
 
 
 @torch.no_grad()

@@ -64,9 +64,10 @@ def prepare(cfg: TrainConfig) -> PreparedRun:
 
 
     actor = resolve_actor(cfg)
-    hidden = AutoConfig.from_pretrained(str(actor)).hidden_size
-    if cfg.memory.d_model > 16 * hidden:
-        raise ConfigError(f"memory.d_model {cfg.memory.d_model} is out of proportion to the actor's {hidden}")
+    arch = AutoConfig.from_pretrained(str(actor))
+    if getattr(arch, "model_type", None) not in ("llama", "qwen2", "qwen3", "mistral"):
+        raise ConfigError(f"the memory network runs the actor's own decoder layers: {actor} is a "
+                          f"{getattr(arch, 'model_type', '?')} model (llama, qwen2, qwen3 and mistral are supported)")
     data = Path(cfg.data.file)
     if not data.is_file():
         raise ConfigError(f"training data not found: {data}")

@@ -8,9 +8,13 @@ What differs between them is only the :class:`Backend`, the object that turns a 
 - :class:`DDPBackend`: torch DistributedDataParallel with AdamW (the comparison strategy);
 - :class:`LocalBackend`: the network itself with AdamW, in one process.
 
-Every step reports the loss, the global gradient norm before clipping, the norm per top-level module of
-the memory network (``grad/in_proj``, ``grad/blocks``, ``grad/summary_attn``, ``grad/out_proj``, ...) and
-the summary gate's value tanh(g): the evidence a run needs when the loss does not move.
+Every step reports the loss, the global gradient norm before clipping, the norm per parameter group of the
+memory network (``grad/lora``, ``grad/slots``, ``grad/readout``, ``grad/summary``), the gates' gradient and
+their mean value tanh(g): the evidence a run needs when the loss does not move.
+
+The optimiser recipe (``OptimSection``): a learning rate per parameter group (LoRA, slot vectors, readout,
+the summary attention and its gates), linear warmup then cosine decay (:func:`lr_at`), gradient clipping and
+gradient accumulation (an update every ``grad_accum`` rows).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from palimpsest.models.actor import FrozenActor
-from palimpsest.models.memory import MemoryNetwork
+from palimpsest.models.memory_network import MemoryNetwork
 from palimpsest.training.losses import stage1_loss, stage2_loss
 
 STAGE1_KEYS = ("span", "instruction")
@@ -43,24 +47,32 @@ def unwrap(module) -> MemoryNetwork:
 
 
 def sample_loss(module, actor: FrozenActor, sample: dict, stage: int, *, decay: float = 0.05, passes: int = 0,
-                teacher=None, prefix=None) -> torch.Tensor:
+                teacher=None, prefix=None, continuation: float = 0.0) -> torch.Tensor:
     """The loss of one row. ``module`` may be wrapped (calling the wrapper keeps its hooks); ``teacher`` is a
     cached ``training.teachers.Teacher`` (None: a full-vocabulary teacher pass); ``prefix`` a
     :class:`PrefixCache` that keeps each row's constant parts (the context's KV cache, the memory's features)."""
     if stage == 1:
-        return stage1_loss(module, actor, sample, passes)
+        return stage1_loss(module, actor, sample, passes, continuation)
     if stage == 2:
         return stage2_loss(module, actor, sample, decay, passes, teacher, prefix)
     raise ValueError(f"stage must be 1 or 2, got {stage}")
 
 
 def module_groups(net: MemoryNetwork) -> dict[str, list[torch.nn.Parameter]]:
-    """The memory network's parameters by top-level module (``blocks.0.cross.in_proj_weight`` -> ``blocks``)."""
-    groups: dict[str, list[torch.nn.Parameter]] = OrderedDict()
-    for name, p in net.named_parameters():
-        if p.requires_grad:
-            groups.setdefault(name.split(".")[0], []).append(p)
-    return groups
+    """The memory network's parameters by optimiser group (``MemoryNetwork.parameter_groups``)."""
+    return OrderedDict((k, [p for p in v if p.requires_grad]) for k, v in net.parameter_groups().items())
+
+
+def optimizer_groups(net: MemoryNetwork, lrs: dict[str, float], weight_decay: float = 0.0) -> list[dict]:
+    """torch/DeepSpeed parameter groups with each group's own learning rate (``lrs``: group -> lr); the gates
+    and the slot vectors are never decayed."""
+    out = []
+    for name, params in module_groups(net).items():
+        if name not in lrs:
+            raise ValueError(f"no learning rate for parameter group {name!r} (have {sorted(lrs)})")
+        out.append({"params": params, "lr": lrs[name], "name": name,
+                    "weight_decay": 0.0 if name in ("slots", "summary") else weight_decay})
+    return out
 
 
 def grad_norms(net: MemoryNetwork, grad_of: Callable[[torch.nn.Parameter], torch.Tensor | None]) -> dict[str, float]:
@@ -74,8 +86,7 @@ def grad_norms(net: MemoryNetwork, grad_of: Callable[[torch.nn.Parameter], torch
             if g is not None:
                 sq += float(g.detach().float().pow(2).sum())
         out[f"grad/{name}"] = math.sqrt(sq)
-    g = grad_of(net.summary_attn.gate)
-    out["grad/gate"] = float(g.detach().abs().sum()) if g is not None else 0.0
+    out["grad/gate"] = sum(float(g.detach().abs().sum()) for g in (grad_of(p) for p in net.gates()) if g is not None)
     return out
 
 
@@ -93,55 +104,65 @@ class Backend(Protocol):
         """tanh of the summary gate, whole on every rank (a collective where parameters are partitioned)."""
         ...
 
-    def set_lr(self, lr: float) -> None:
-        """The learning rate of the next updates."""
+    def set_lr(self, factor: float) -> None:
+        """The schedule's factor for the next updates (each group at its base rate times it)."""
         ...
 
     def lr(self) -> float:
-        """The learning rate the optimizer holds (what the last ``set_lr`` reached)."""
+        """The learning rate the optimizer holds for its first group (LoRA)."""
         ...
 
 
-def lr_at(step: int, steps: int, base: float, schedule: str = "constant") -> float:
-    """The learning rate of a stage's ``step``-th update (from 0) of ``steps``: ``constant`` or ``cosine`` (from
-    ``base`` to 0 over the stage; the ladder's rung 1 closed 0.73 of the gap in 300 steps with it, 0.59 in 150
-    constant)."""
+def lr_at(step: int, steps: int, base: float, schedule: str = "constant", warmup: int = 0) -> float:
+    """The learning rate of a stage's ``step``-th update (from 0) of ``steps``: a linear warmup over ``warmup``
+    steps, then ``constant`` or ``cosine`` (from ``base`` to 0 over the rest of the stage)."""
+    if schedule not in ("constant", "cosine"):
+        raise ValueError(f"unknown learning-rate schedule {schedule!r} (constant, cosine)")
+    if warmup and step < warmup:
+        return base * (step + 1) / (warmup + 1)
     if schedule == "constant":
         return base
-    if schedule == "cosine":
-        return base * 0.5 * (1 + math.cos(math.pi * min(step, steps) / max(steps, 1)))
-    raise ValueError(f"unknown learning-rate schedule {schedule!r} (constant, cosine)")
+    rest = max(steps - warmup, 1)
+    return base * 0.5 * (1 + math.cos(math.pi * min(step - warmup, rest) / rest))
 
 
-def set_lr(optimizer, lr: float) -> None:
-    """Every parameter group of ``optimizer`` (a torch optimizer, or DeepSpeed's ZeRO wrapper) at ``lr``."""
-    for group in optimizer.param_groups:
-        group["lr"] = lr
+def set_lr(optimizer, factor: float, bases: list[float]) -> None:
+    """Every parameter group of ``optimizer`` (a torch optimizer, or DeepSpeed's ZeRO wrapper) at its base
+    learning rate times ``factor`` (the schedule's value)."""
+    for group, base in zip(optimizer.param_groups, bases):
+        group["lr"] = base * factor
 
 
 class LocalBackend:
     """The network and AdamW in this process (the ladder, the tests); also DDP's update (see below)."""
 
-    def __init__(self, net: MemoryNetwork, lr: float, weight_decay: float = 0.0, grad_clip: float = 1.0,
-                 module=None):
+    def __init__(self, net: MemoryNetwork, lr: float | dict[str, float], weight_decay: float = 0.0,
+                 grad_clip: float = 1.0, module=None, grad_accum: int = 1):
         self.net = net
         self.module = module if module is not None else net
-        self.grad_clip = grad_clip
-        self.optimizer = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=weight_decay)
+        self.grad_clip, self.grad_accum, self.micro = grad_clip, max(1, grad_accum), 0
+        lrs = lr if isinstance(lr, dict) else {k: lr for k in module_groups(net)}
+        groups = optimizer_groups(net, lrs, weight_decay)
+        self.bases = [g["lr"] for g in groups]
+        self.optimizer = torch.optim.AdamW(groups, lr=self.bases[0], weight_decay=weight_decay)
 
     def update(self, loss: torch.Tensor) -> dict[str, float]:
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        (loss / self.grad_accum).backward()
+        self.micro += 1
         figures = grad_norms(self.net, lambda p: p.grad)
+        if self.micro % self.grad_accum:  # accumulating: no update yet
+            return {"grad_norm": float("nan"), **figures}
         norm = torch.nn.utils.clip_grad_norm_(self.net.parameters(), self.grad_clip)
         self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
         return {"grad_norm": float(norm), **figures}
 
     def gate(self) -> float:
-        return float(torch.tanh(self.net.summary_attn.gate.detach()).reshape(-1)[0])
+        gates = self.net.gates()
+        return float(sum(torch.tanh(g.detach()).reshape(-1)[0] for g in gates) / len(gates)) if gates else 0.0
 
-    def set_lr(self, lr: float) -> None:
-        set_lr(self.optimizer, lr)
+    def set_lr(self, factor: float) -> None:
+        set_lr(self.optimizer, factor, self.bases)
 
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
@@ -157,18 +178,24 @@ class LocalBackend:
 class DDPBackend(LocalBackend):
     """torch DistributedDataParallel (gradients all-reduced in backward) with the local AdamW update."""
 
-    def __init__(self, net: MemoryNetwork, lr: float, weight_decay: float = 0.0, grad_clip: float = 1.0):
-        super().__init__(net, lr, weight_decay, grad_clip, module=torch.nn.parallel.DistributedDataParallel(net))
+    def __init__(self, net: MemoryNetwork, lr: float | dict[str, float], weight_decay: float = 0.0,
+                 grad_clip: float = 1.0, grad_accum: int = 1):
+        super().__init__(net, lr, weight_decay, grad_clip, module=torch.nn.parallel.DistributedDataParallel(net),
+                         grad_accum=grad_accum)
 
 
 class DeepSpeedBackend:
     """A DeepSpeed engine around the network (``launcher.ds_config``: AdamW, clipping, the ZeRO stage)."""
 
-    def __init__(self, net: MemoryNetwork, config: dict):
+    def __init__(self, net: MemoryNetwork, config: dict, lrs: dict[str, float] | None = None):
         import deepspeed
 
         self.net = net
-        self.engine, *_ = deepspeed.initialize(model=net, model_parameters=list(net.parameters()), config=config)
+        base = config["optimizer"]["params"]["lr"]
+        groups = optimizer_groups(net, lrs or {k: base for k in module_groups(net)},
+                                  config["optimizer"]["params"].get("weight_decay", 0.0))
+        self.bases = [g["lr"] for g in groups]
+        self.engine, *_ = deepspeed.initialize(model=net, model_parameters=groups, config=config)
         self.module = self.engine
 
     def update(self, loss: torch.Tensor) -> dict[str, float]:
@@ -180,8 +207,8 @@ class DeepSpeedBackend:
         norm = self.engine.get_global_grad_norm()
         return {"grad_norm": float(norm) if norm is not None else float("nan"), **figures}
 
-    def set_lr(self, lr: float) -> None:
-        set_lr(self.engine.optimizer, lr)
+    def set_lr(self, factor: float) -> None:
+        set_lr(self.engine.optimizer, factor, self.bases)
 
     def lr(self) -> float:
         return float(self.engine.optimizer.param_groups[0]["lr"])
@@ -191,19 +218,24 @@ class DeepSpeedBackend:
         # threshold): the optimizer's full fp32 copy is gathered (every rank calls it)
         from deepspeed.utils import safe_get_full_fp32_param
 
-        return float(torch.tanh(safe_get_full_fp32_param(self.net.summary_attn.gate)).reshape(-1)[0])
+        gates = self.net.gates()
+        if not gates:
+            return 0.0
+        return float(sum(torch.tanh(safe_get_full_fp32_param(g)).reshape(-1)[0] for g in gates) / len(gates))
 
 
 class Step:
     """One training step on one row: loss (through the frozen actor), update, figures."""
 
-    def __init__(self, backend: Backend, actor: FrozenActor, kl_decay: float = 0.05, prefix: "PrefixCache | None" = None):
+    def __init__(self, backend: Backend, actor: FrozenActor, kl_decay: float = 0.05, prefix: "PrefixCache | None" = None,
+                 continuation: float = 0.0):
         self.backend, self.actor, self.kl_decay, self.prefix = backend, actor, kl_decay, prefix
+        self.continuation = continuation
 
     def __call__(self, sample: dict, stage: int, passes: int = 0, teacher=None) -> dict[str, float]:
         unwrap(self.backend.module).train()
         loss = sample_loss(self.backend.module, self.actor, sample, stage, decay=self.kl_decay, passes=passes,
-                           teacher=teacher, prefix=self.prefix)
+                           teacher=teacher, prefix=self.prefix, continuation=self.continuation)
         figures = self.backend.update(loss)
         return {"loss": float(loss.detach()), "gate": self.backend.gate(), **figures}
 
@@ -213,7 +245,7 @@ class PrefixCache:
     the KV cache of the context before the soft slot and the actor's features of what the memory reads.
     Bounded by ``rows`` (least recently used out): a KV cache of 2K SmolLM2 positions is ~90 MB."""
 
-    KINDS = 2  # entries per row: the context's KV cache and the memory's features
+    KINDS = 2  # entries per row: the context's KV cache and the actor's prefill of what the memory reads
 
     def __init__(self, rows: int = 4):
         self.rows = rows
@@ -244,4 +276,4 @@ def init_stage2_from_stage1(stage2: MemoryNetwork, stage1_state: dict) -> None:
 
 
 __all__ = ["Backend", "DDPBackend", "DeepSpeedBackend", "LocalBackend", "PrefixCache", "Step",
-           "grad_norms", "init_stage2_from_stage1", "lr_at", "set_lr", "module_groups", "sample_loss", "sample_tensors", "unwrap"]
+           "grad_norms", "optimizer_groups", "init_stage2_from_stage1", "lr_at", "set_lr", "module_groups", "sample_loss", "sample_tensors", "unwrap"]

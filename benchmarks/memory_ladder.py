@@ -1,0 +1,286 @@
+"""The memory network's learnability ladder, rung by rung, each with a control a memory carrying nothing passes.
+
+    .venv/bin/python benchmarks/memory_ladder.py --rung 0            # at initialisation
+    .venv/bin/python benchmarks/memory_ladder.py --rung 1            # capacity: free vectors in the slot
+    .venv/bin/python benchmarks/memory_ladder.py --rung 2            # one span through the network
+    .venv/bin/python benchmarks/memory_ladder.py --rung 3 --spans 100 --steps 1500
+    .venv/bin/python benchmarks/memory_ladder.py --rung 4 --steps N  # spans of files never trained on
+    .venv/bin/python benchmarks/memory_ladder.py --rung 5            # needles in filler, 8 slots
+
+Spans are ``--tokens`` (64) ids of Stage I text: the dev trajectories' actions and observations and the
+interpreter's standard library (``pipelines.remory_data.stage1_rows``), split by file or trajectory (the
+config's ``val_fraction``). The network is ``--config``'s ``memory:`` with ``block_size`` = the span and
+``queries`` = ``--slots`` (8: 8 source tokens per soft token), trained with the launcher's own step
+(``training.step.Step``, Stage I, ``LocalBackend``) and scored by ``training.reconstruction`` (none / own /
+other). Results: ``benchmarks/results/memory_ladder/rungN.json``.
+
+What each rung asks, and its control:
+- 0: the slots of one memory differ (mean pairwise cosine < 0.9) and reversing the source changes the memory
+  (cosine < 0.95); a memory that ignores its input gives 1.0 for the second.
+- 1: ``--slots`` free vectors through the frozen actor reproduce one span greedily, all of it; the control is
+  what the instruction alone reproduces.
+- 2: the network, trained on one span, reproduces it greedily; the control is the same network given another
+  span's source (a memory that ignores its input reproduces the span from it too).
+- 3: ``--spans`` training spans, scored on themselves: accuracy >= 0.9 and own <= other - 1 nat/token.
+- 4: validation spans (files never trained on): own <= other - 0.3 and own <= none - 0.5 nats/token.
+- 5: a value (``port=NNNN``, an id, a path) at a random place in filler text; exact recovery of the value
+  from [memory; "the value of KEY is"] on training needles, then held-out ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "benchmarks" / "results" / "memory_ladder"
+
+
+def stage1_spans(cfg, actor_path: str, tokens: int, chunks: int) -> tuple[list[dict], list[dict]]:
+    """(train, val) Stage I spans of exactly ``tokens`` ids."""
+    from dataclasses import replace
+
+    from palimpsest.pipelines.remory_data import stage1_rows
+    from palimpsest.pipelines.trajectories import read_trajectories
+    from palimpsest.platform.tokens import get_tokenizer
+    from palimpsest.training.prepare import data_config
+
+    dcfg = replace(data_config(cfg), span_tokens=tokens, stage1_corpus="stdlib", stage1_chunks=chunks)
+    rows = [r for r in stage1_rows(read_trajectories(Path(cfg.data.file)).trajectories,
+                                   get_tokenizer(actor_path), dcfg) if len(r["span"]) == tokens]
+    return [r for r in rows if r["split"] == "train"], [r for r in rows if r["split"] == "val"]
+
+
+def cos_stats(net, actor, samples) -> dict:
+    import torch
+
+    from palimpsest.training.losses import memory_of
+
+    pair, rev, other = [], [], []
+    with torch.no_grad():
+        mems = [memory_of(net, actor, s["span"]) for s in samples]
+        for i, (s, m) in enumerate(zip(samples, mems)):
+            u = m / m.norm(dim=-1, keepdim=True)
+            c = u @ u.T
+            n = c.shape[0]
+            pair.append(float((c.sum() - n) / (n * n - n)))
+            r = memory_of(net, actor, s["span"].flip(0))
+            rev.append(float(torch.cosine_similarity(m, r).mean()))
+            other.append(float(torch.cosine_similarity(m, mems[(i + 1) % len(mems)]).mean()))
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    return {"pairwise_cosine": mean(pair), "pairwise_cosine_max": max(pair), "reversed_cosine": mean(rev),
+            "other_span_cosine": mean(other), "spans": len(samples)}
+
+
+class FreeSlots:
+    """Rung 1's memory: ``n`` free vectors at the actor's embedding norm, nothing read."""
+
+    def __new__(cls, n: int, actor):
+        import torch
+        from torch import nn
+
+        class _Free(nn.Module):
+            def __init__(self):
+                super().__init__()
+                emb = actor.model.get_input_embeddings().weight.detach()
+                self.free = nn.Parameter(emb[torch.randint(0, emb.shape[0], (n,))].clone())
+                self.register_buffer("norm", emb.norm(dim=-1).mean())
+                self.cfg = None
+
+            def forward(self, source, summary=None, min_passes=0):
+                return self.free * (self.norm / self.free.norm(dim=-1, keepdim=True))
+
+            def source(self, ids):
+                return ids
+
+            def slots_for(self, positions):
+                return n
+
+            def merge_passes(self, positions):
+                return 0
+
+            def parameter_groups(self):
+                return {"slots": [self.free]}
+
+            def gates(self):
+                return []
+
+        return _Free()
+
+
+def train(net, actor, samples, steps: int, lrs: dict, warmup: int, seed: int, log_every: int = 50,
+          check=None, check_every: int = 0, continuation: float = 0.0) -> list[dict]:
+    """Stage I steps on ``samples`` (tensors), shuffled passes; ``check(step)`` every ``check_every`` steps may
+    stop the run early by returning True."""
+    from palimpsest.training.step import LocalBackend, Step, lr_at
+
+    backend = LocalBackend(net, lrs, 0.0, 1.0)
+    step = Step(backend, actor, continuation=continuation)
+    rng = random.Random(seed)
+    order: list[int] = []
+    curve = []
+    t0 = time.perf_counter()
+    for i in range(steps):
+        if not order:
+            order = rng.sample(range(len(samples)), len(samples))
+        s = samples[order.pop()]
+        backend.set_lr(lr_at(i, steps, 1.0, "cosine", warmup))
+        f = step(s, 1, net.merge_passes(int(s["span"].numel())))
+        curve.append({"step": i + 1, "loss": f["loss"], "grad_norm": f["grad_norm"],
+                      **{k: v for k, v in f.items() if k.startswith("grad/")}})
+        if log_every and (i + 1) % log_every == 0:
+            recent = sum(c["loss"] for c in curve[-log_every:]) / log_every
+            print(f"  step {i + 1}: loss {recent:.4f} ({(time.perf_counter() - t0) / (i + 1):.2f} s/step)", flush=True)
+        if check is not None and check_every and (i + 1) % check_every == 0 and check(i + 1):
+            break
+    return curve
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rung", type=int, required=True, choices=range(6))
+    ap.add_argument("--config", type=Path, default=ROOT / "configs" / "train" / "remory_small.yaml")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--slots", type=int, default=8)
+    ap.add_argument("--spans", type=int, default=100, help="rung 3/4: training spans")
+    ap.add_argument("--eval", type=int, default=64, help="spans scored")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--lr", type=float, default=None, help="LoRA (default: the config's optim.lr)")
+    ap.add_argument("--lr-slots", type=float, default=None)
+    ap.add_argument("--lr-readout", type=float, default=None)
+    ap.add_argument("--lr-summary", type=float, default=None)
+    ap.add_argument("--continuation", type=float, default=0.0)
+    ap.add_argument("--chunks", type=int, default=20000, help="most standard-library spans read")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+
+    import torch
+
+    from palimpsest.models.actor import FrozenActor
+    from palimpsest.models.memory_network import MemoryNetwork
+    from palimpsest.training.config import group_lrs, load_train_config
+    from palimpsest.training.prepare import resolve_actor
+    from palimpsest.training.reconstruction import as_tensors, evaluate, greedy, score
+
+    cfg = load_train_config(args.config)
+    lrs = group_lrs(cfg.optim)
+    for k, v in (("lora", args.lr), ("slots", args.lr_slots), ("readout", args.lr_readout),
+                 ("summary", args.lr_summary)):
+        if v is not None:
+            lrs[k] = v
+    mcfg = cfg.memory.model_copy(update={"block_size": args.tokens, "queries": args.slots,
+                                         "max_slots": max(cfg.memory.max_slots, args.slots)})
+    actor_path = str(resolve_actor(cfg))
+    torch.manual_seed(args.seed)
+    actor = FrozenActor.from_pretrained(actor_path, dtype=cfg.actor.dtype)
+    t0 = time.perf_counter()
+    chunks = args.chunks if args.rung in (3, 4) else 2000
+    train_rows, val_rows = stage1_spans(cfg, actor_path, args.tokens, chunks)
+    rng = random.Random(args.seed)
+    rng.shuffle(train_rows)
+    rng.shuffle(val_rows)
+    print(f"spans of {args.tokens} ids: {len(train_rows)} train, {len(val_rows)} validation "
+          f"({time.perf_counter() - t0:.0f} s)", flush=True)
+
+    def network():
+        torch.manual_seed(args.seed)
+        net = MemoryNetwork(mcfg, actor)
+        return net
+
+    out: dict = {"rung": args.rung, "config": str(args.config.relative_to(ROOT) if args.config.is_relative_to(ROOT)
+                                                   else args.config),
+                 "memory": mcfg.to_dict(), "lrs": lrs, "warmup": args.warmup, "tokens": args.tokens,
+                 "slots": args.slots, "seed": args.seed, "machine": "2 CPU cores (this machine)"}
+    t1 = time.perf_counter()
+    if args.rung == 0:
+        net = network()
+        samples = as_tensors(val_rows[: args.eval])
+        out["init"] = cos_stats(net, actor, samples)
+        out["parameters"] = net.num_parameters()
+        out["actor_parameters"] = net.actor_parameters()
+        out["groups"] = {k: sum(p.numel() for p in v) for k, v in net.parameter_groups().items()}
+        mean_net = MemoryNetwork(mcfg.model_copy(update={"slot_input": "mean"}), actor)
+        out["slot_input_mean"] = cos_stats(mean_net, actor, samples)
+        i = out["init"]
+        out["passed"] = i["pairwise_cosine"] < 0.9 and i["reversed_cosine"] < 0.95
+    elif args.rung in (1, 2):
+        one = as_tensors(train_rows[:1])
+        other = as_tensors(train_rows[1:2])
+        net = FreeSlots(args.slots, actor) if args.rung == 1 else network()
+        if args.rung == 1:
+            out["lrs"] = {"slots": args.lr_slots or 0.05}
+        target = one[0]["span"].tolist()
+        n = len(target)
+        state = {}
+
+        def check(step):
+            got = greedy(actor, net, one[0], n)
+            state["matched"] = sum(a == b for a, b in zip(got, target))
+            state["prefix"] = next((k for k, (a, b) in enumerate(zip(got, target)) if a != b), n)
+            state["step"] = step
+            print(f"  step {step}: {state['matched']}/{n} tokens greedy, exact prefix {state['prefix']}", flush=True)
+            return state["prefix"] == n
+
+        curve = train(net, actor, one, args.steps, out["lrs"],
+                      args.warmup, args.seed, log_every=25, check=check, check_every=25,
+                      continuation=args.continuation)
+        if "step" not in state or state["step"] != len(curve):
+            check(len(curve))
+        control_src = other[0]["span"]
+        ctrl = greedy(actor, net, one[0], n, source=control_src) if args.rung == 2 else None
+        none = score(actor, net, one, "none")
+        out.update(steps_run=len(curve), greedy_matched=state["matched"], greedy_exact_prefix=state["prefix"],
+                   tokens=n, own=score(actor, net, one, "own"), none=none, curve=curve[-50:])
+        if args.rung == 2:
+            out["control_other_source_matched"] = sum(a == b for a, b in zip(ctrl, target))
+            out["other"] = {"nll": score(actor, net, one + other, "other")["nll"]}
+        out["passed"] = state["prefix"] == n
+    elif args.rung in (3, 4):
+        train_t = as_tensors(train_rows[: args.spans])
+        net = network()
+        out["parameters"] = net.num_parameters()
+        evals = []
+        eval_train = train_t[: args.eval]
+        eval_val = as_tensors(val_rows[: args.eval])
+
+        def check(step):
+            doc = evaluate(actor, net, eval_train if args.rung == 3 else eval_val)
+            evals.append({"step": step, **doc})
+            print(f"  step {step}: own {doc['own']['nll']:.3f} acc {doc['own']['acc']:.3f} exact "
+                  f"{doc['own']['exact']:.2f} | other {doc['other']['nll']:.3f} | none {doc['none']['nll']:.3f}",
+                  flush=True)
+            return False
+
+        check(0)
+        curve = train(net, actor, train_t, args.steps, lrs, args.warmup, args.seed, log_every=50, check=check,
+                      check_every=max(args.steps // 4, 1), continuation=args.continuation)
+        if evals[-1]["step"] != len(curve):
+            check(len(curve))
+        final = evals[-1]
+        if args.rung == 3:
+            out["passed"] = final["own"]["acc"] >= 0.9 and final["own"]["nll"] <= final["other"]["nll"] - 1.0
+        else:
+            out["passed"] = (final["own"]["nll"] <= final["other"]["nll"] - 0.3
+                             and final["own"]["nll"] <= final["none"]["nll"] - 0.5)
+            out["train_spans_scored"] = evaluate(actor, net, eval_train)
+        out.update(train_spans=len(train_t), steps_run=len(curve), evals=evals, final=final,
+                   curve=[c for c in curve if c["step"] % 10 == 0])
+        if args.out is None or args.rung == 4:
+            pass
+    else:
+        raise SystemExit("rung 5: see --needles (not in this run)")
+    out["seconds"] = round(time.perf_counter() - t1, 1)
+    path = args.out or OUT / f"rung{args.rung}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2))
+    print(json.dumps({k: v for k, v in out.items() if k not in ("curve", "evals")}, indent=2)[:3000])
+    print(f"rung {args.rung}: {'PASSED' if out['passed'] else 'NOT PASSED'}; results: {path}")
+
+
+if __name__ == "__main__":
+    main()

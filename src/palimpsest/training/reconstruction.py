@@ -1,0 +1,116 @@
+"""Does the memory carry its input? Reconstruction of text spans from their memory, with the controls.
+
+One span is scored three ways, teacher-forced, through the frozen actor (``losses.stage1_logits``):
+
+- ``none``: [the "repeat" instruction; span so far]: what the actor guesses of the span with no memory;
+- ``own``: [the span's memory; instruction; span so far];
+- ``other``: [another span's memory; ...]: what a memory that ignores its input (a learned generic prefix)
+  would also give. A memory that reads its span is below ``other`` and ``none`` in NLL.
+
+Each gives the NLL per token and the token accuracy (the actor's argmax is the span's next token); ``own`` also
+gives ``exact``: the share of spans whose first ``exact_tokens`` tokens the actor reproduces greedily from
+[memory; instruction] alone. ``palimpsest eval-reconstruction`` prints :func:`evaluate`'s document; the ladder
+(``benchmarks/memory_ladder.py``) and the tests call the same function.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from palimpsest.pipelines.remory_data import REPEAT_INSTRUCTION  # the instruction Stage I trains with
+from palimpsest.training.losses import memory_of, stage1_logits
+
+
+def trajectory_spans(path: Path, tokenizer, span_tokens: int = 64, n: int = 64, seed: int = 0,
+                     skip: set[str] | None = None) -> list[dict]:
+    """``n`` spans of exactly ``span_tokens`` ids from the actions and observations of the trajectories in
+    ``path`` (a seeded sample, at most one span per step field, trajectories in ``skip`` left out). Each is a
+    Stage I sample: ``span`` and ``instruction`` ids, and where it came from."""
+    from palimpsest.pipelines.trajectories import read_trajectories
+
+    instruction = tokenizer.encode("\n" + REPEAT_INSTRUCTION + "\n")
+    pool = []
+    for traj in read_trajectories(Path(path)).trajectories:
+        if skip and traj.id in skip:
+            continue
+        for s in traj.steps:
+            for field, text in (("action", s.action), ("observation", s.observation)):
+                ids = tokenizer.encode(text or "")
+                if len(ids) >= span_tokens:
+                    pool.append({"trajectory": traj.id, "t": s.t, "field": field, "ids": ids})
+    rng = random.Random(seed)
+    picked = rng.sample(pool, min(n, len(pool)))
+    out = []
+    for p in picked:
+        start = rng.randrange(0, len(p["ids"]) - span_tokens + 1)
+        out.append({"trajectory": p["trajectory"], "t": p["t"], "field": p["field"],
+                    "span": p["ids"][start: start + span_tokens], "instruction": instruction})
+    return out
+
+
+def as_tensors(samples: list[dict], device="cpu") -> list[dict[str, torch.Tensor]]:
+    return [{"span": torch.tensor(s["span"], dtype=torch.long, device=device),
+             "instruction": torch.tensor(s["instruction"], dtype=torch.long, device=device)} for s in samples]
+
+
+@torch.no_grad()
+def greedy(actor, net, sample: dict, n: int, source: torch.Tensor | None = None) -> list[int]:
+    """The first ``n`` tokens the actor writes greedily after [memory of ``source`` (default: the span);
+    instruction]."""
+    model = actor.model
+    mem = memory_of(net, actor, sample["span"] if source is None else source)
+    embeds = torch.cat([mem, actor.embed(sample["instruction"])])[None]
+    out = model(inputs_embeds=embeds, use_cache=True, logits_to_keep=1)
+    tokens = []
+    for _ in range(n):
+        nxt = int(out.logits[0, -1].argmax())
+        tokens.append(nxt)
+        out = model(input_ids=torch.tensor([[nxt]], device=actor.device), past_key_values=out.past_key_values,
+                    use_cache=True, logits_to_keep=1)
+    return tokens
+
+
+@torch.no_grad()
+def score(actor, net, samples: list[dict], mode: str) -> dict:
+    """NLL per token and token accuracy of ``samples`` (tensors) under ``mode``: none, own or other (the memory
+    of the next span in the list: a derangement, so no span is given its own)."""
+    if mode not in ("none", "own", "other"):
+        raise ValueError(f"mode must be none, own or other, got {mode!r}")
+    if mode == "other" and len(samples) < 2:
+        raise ValueError("the 'other' control needs at least 2 spans")
+    nll = 0.0
+    hits = total = 0
+    for i, s in enumerate(samples):
+        source = samples[(i + 1) % len(samples)]["span"] if mode == "other" else None
+        logits = stage1_logits(None if mode == "none" else net, actor, s, source=source).float()
+        nll += float(F.cross_entropy(logits, s["span"], reduction="sum"))
+        hits += int((logits.argmax(-1) == s["span"]).sum())
+        total += int(s["span"].numel())
+    return {"nll": nll / max(total, 1), "acc": hits / max(total, 1)}
+
+
+def evaluate(actor, net, samples: list[dict], exact_tokens: int = 32) -> dict:
+    """The reconstruction document of ``samples`` (tensors): spans, tokens and soft tokens per span, and the
+    none / own / other scores; ``own.exact`` is the share of spans whose first ``exact_tokens`` tokens come back
+    greedily."""
+    if not samples:
+        raise ValueError("no spans to score")
+    was = net.training
+    net.eval()
+    try:
+        own = score(actor, net, samples, "own")
+        k = min(exact_tokens, min(int(s["span"].numel()) for s in samples))
+        exact = sum(greedy(actor, net, s, k) == s["span"][:k].tolist() for s in samples) / len(samples)
+        doc = {"spans": len(samples),
+               "tokens_per_span": sum(int(s["span"].numel()) for s in samples) / len(samples),
+               "slots_per_span": sum(net.slots_for(int(s["span"].numel())) for s in samples) / len(samples),
+               "none": score(actor, net, samples, "none"),
+               "own": {**own, "exact": exact, "exact_tokens": k},
+               "other": score(actor, net, samples, "other")}
+    finally:
+        net.train(was)
+    return doc
