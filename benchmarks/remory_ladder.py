@@ -1,7 +1,9 @@
-"""REMORY's learnability ladder: can the memory network carry information through the frozen actor at all?
+"""REMORY's Stage II ladder: does the memory close the KL gap at real boundaries, where it trained?
 
     .venv/bin/python benchmarks/remory_ladder.py --rung 1 [--config configs/train/remory_small.yaml]
-        [--steps 150] [--lr 3e-3] [--boundaries N] [--d-model D] [--layers L] [--eval-every 10] [--out FILE]
+        [--steps 150] [--lr 1e-3] [--boundaries N] [--lora-rank R] [--eval-every 10] [--out FILE]
+
+(The reconstruction rungs 0-5 that come first are ``benchmarks/memory_ladder.py``; this is "Stage II, then".)
 
 Before a training run is scaled, it must overfit. Each rung trains the memory network of a training config
 with the launcher's own step (``training.step.Step``, here on the in-process backend) on Stage II rows built
@@ -64,14 +66,20 @@ def free_span(net):
     from torch import nn
 
     class FreeSpan(type(net)):
-        def forward(self, features, summary=None, min_passes=0):
-            out = self.free[: self.slots_for(features.shape[0])]
+        def forward(self, source, summary=None, min_passes=0):
+            out = self.free[: self.slots_for(source.positions)]
             return out * (self.embed_norm / out.norm(dim=-1, keepdim=True).clamp(min=1e-6))
+
+        def parameter_groups(self):
+            return {"slots": [self.free]}
+
+        def gates(self):
+            return []
 
     net.__class__ = FreeSpan
     for p in net.parameters():
         p.requires_grad_(False)
-    net.free = nn.Parameter(torch.randn(net.cfg.max_slots, net.cfg.d_actor) / net.cfg.d_actor ** 0.5)
+    net.free = nn.Parameter(torch.randn(net.cfg.max_slots, net.d) / net.d ** 0.5)
     return net
 
 
@@ -81,22 +89,10 @@ def main() -> None:
     ap.add_argument("--config", type=Path, default=ROOT / "configs" / "train" / "remory_small.yaml")
     ap.add_argument("--boundaries", type=int, default=None, help="rung 2's boundaries (default 64)")
     ap.add_argument("--steps", type=int, default=150)
-    ap.add_argument("--lr", type=float, default=None, help="default: the config's optim.lr")
-    ap.add_argument("--d-model", type=int, default=None, help="the memory network's width (default: the config's)")
-    ap.add_argument("--layers", type=int, default=None, help="resampler layers (default: the config's)")
-    on_off = argparse.BooleanOptionalAction  # each default: the config's
-    ap.add_argument("--learn-scale", action=on_off, help="learn a gain on the soft vectors' norm")
-    ap.add_argument("--slot-embedding", action=on_off, help="learn an embedding of each soft position's index")
-    ap.add_argument("--slot-bias", action=on_off,
-                    help="a free vector per soft position in the actor's input space beside the network's output")
-    ap.add_argument("--feature-skip", action=on_off,
-                    help="each soft position also carries the mean of the actor's states over its share of the source")
-    ap.add_argument("--skip-init", choices=("identity", "zero"), default=None,
-                    help="the feature skip's map at the start (default: the config's)")
-    ap.add_argument("--skip-pool", choices=("mean", "attention"), default=None,
-                    help="how the feature skip pools a share (default: the config's)")
-    ap.add_argument("--feature-layer", type=int, default=None,
-                    help="which hidden state of the actor the memory reads (0 = the input embeddings, -1 = the last)")
+    ap.add_argument("--lr", type=float, default=None, help="LoRA's (default: the config's optim.lr; every other "
+                                                          "group keeps its ratio to it)")
+    ap.add_argument("--lora-rank", type=int, default=None, help="default: the config's memory.lora_rank")
+    ap.add_argument("--queries", type=int, default=None, help="soft tokens per block (default: the config's)")
     ap.add_argument("--budget", type=int, default=None,
                     help="the student's budget (default: the config's data.budget); the dev prefixes take 1.4-3K "
                          "tokens, so below ~2.5K the rows are the recall sessions'")
@@ -106,7 +102,7 @@ def main() -> None:
                     help="the most real steps between a recall session's fact and its use (default: the config's)")
     ap.add_argument("--memory-tokens", type=int, default=None,
                     help="what the memory reads, in ids (default: the config's data.memory_tokens)")
-    ap.add_argument("--schedule", choices=("constant", "cosine"), default="constant", help="the learning rate over steps")
+    ap.add_argument("--schedule", choices=("constant", "cosine"), default="cosine", help="the learning rate over steps")
     ap.add_argument("--kl-decay", type=float, default=None,
                     help="position weights of the loss, 1 / (1 + d * j) (default: the config's; 0 is the metric's "
                          "uniform mean over the target tokens)")
@@ -132,7 +128,7 @@ def main() -> None:
     from palimpsest.pipelines.trajectories import file_sha256, read_trajectories
     from palimpsest.platform.policies import load_policy_file
     from palimpsest.training.actions import Arm, MemoryArm, TeacherCache, evaluate_actions, summarize_actions
-    from palimpsest.training.config import load_train_config
+    from palimpsest.training.config import group_lrs, load_train_config
     from palimpsest.training.launcher import build_memory
     from palimpsest.training.losses import stage2_student
     from palimpsest.training.prepare import TEACHERS, _teacher_key, data_config
@@ -140,12 +136,7 @@ def main() -> None:
     from palimpsest.training.teachers import TOP_K, actor_key, compute_teacher, score
 
     cfg = load_train_config(args.config)
-    mem_over = {k: v for k, v in (("d_model", args.d_model), ("n_layers", args.layers),
-                                  ("learn_scale", args.learn_scale), ("slot_embedding", args.slot_embedding),
-                                  ("slot_bias", args.slot_bias), ("feature_skip", args.feature_skip),
-                                  ("skip_init", args.skip_init), ("skip_pool", args.skip_pool),
-                                  ("feature_layer", args.feature_layer))
-                if v is not None}
+    mem_over = {k: v for k, v in (("lora_rank", args.lora_rank), ("queries", args.queries)) if v is not None}
     if mem_over:
         cfg = cfg.model_copy(update={"memory": cfg.memory.model_copy(update=mem_over)})
     data_over = {k: v for k, v in (("recall_sessions", args.recall_sessions), ("budget", args.budget),
@@ -202,7 +193,10 @@ def main() -> None:
         kls = row_kls()
         return sum(kls) / len(kls)
 
-    backend = LocalBackend(net, lr, cfg.optim.weight_decay, cfg.optim.grad_clip)
+    lrs = {k: v * lr / cfg.optim.lr for k, v in group_lrs(cfg.optim).items()}
+    if args.free_span:
+        lrs = {"slots": lr}
+    backend = LocalBackend(net, lrs, cfg.optim.weight_decay, cfg.optim.grad_clip)
     kl_decay = cfg.optim.kl_decay if args.kl_decay is None else args.kl_decay
     step = Step(backend, actor, kl_decay, prefix)
     curve, evals = [], [{"step": 0, "kl_memory": memory_kl()}]
@@ -211,13 +205,12 @@ def main() -> None:
     t_train = time.perf_counter()
     for i in range(args.steps):
         j = i % len(samples)
-        backend.set_lr(lr_at(i, args.steps, lr, args.schedule))
+        backend.set_lr(lr_at(i, args.steps, 1.0, args.schedule, cfg.optim.warmup_steps))
         s0 = time.perf_counter()
         passes = net.merge_passes(int(samples[j]["memory"].numel()))
         figures = step(samples[j], 2, passes, teachers[j])
         curve.append({"step": i + 1, "row": j, **figures, "seconds": round(time.perf_counter() - s0, 2),
-                      "lr": backend.optimizer.param_groups[0]["lr"],
-                      **({"scale": float(net.log_scale.exp())} if net.cfg.learn_scale else {})})
+                      "lr": backend.optimizer.param_groups[0]["lr"]})
         if (i + 1) % args.eval_every == 0 or i + 1 == args.steps:
             evals.append({"step": i + 1, "kl_memory": memory_kl()})
             g = {k[5:]: f"{v:.2e}" for k, v in figures.items() if k.startswith("grad/")}
@@ -298,7 +291,8 @@ def main() -> None:
             by_kind[kind]["fact_in_prompt"] = sum(fact_in[i]["prompt"] for i in idx)
     control = {**paired(range(len(chosen))), "donors_per_row": max(len(ds) for ds in donor_rows),
                "by_kind": by_kind}
-    out = {"rung": args.rung, "config": str(args.config), "device": device, "memory": cfg.memory.model_dump(), "parameters": params, "schedule": args.schedule,
+    out = {"rung": args.rung, "config": str(args.config), "device": device, "memory": cfg.memory.to_dict(),
+           "parameters": params, "schedule": args.schedule, "lrs": lrs,
            "actor_parameters": sum(p.numel() for p in actor.parameters()), "lr": lr, "steps": args.steps,
            "kl_decay": kl_decay, "free_span": args.free_span,
            "boundaries": [{"trajectory": r["trajectory"], "t": r["t"], "context": len(r["context"]),

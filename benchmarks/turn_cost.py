@@ -52,7 +52,8 @@ def one_shape(name: str, device: str, dtype: torch.dtype, contexts: list[int], h
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from palimpsest.models.actor import FrozenActor
-    from palimpsest.models.memory import MemoryConfig, MemoryNetwork
+    from palimpsest.models.memory import MemoryConfig
+    from palimpsest.models.memory_network import MemoryNetwork
 
     cfg = LlamaConfig(**SHAPES[name], max_position_embeddings=max(contexts + histories) + decode + 8,
                       attn_implementation="sdpa", tie_word_embeddings=name == "smollm2-135m")
@@ -60,11 +61,9 @@ def one_shape(name: str, device: str, dtype: torch.dtype, contexts: list[int], h
         model = LlamaForCausalLM(cfg).to(dtype).eval()
     actor = FrozenActor(model)
     params = sum(p.numel() for p in model.parameters())
-    # The memory network of the demo config (configs/train/remory_demo.yaml), scaled to the actor's width.
-    mcfg = MemoryConfig(d_actor=cfg.hidden_size, d_model=192, n_heads=4, n_layers=2, block_size=512, queries=32,
-                        max_slots=512)
-    with torch.device(device):
-        memory = MemoryNetwork(mcfg, embed_norm=1.0).to(dtype).eval()
+    # The memory network of the demo config (configs/train/remory_demo.yaml): the actor's own layers with LoRA.
+    mcfg = MemoryConfig(block_size=512, queries=64, max_slots=512)
+    memory = MemoryNetwork(mcfg, actor).to(dtype).eval()
     out: dict = {"actor_params": params, "memory_params": sum(p.numel() for p in memory.parameters()),
                  "memory_encode": {}, "prefill": {}, "decode": {}}
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -74,7 +73,7 @@ def one_shape(name: str, device: str, dtype: torch.dtype, contexts: list[int], h
 
     for h in histories:
         hist = ids(h)
-        out["memory_encode"][h] = timed(lambda: memory(actor.hidden_states(hist, -1), None), device, repeat)
+        out["memory_encode"][h] = timed(lambda: memory(hist, None), device, repeat)
     for n in contexts:
         ctx = ids(n)[None]
         out["prefill"][n] = timed(lambda: model(input_ids=ctx, use_cache=True), device, repeat)

@@ -135,4 +135,4 @@ def test_train_configs_reach_the_data_builder_and_the_network_whole(path):
     shared = {f.name for f in fields(DataConfig)} & set(type(cfg.data).model_fields)
     assert "recall_steps" in shared
     assert {k: getattr(built, k) for k in shared} == {k: getattr(cfg.data, k) for k in shared}
-    MemoryConfig(d_actor=576, **cfg.memory.model_dump())
+    assert isinstance(cfg.memory, MemoryConfig) and MemoryConfig(**cfg.memory.to_dict()) == cfg.memory

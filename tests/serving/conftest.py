@@ -32,16 +32,17 @@ def tiny_dir(tmp_path_factory):
 def tiny_memory(tiny_dir, tmp_path_factory):
     """A memory bundle for the tiny actor, as training exports it (random weights: the plumbing is under test)."""
     from palimpsest.models.actor import FrozenActor
-    from palimpsest.models.registry import BUNDLE_META, BUNDLE_WEIGHTS
-    from palimpsest.models.memory import MemoryConfig, MemoryNetwork
+    from palimpsest.models.memory import MemoryConfig
+    from palimpsest.models.memory_network import MemoryNetwork
+    from palimpsest.models.registry import BUNDLE_META, BUNDLE_WEIGHTS, bundle_record
 
     actor = FrozenActor.from_pretrained(tiny_dir)
-    cfg = MemoryConfig(d_actor=HIDDEN, d_model=64, n_heads=2, n_layers=1, block_size=32, queries=4, max_slots=16)
+    cfg = MemoryConfig(block_size=32, queries=4, max_slots=16, lora_rank=4, summary_layers=1)
     torch.manual_seed(0)
-    net = MemoryNetwork(cfg, embed_norm=actor.embed_norm())
+    net = MemoryNetwork(cfg, actor)
     d = tmp_path_factory.mktemp("tiny-memory")
     torch.save(net.state_dict(), d / BUNDLE_WEIGHTS)
-    meta = {"memory": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}, "embed_norm": actor.embed_norm()}
+    meta = bundle_record(cfg.to_dict(), {"path": str(tiny_dir), "hidden_size": HIDDEN, "layers": 2})
     (d / BUNDLE_META).write_text(json.dumps(meta))
     return d
 

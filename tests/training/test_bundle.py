@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from palimpsest.models.encoder import MemoryEncoder
-from palimpsest.models.registry import load_bundle, load_memory
+from palimpsest.models.registry import bundle_record, load_memory, read_bundle
 from palimpsest.platform.types import ConfigError
 from tests.models.tiny import tiny_actor
 from tests.models.tiny_tokenizer import tiny_tokenizer
@@ -24,8 +24,8 @@ def setup(tmp_path_factory):
     bundle = d / "ckpt"
     bundle.mkdir()
     torch.save(net.state_dict(), bundle / "memory.pt")
-    (bundle / "memory.json").write_text(json.dumps({"memory": net.cfg.to_dict(), "embed_norm": actor.embed_norm(),
-                                                    "actor": {"path": str(d / "actor")}}))
+    (bundle / "memory.json").write_text(json.dumps(bundle_record(
+        net.cfg.to_dict(), {"path": str(d / "actor"), "hidden_size": actor.hidden_size, "layers": 2})))
     data = d / "d.jsonl"
     data.write_text("\n".join(json.dumps(traj(f"tr/{i}", n=8, obs=10)) for i in range(3)) + "\n")
     return d, actor, net, bundle, data
@@ -41,29 +41,59 @@ def test_encoder_turns_history_and_summary_into_the_soft_span(setup):
         enc.encode(torch.zeros(0, dtype=torch.long))
 
 
-def test_a_checkpoint_of_another_architecture_is_refused(setup, tmp_path):
+def test_a_bundle_of_the_old_architecture_is_refused_by_name(setup, tmp_path):
+    """A bundle the resampler network wrote (its record has no architecture, its config d_model and friends) is
+    refused when it is read, when it is loaded, and by the encoder: by name, with what to do."""
+    d, actor, net, bundle, data = setup
+    old = tmp_path / "old"
+    old.mkdir()
+    torch.save({"in_proj.weight": torch.zeros(32, 64)}, old / "memory.pt")
+    (old / "memory.json").write_text(json.dumps({
+        "memory": {"d_actor": 64, "d_model": 32, "n_heads": 4, "n_layers": 1, "block_size": 16, "queries": 4,
+                   "max_slots": 16, "feature_layer": -1}, "embed_norm": 1.0, "actor": {"path": "smollm2"}}))
+    for load in (read_bundle, lambda ref: load_memory(ref, actor), lambda ref: MemoryEncoder.load(ref, actor)):
+        with pytest.raises(ConfigError, match=r"architecture 'resampler.*this version serves 'actor-lora/1'.*"
+                                              r"palimpsest train"):
+            load(old)
+
+
+def test_a_checkpoint_that_does_not_match_its_config_or_its_actor_is_refused(setup, tmp_path):
     d, actor, net, bundle, data = setup
     bad = tmp_path / "bad"
     bad.mkdir()
     torch.save(net.state_dict(), bad / "memory.pt")
-    cfg = {**net.cfg.to_dict(), "d_model": 64}
-    (bad / "memory.json").write_text(json.dumps({"memory": cfg, "embed_norm": 1.0}))
+    record = json.loads((bundle / "memory.json").read_text())
+    (bad / "memory.json").write_text(json.dumps({**record, "memory": {**record["memory"], "lora_rank": 8}}))
     with pytest.raises(ConfigError, match="does not match a memory network"):
-        load_bundle(bad)
-    with pytest.raises(ConfigError, match="neither a checkpoint directory nor an MLflow model URI"):
-        load_memory(tmp_path / "nothing-here")
+        load_memory(bad, actor)
+    (bad / "memory.json").write_text(json.dumps({**record, "actor": {**record["actor"], "hidden_size": 576}}))
+    with pytest.raises(ConfigError, match="trained beside an actor with hidden_size 576; this actor has 64"):
+        load_memory(bad, actor)
+    with pytest.raises(ConfigError, match="neither a memory bundle directory nor an MLflow model URI"):
+        load_memory(tmp_path / "nothing-here", actor)
+
+
+def test_a_bundle_holds_the_memory_alone_and_loads_back_exactly(setup):
+    d, actor, net, bundle, data = setup
+    state = torch.load(bundle / "memory.pt", weights_only=True)
+    assert set(state) == set(net.state_dict())  # no actor weight, no pickled module
+    loaded = load_memory(bundle, actor)
+    x = torch.arange(40)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), net.eval()(x))
+    assert read_bundle(bundle).memory == net.cfg.to_dict()
 
 
 def test_eval_memory_is_eval_actions_on_what_the_memory_did_not_train_on(setup, tmp_path):
     """eval-memory is a view of eval-actions: the memory's text policy, the same text without the soft span,
-    and with it; by default only on trajectories the bundle records as held out (tr/2 here), and stdout is
+    and with it; by default only on trajectories the bundle records as held out (tr/1 and tr/2 here), and stdout is
     the JSON alone."""
     d, actor, net, bundle, data = setup
     held = tmp_path / "held"
     held.mkdir()
     (held / "memory.pt").write_bytes((bundle / "memory.pt").read_bytes())
     meta = json.loads((bundle / "memory.json").read_text())
-    meta["data"] = {"train_trajectories": ["tr/0", "tr/1"], "val_trajectories": ["tr/2"], "val_fraction": 0.3}
+    meta["data"] = {"train_trajectories": ["tr/0"], "val_trajectories": ["tr/1", "tr/2"], "val_fraction": 0.3}
     (held / "memory.json").write_text(json.dumps(meta))
     r = subprocess.run([sys.executable, "-m", "palimpsest.cli", "eval-memory", "--model", str(held), "--data",
                         str(data), "--budget", "1000", "--window", "2048", "--max-target-tokens", "8",
@@ -72,8 +102,11 @@ def test_eval_memory_is_eval_actions_on_what_the_memory_did_not_train_on(setup, 
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(r.stdout)
-    assert set(res["policies"]) == {"pace", "pace+empty", "pace+memory"} and res["reference"] == "pace"
-    assert res["held_out_only"] and all(p["trajectories"] == 1 for p in res["policies"].values())
+    assert set(res["policies"]) == {"pace", "pace+empty", "pace+memory", "pace+other"} and res["reference"] == "pace"
+    assert res["held_out_only"] and all(p["trajectories"] == 2 for p in res["policies"].values())
+    # the input control: every boundary again, with the other held-out trajectory's memory in the slot
+    other = res["policies"]["pace+other"]
+    assert other["boundaries"] == res["policies"]["pace+memory"]["boundaries"] and other["kl"] == other["kl"]
     mem, empty = res["policies"]["pace+memory"], res["policies"]["pace+empty"]
     assert mem["boundaries"] == empty["boundaries"] > 0 and mem["positions"] > empty["positions"]  # the soft span
     assert res["gap_closed"]["pace"] == 0.0 and "pace+memory" in res["gap_closed"]

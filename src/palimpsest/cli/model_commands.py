@@ -35,6 +35,7 @@ from palimpsest.platform.budget import Budget
 from palimpsest.platform.policies import (
     parse_policy_config,
 )
+from palimpsest.platform.tokens import get_tokenizer
 from palimpsest.platform.types import PalimpsestError
 from palimpsest.serving.config import ActorConfig, MemoryConfigServe
 from palimpsest.training.config import load_train_config
@@ -118,9 +119,9 @@ def _actions_table(result) -> None:
 
 
 def _memory_base(label: str) -> str:
-    """The text policy of a label: NAME+memory (soft memory at its slot) and NAME+empty (NAME+memory's text,
-    no soft span) are NAME underneath."""
-    for suffix in ("+memory", "+empty"):
+    """The text policy of a label: NAME+memory (soft memory at its slot), NAME+empty (NAME+memory's text, no soft
+    span) and NAME+other (another trajectory's memory in the slot) are NAME underneath."""
+    for suffix in ("+memory", "+empty", "+other"):
         if label.endswith(suffix):
             return label[: -len(suffix)]
     return label
@@ -171,8 +172,8 @@ def _eval_actions_run(data, names, configs, budget, memory, include_train, max_t
         from palimpsest.models.encoder import MemoryEncoder
 
         mem_arm = MemoryArm(MemoryEncoder.load(ref, act), mem_tokens, mem_chars)
-    arms = [Arm(n, configs[_memory_base(n)], mem_arm if n != _memory_base(n) else None, inject=not n.endswith("+empty"))
-            for n in names]
+    arms = [Arm(n, configs[_memory_base(n)], mem_arm if n != _memory_base(n) else None, inject=not n.endswith("+empty"),
+                donor=n.endswith("+other")) for n in names]
 
     def allowed(trajectory: str) -> bool:
         return mem_arm is None or include_train or trajectory not in (trained_on or set())
@@ -224,8 +225,9 @@ def eval_memory(
     device: str = DeviceOpt,
     as_json: bool = typer.Option(False, "--json", help="print the result JSON to stdout and nothing else"),
 ) -> None:
-    """eval-actions for one memory: POLICY (the memory's positions as text), POLICY+empty (its text alone) and
-    POLICY+memory, on held-out trajectories; gap_closed is relative to POLICY."""
+    """eval-actions for one memory: POLICY (the memory's positions as text), POLICY+empty (its text alone),
+    POLICY+memory and POLICY+other (another trajectory's memory in the same slot: a memory that ignores its input
+    scores as well there), on held-out trajectories; gap_closed is relative to POLICY."""
     import json as _json
 
     if budget is not None:
@@ -252,7 +254,7 @@ def eval_memory(
         else:
             base = policy or "pace"
             configs = _policy_set(base, None)
-        names = [base, f"{base}+empty", f"{base}+memory"]
+        names = [base, f"{base}+empty", f"{base}+memory", f"{base}+other"]
         out_json, result = _eval_actions_run(
             data, names, configs, budget, model, include_train, max_target_tokens, window, seed, cache, ledger,
             embedder, tokenizer, mlflow, max_boundaries, base, device)
@@ -260,6 +262,65 @@ def eval_memory(
         sys.stdout.write(_json.dumps(out_json) + "\n")
         return
     _actions_table(result)
+
+
+def eval_reconstruction(
+    model: str = typer.Option(..., "--model", help="models:/palimpsest-memory/latest, a runs:/ URI, or a bundle dir"),
+    data: Path = typer.Option(..., "--data", help="trajectories (JSONL): the spans come from their actions and "
+                                                 "observations"),
+    spans: int = typer.Option(64, "--spans", min=2, help="spans scored (a seeded sample)"),
+    tokens: int = typer.Option(64, "--tokens", min=8, max=4096, help="ids per span"),
+    exact_tokens: int = typer.Option(32, "--exact-tokens", min=1, help="exact: the first N tokens come back greedily"),
+    include_train: bool = IncludeTrainOpt,
+    seed: int = SeedOpt,
+    device: str = DeviceOpt,
+    as_json: bool = typer.Option(False, "--json", help="print the result JSON to stdout and nothing else"),
+) -> None:
+    """Does the memory carry its input? Spans of FILE's trajectories (none the memory trained on, unless
+    --include-train), each scored teacher-forced with no memory, with its own memory, and with another span's:
+    NLL per token and accuracy, and the share of spans whose first tokens the actor writes back greedily."""
+    import json as _json
+
+    _check_device(device)
+    if not data.is_file():
+        raise PalimpsestError(f"trajectory file not found: {data}")
+    with _json_stdout(as_json):
+        ref = resolve_memory_ref(model)
+        if ref is None:
+            raise PalimpsestError(f"--model {model!r} names no memory model")
+        bundle = read_bundle(ref)
+        trained_on = bundle.train_trajectories
+        if trained_on is None and not include_train:
+            raise PalimpsestError(f"memory model {ref} records no training split, so its held-out trajectories are "
+                                  "unknown: pass --include-train to use every trajectory")
+        # deferred: loads torch
+        from palimpsest.models.actor import FrozenActor
+        from palimpsest.models.registry import load_memory
+        from palimpsest.training.reconstruction import as_tensors, evaluate, trajectory_spans
+
+        actor_path = resolve_actor_path(bundle.actor.get("path") or "smollm2")
+        actor = FrozenActor.from_pretrained(actor_path, device=device, dtype=bundle.actor.get("dtype") or "float32")
+        net = load_memory(ref, actor)
+        skip = None if include_train else trained_on
+        picked = trajectory_spans(data, get_tokenizer(str(actor_path)), tokens, spans, seed, skip=skip)
+        if len(picked) < 2:
+            raise PalimpsestError(f"{data}: fewer than 2 spans of {tokens} ids outside the memory's training data")
+        doc = evaluate(actor, net, as_tensors(picked, actor.device), exact_tokens)
+        doc |= {"model": ref, "architecture": bundle.architecture,
+                "data": {"file": str(data), "sha256": file_sha256(data)},
+                "trajectories": len({p["trajectory"] for p in picked}), "held_out_only": not include_train,
+                "seed": seed}
+    if as_json:
+        sys.stdout.write(_json.dumps(doc) + "\n")
+        return
+    table = Table(title=f"reconstruction of {doc['spans']} spans of {tokens} ids "
+                        f"({doc['slots_per_span']:.0f} soft tokens each), {ref}")
+    for c in ("memory", "NLL / token", "accuracy", f"exact (first {doc['own']['exact_tokens']})"):
+        table.add_column(c)
+    table.add_row("none", f"{doc['none']['nll']:.3f}", f"{doc['none']['acc']:.3f}", "")
+    table.add_row("own", f"{doc['own']['nll']:.3f}", f"{doc['own']['acc']:.3f}", f"{doc['own']['exact']:.2f}")
+    table.add_row("other span's", f"{doc['other']['nll']:.3f}", f"{doc['other']['acc']:.3f}", "")
+    out.print(table)
 
 
 def models_prepare() -> None:

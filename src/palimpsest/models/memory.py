@@ -11,10 +11,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from palimpsest.models.registry import ARCHITECTURE  # what a bundle records; any other is refused by name
 
 __all__ = ["ARCHITECTURE", "LORA_TARGETS", "MemoryConfig"]
 
+ARCHITECTURE = "actor-lora/1"  # what a bundle records (models.registry); a bundle of any other is refused by name
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 

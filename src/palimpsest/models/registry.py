@@ -22,12 +22,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from palimpsest.models.assets import smollm2_dir
+from palimpsest.models.memory import ARCHITECTURE, MemoryConfig
 from palimpsest.platform.types import ConfigError, PalimpsestError
 
 if TYPE_CHECKING:
     from palimpsest.models.memory_network import MemoryNetwork
 
-ARCHITECTURE = "actor-lora/1"  # models.memory.ARCHITECTURE (kept here so reading a record needs no torch)
 REGISTERED_MODEL = "palimpsest-memory"  # the MLflow registry name training registers under
 BUNDLE_WEIGHTS = "memory.pt"
 BUNDLE_META = "memory.json"
@@ -128,8 +128,8 @@ class MemoryBundle:
     def from_json(cls, meta: dict, where: str) -> "MemoryBundle":
         arch = meta.get("architecture")
         if arch != ARCHITECTURE:
-            was = arch or "resampler (a Perceiver-style network over the actor's last hidden states)"
-            raise ConfigError(f"{where}: a memory of architecture {was!r}; this version serves {ARCHITECTURE!r} "
+            was = repr(arch) if arch else "'resampler' (a Perceiver-style network over the actor's last states)"
+            raise ConfigError(f"{where}: a memory of architecture {was}; this version serves {ARCHITECTURE!r} "
                               "(the actor's own layers with LoRA): train a new one with `palimpsest train`")
         try:
             return cls(architecture=arch, memory=dict(meta["memory"]), actor=dict(meta["actor"]),
@@ -170,6 +170,12 @@ class MemoryBundle:
     @property
     def policy_hash(self) -> str | None:
         return self.policy.get("hash")
+
+
+def bundle_record(memory: dict, actor: dict, **extra) -> dict:
+    """The ``memory.json`` of a bundle of this architecture: the network's config (``MemoryConfig.to_dict()``), the
+    actor (``path``, ``dtype``, ``hidden_size``, ``layers``, ...) and ``extra`` (policy, data, name)."""
+    return {"architecture": ARCHITECTURE, "memory": memory, "actor": actor, **extra}
 
 
 def _bundle_dir(ref: str | Path) -> Path:
@@ -232,7 +238,6 @@ def load_memory(ref: str | Path, actor) -> "MemoryNetwork":
     import torch
 
     # deferred: loads torch
-    from palimpsest.models.memory import MemoryConfig
     from palimpsest.models.memory_network import MemoryNetwork
 
     path = _bundle_dir(ref)

@@ -58,6 +58,7 @@ class Arm:
     config: Any  # a policy config
     memory: MemoryArm | None = None
     inject: bool = True  # False: keep the memory's room in the budget but send no soft span (NAME+empty)
+    donor: bool = False  # True: another trajectory's memory in the same slot (NAME+other: the input control)
 
 
 @dataclass
@@ -122,6 +123,8 @@ def evaluate_actions(rt, sessions, arms: list[Arm], budget: int, actor, *, data_
         teacher_ids[(sess.session_id, t)] = ids
     by_id = {s.session_id: s for s in sessions}
     rows: list[dict] = []
+    reads: dict[str, list[tuple[list[int], list[int]]]] = {}  # each trajectory's memory reads, for NAME+other
+    pending: list[tuple[Arm, dict, list[int], list[int], Any, Teacher]] = []  # NAME+other rows: scored at the end
     for sid, ts in wanted.items():
         sess = by_id[sid]
         # 2. The teacher at each boundary (cached).
@@ -153,6 +156,12 @@ def evaluate_actions(rt, sessions, arms: list[Arm], budget: int, actor, *, data_
                 context, bridge = list(turn.prompt.context_ids), list(turn.prompt.bridge_ids)
                 parts = [actor.embed(torch.tensor(context, dtype=torch.long))]
                 n_soft = 0
+                if arm.memory is not None and arm.donor:  # its own read is another row's donor
+                    read = memory_read(tok, turn, arm.memory.max_field_chars, arm.memory.max_history_tokens)
+                    if read is not None:
+                        reads.setdefault(sid, []).append(read)
+                    pending.append((arm, row, context, bridge, target, teachers[rs.t]))
+                    continue
                 if arm.memory is not None and arm.inject:
                     read = memory_read(tok, turn, arm.memory.max_field_chars, arm.memory.max_history_tokens)
                     if read is not None:
@@ -170,10 +179,42 @@ def evaluate_actions(rt, sessions, arms: list[Arm], budget: int, actor, *, data_
                              "soft": n_soft, "skipped": None})
         if on_progress:
             on_progress(sid)
+    rows += _donor_rows(actor, pending, reads)
     cache.save()
     result = summarize_actions(rows, [a.label for a in arms], reference, seed)
     result.boundaries = rows
     return result
+
+
+def _donor_rows(actor, pending: list, reads: dict[str, list]) -> list[dict]:
+    """NAME+other: each boundary with the memory of another trajectory (the next one, in order, that has a read;
+    its k-th read for this trajectory's k-th boundary) in the same slot: what a memory that ignores its input
+    would score. Without another trajectory the rows are skipped, and say so."""
+    donors = sorted(reads)
+    seen: dict[str, int] = {}
+    out = []
+    for arm, row, context, bridge, target, teacher in pending:
+        sid = row["trajectory"]
+        others = [d for d in donors if d != sid]
+        if not others:
+            out.append({**row, "skipped": "no other trajectory to take a memory from"})
+            continue
+        donor = next((d for d in others if d > sid), others[0])
+        k = seen.get(sid, 0)
+        seen[sid] = k + 1
+        history, summary = reads[donor][k % len(reads[donor])]
+        parts = [actor.embed(torch.tensor(context, dtype=torch.long))]
+        with torch.inference_mode():
+            mem = arm.memory.encoder.encode(torch.tensor(history, dtype=torch.long),
+                                            torch.tensor(summary, dtype=torch.long))
+        parts.append(mem.to(parts[0].dtype))
+        if bridge:
+            parts.append(actor.embed(torch.tensor(bridge, dtype=torch.long)))
+        with torch.inference_mode():
+            q = student_logits(actor, torch.cat(parts), target)
+        out.append({**row, **score(q, target, teacher), "positions": len(context) + int(mem.shape[0]) + len(bridge),
+                    "soft": int(mem.shape[0]), "donor": donor, "skipped": None})
+    return out
 
 
 def turn_kind(turn) -> str:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from palimpsest.models.registry import (
-    ARCHITECTURE,
+    bundle_record,
     mlflow_experiment,
     register_bundle,
     tracking_errors,
@@ -183,15 +183,16 @@ def _export_bundle(cfg: TrainConfig, module, actor, out: Path, engine, data_dir:
     else:
         state = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
     report = _data_report(data_dir)
-    meta = {"architecture": ARCHITECTURE, "memory": cfg.memory.to_dict(),
-            "actor": {**cfg.actor.model_dump(), "hidden_size": actor.hidden_size,
-                      "layers": int(actor.model.config.num_hidden_layers), "embed_norm": actor.embed_norm()},
-            "policy_config": cfg.tracking.policy_config, "name": cfg.name,
-            # the resolved policy config the samples were compiled with (content and hash)
-            "policy": {"file": cfg.tracking.policy_config, **(report.get("policy") or {})},
-            "data": {**cfg.data.model_dump(), "sha256": report.get("data_sha256"), **_splits(data_dir),
-                     # the read version the rows were built with (none recorded: version 1, before it was)
-                     "memory_read": (report.get("config") or {}).get("memory_read")}}
+    meta = bundle_record(
+        cfg.memory.to_dict(),
+        {**cfg.actor.model_dump(), "hidden_size": actor.hidden_size,
+         "layers": int(actor.model.config.num_hidden_layers), "embed_norm": actor.embed_norm()},
+        policy_config=cfg.tracking.policy_config, name=cfg.name,
+        # the resolved policy config the samples were compiled with (content and hash)
+        policy={"file": cfg.tracking.policy_config, **(report.get("policy") or {})},
+        data={**cfg.data.model_dump(), "sha256": report.get("data_sha256"), **_splits(data_dir),
+              # the read version the rows were built with (none recorded: version 1, before it was)
+              "memory_read": (report.get("config") or {}).get("memory_read")})
     write_bundle(out, state, meta)
 
 

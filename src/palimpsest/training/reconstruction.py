@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from palimpsest.pipelines.remory_data import REPEAT_INSTRUCTION  # the instruction Stage I trains with
+from palimpsest.pipelines.trajectories import read_trajectories
 from palimpsest.training.losses import memory_of, stage1_logits
 
 
@@ -30,8 +31,6 @@ def trajectory_spans(path: Path, tokenizer, span_tokens: int = 64, n: int = 64, 
     """``n`` spans of exactly ``span_tokens`` ids from the actions and observations of the trajectories in
     ``path`` (a seeded sample, at most one span per step field, trajectories in ``skip`` left out). Each is a
     Stage I sample: ``span`` and ``instruction`` ids, and where it came from."""
-    from palimpsest.pipelines.trajectories import read_trajectories
-
     instruction = tokenizer.encode("\n" + REPEAT_INSTRUCTION + "\n")
     pool = []
     for traj in read_trajectories(Path(path)).trajectories:
@@ -91,6 +90,40 @@ def score(actor, net, samples: list[dict], mode: str) -> dict:
         hits += int((logits.argmax(-1) == s["span"]).sum())
         total += int(s["span"].numel())
     return {"nll": nll / max(total, 1), "acc": hits / max(total, 1)}
+
+
+@torch.no_grad()
+def slot_stats(actor, net, samples: list[dict]) -> dict:
+    """The ladder's rung 0, at any point of training: how alike the soft tokens of one memory are (mean pairwise
+    cosine; near copies read ~1), how much reversing the source moves the memory (cosine of each soft token to
+    its counterpart; a memory that ignores its input reads 1.0), and how alike the memories of two spans are."""
+    pair, rev, other = [], [], []
+    mems = [memory_of(net, actor, s["span"]) for s in samples]
+    for i, (s, m) in enumerate(zip(samples, mems)):
+        u = F.normalize(m.float(), dim=-1)
+        c = u @ u.T
+        n = c.shape[0]
+        pair.append(float((c.sum() - n) / max(n * n - n, 1)))
+        r = memory_of(net, actor, s["span"].flip(0))
+        rev.append(float(F.cosine_similarity(m.float(), r.float()).mean()))
+        other.append(float(F.cosine_similarity(m.float(), mems[(i + 1) % len(mems)].float()).mean()))
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    return {"pairwise_cosine": mean(pair), "pairwise_cosine_max": max(pair), "reversed_cosine": mean(rev),
+            "other_span_cosine": mean(other), "spans": len(samples)}
+
+
+def rung0_passes(stats: dict) -> bool:
+    """Rung 0: the slots of one memory differ (mean pairwise cosine < 0.9) and reversing the source changes the
+    memory (cosine < 0.95)."""
+    return stats["pairwise_cosine"] < 0.9 and stats["reversed_cosine"] < 0.95
+
+
+def reads_its_input(doc: dict, below_other: float, below_none: float = 0.0) -> bool:
+    """Whether a reconstruction document shows a memory that carries its span: own NLL at least ``below_other``
+    nats per token under another span's memory and ``below_none`` under no memory (rung 3: 1.0; rung 4: 0.3 and
+    0.5)."""
+    return (doc["own"]["nll"] <= doc["other"]["nll"] - below_other
+            and doc["own"]["nll"] <= doc["none"]["nll"] - below_none)
 
 
 def evaluate(actor, net, samples: list[dict], exact_tokens: int = 32) -> dict:
