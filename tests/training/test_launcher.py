@@ -87,7 +87,7 @@ def test_training_survives_a_killed_worker_resumes_and_registers(tmp_path, actor
             summary = launch(cfg, fault={"rank": 1, "step": 5, "marker": str(marker)})
         finally:
             ray.shutdown()
-        _check_run(summary, marker, tracking, store)
+        _check_run(summary, marker, tracking, store, cfg)
         _check_same_step(cfg, actor_dir, summary, tracking)
 
 
@@ -126,7 +126,7 @@ def _check_same_step(cfg, actor_dir, summary, tracking):
     assert float(total) == pytest.approx(logged["grad_norm"], rel=1e-4)
 
 
-def _check_run(summary, marker, tracking, store):
+def _check_run(summary, marker, tracking, store, cfg):
     import mlflow
     import torch
 
@@ -168,6 +168,10 @@ def _check_run(summary, marker, tracking, store):
     bundle = read_bundle(summary["registered"])  # the registered version's bundle, read back through the server
     assert bundle.policy_hash == mv.tags["policy_hash"] and bundle.train_trajectories
     assert mv.tags["architecture"] == bundle.architecture == "actor-lora/1"
+    # the one config: what the YAML's memory section said is what the bundle records and serving builds
+    from palimpsest.models.memory import MemoryConfig
+
+    assert MemoryConfig(**bundle.memory) == cfg.memory
     from palimpsest.platform.chat import MEMORY_READ_VERSION
 
     assert bundle.data["memory_read"] == MEMORY_READ_VERSION  # what serving compares its read with
@@ -175,6 +179,7 @@ def _check_run(summary, marker, tracking, store):
     # Serving resolves `memory.model: auto` and loads it through the same server.
     assert resolve_memory_ref("auto") == summary["registered"]
     served = load_memory(summary["registered"], actor)  # the state dict, no pickled module
+    assert served.cfg == cfg.memory
     with torch.no_grad():
         assert torch.allclose(served(x), net(x), atol=1e-6)
 

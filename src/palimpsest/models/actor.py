@@ -96,9 +96,3 @@ class FrozenActor(nn.Module):
                          use_cache=True,
                          logits_to_keep=last)
         return out.logits[0]
-
-    @torch.no_grad()
-    def hidden_states(self, ids: torch.Tensor, layer: int = -1) -> torch.Tensor:
-        """(T,) ids -> (T, d) hidden states of ``layer`` (what the memory network reads)."""
-        out = self.model(input_ids=ids.to(self.device)[None], output_hidden_states=True, use_cache=False)
-        return out.hidden_states[layer][0]

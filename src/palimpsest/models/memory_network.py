@@ -296,8 +296,11 @@ class MemoryNetwork(nn.Module):
             summary = None
         mem = self._read(src, self.slots, summary)
         if summary is None and torch.is_grad_enabled() and self.summary_at:
-            # the same parameters every step on every rank (DDP buckets, ZeRO gathers), with a zero contribution
-            mem = mem + 0.0 * sum(p.sum() for p in self.summary_attn.parameters())
+            # The same parameters every step on every rank (DDP buckets), with a zero contribution. Through the
+            # modules' own calls: under ZeRO-3 a parameter is whole only inside its module's forward.
+            x, kv = mem.new_zeros(1, 1, self.d), mem.new_zeros(1, self.d)
+            mem = mem + 0.0 * sum(m(x, kv, self._base.layers[int(k)].input_layernorm).sum()
+                                  for k, m in self.summary_attn.items())
         passes = 0
         for oldest in self.merges(mem.shape[0]):  # the oldest soft tokens, read again; order preserved
             mem = torch.cat([self._read(self._prefill(mem[:oldest]), self.merge_slots, summary), mem[oldest:]], 0)

@@ -23,9 +23,11 @@ from palimpsest.models.memory_network import MemoryNetwork
 from palimpsest.training.teachers import coarse_kl
 
 
-class StageISample(TypedDict):
+class StageISample(TypedDict, total=False):
     span: torch.Tensor  # (T,) ids of the text to remember and reproduce
     instruction: torch.Tensor  # (I,) ids of the "repeat the text" instruction
+    source: torch.Tensor  # (S,) what the memory reads when it is not the span (the ladder's needles: a question
+    # follows the memory, and the span is the answer)
 
 
 class StageIISample(TypedDict, total=False):
@@ -70,6 +72,8 @@ def stage1_logits(memnet: MemoryNetwork | None, actor: FrozenActor, sample: Stag
     ``source``: the ids the memory reads instead of the span (another span: the check's mismatched control)."""
     span, instr = sample["span"], sample["instruction"]
     parts = [actor.embed(instr), actor.embed(span)]
+    if source is None:
+        source = sample.get("source")  # a question-answer row: the memory reads a text, the span is its answer
     if memnet is not None:
         read = span if source is None else source
         parts.insert(0, memory_of(memnet, actor, read, None, min_passes))  # (M, d)

@@ -61,7 +61,7 @@ def greedy(actor, net, sample: dict, n: int, source: torch.Tensor | None = None)
     """The first ``n`` tokens the actor writes greedily after [memory of ``source`` (default: the span);
     instruction]."""
     model = actor.model
-    mem = memory_of(net, actor, sample["span"] if source is None else source)
+    mem = memory_of(net, actor, sample.get("source", sample["span"]) if source is None else source)
     embeds = torch.cat([mem, actor.embed(sample["instruction"])])[None]
     out = model(inputs_embeds=embeds, use_cache=True, logits_to_keep=1)
     tokens = []
@@ -84,7 +84,8 @@ def score(actor, net, samples: list[dict], mode: str) -> dict:
     nll = 0.0
     hits = total = 0
     for i, s in enumerate(samples):
-        source = samples[(i + 1) % len(samples)]["span"] if mode == "other" else None
+        donor = samples[(i + 1) % len(samples)]
+        source = donor.get("source", donor["span"]) if mode == "other" else None
         logits = stage1_logits(None if mode == "none" else net, actor, s, source=source).float()
         nll += float(F.cross_entropy(logits, s["span"], reduction="sum"))
         hits += int((logits.argmax(-1) == s["span"]).sum())
