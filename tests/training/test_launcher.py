@@ -224,3 +224,25 @@ def test_each_stage_walks_its_own_rows_from_the_shortest_history_epoch_by_epoch(
                   for r in range(world))
     assert both == sorted(k % n for k in range(10))  # two epochs, every row once per epoch
     assert curriculum_row(0, stage1, world, 1, 3) == (1, 1)
+
+
+def test_a_run_directory_of_another_network_is_moved_aside_and_the_same_one_is_resumed(tmp_path, actor_dir):
+    """A rerun of a config resumes its checkpoints; checkpoints of another network (an old architecture wrote no
+    record, or the memory config changed) would fail to load, so the directory is moved aside and said."""
+    from palimpsest.training.launcher import RUN_NETWORK, _claim_run_dir
+
+    cfg = config(tmp_path, actor_dir)
+    run = tmp_path / "runs" / "tiny" / "tiny"
+    run.mkdir(parents=True)
+    (run / "checkpoint_000001").mkdir()  # written by the old architecture: no record beside it
+    _claim_run_dir(run, cfg)
+    aside = [p for p in run.parent.iterdir() if p.name.startswith("tiny.replaced-")]
+    assert len(aside) == 1 and (aside[0] / "checkpoint_000001").is_dir()
+    assert sorted(p.name for p in run.iterdir()) == [RUN_NETWORK]
+    (run / "checkpoint_000002").mkdir()
+    _claim_run_dir(run, cfg)  # the same network: kept, resumed
+    assert (run / "checkpoint_000002").is_dir()
+    other = config(tmp_path, actor_dir, memory={"lora_rank": 8})
+    _claim_run_dir(run, other)  # another memory config: moved aside too
+    assert not (run / "checkpoint_000002").exists()
+    assert json.loads((run / RUN_NETWORK).read_text())["memory"]["lora_rank"] == 8

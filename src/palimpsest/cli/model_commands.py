@@ -127,6 +127,15 @@ def _memory_base(label: str) -> str:
     return label
 
 
+def _memory_model(model: str):
+    """``--model`` as (its reference, its bundle record): not a memory model, or a bundle of an old architecture,
+    is a clear error before anything else loads."""
+    ref = resolve_memory_ref(model)
+    if ref is None:
+        raise PalimpsestError(f"--model {model!r} names no memory model")
+    return ref, read_bundle(ref)
+
+
 def _check_device(device: str) -> None:
     """``--device``: a torch device this machine has, else a clear error before any model loads."""
     import torch
@@ -237,10 +246,7 @@ def eval_memory(
         raise PalimpsestError(f"trajectory file not found: {data}")
     with _json_stdout(as_json):
 
-        ref = resolve_memory_ref(model)
-        if ref is None:
-            raise PalimpsestError(f"--model {model!r} names no memory model")
-        bundle = read_bundle(ref)  # not a memory model, or an old architecture: a clear error before anything else
+        ref, bundle = _memory_model(model)
         trained = bundle.policy
         # By default, the student prompts are the ones the memory trained on: its budget and reply length.
         budget = budget if budget is not None else bundle.budget
@@ -285,10 +291,7 @@ def eval_reconstruction(
     if not data.is_file():
         raise PalimpsestError(f"trajectory file not found: {data}")
     with _json_stdout(as_json):
-        ref = resolve_memory_ref(model)
-        if ref is None:
-            raise PalimpsestError(f"--model {model!r} names no memory model")
-        bundle = read_bundle(ref)
+        ref, bundle = _memory_model(model)
         trained_on = bundle.train_trajectories
         if trained_on is None and not include_train:
             raise PalimpsestError(f"memory model {ref} records no training split, so its held-out trajectories are "

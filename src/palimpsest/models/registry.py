@@ -210,6 +210,9 @@ def read_bundle(ref: str | Path) -> MemoryBundle:
     path = _bundle_dir(ref)
     meta_file = path / BUNDLE_META
     if not meta_file.is_file() or not (path / BUNDLE_WEIGHTS).is_file():
+        if (path / "MLmodel").is_file():  # a registration of the old architecture: a pickled module
+            raise ConfigError(f"{ref}: a pickled memory model of architecture 'resampler'; this version serves "
+                              f"{ARCHITECTURE!r} from bundles: train a new one with `palimpsest train`")
         raise ConfigError(f"{ref} holds no memory bundle ({BUNDLE_META} and {BUNDLE_WEIGHTS} expected)")
     return MemoryBundle.from_json(json.loads(meta_file.read_text()), str(ref))
 

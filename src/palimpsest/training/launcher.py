@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from palimpsest.models.memory import ARCHITECTURE
 from palimpsest.models.registry import (
     bundle_record,
     mlflow_experiment,
@@ -196,6 +197,33 @@ def _export_bundle(cfg: TrainConfig, module, actor, out: Path, engine, data_dir:
     write_bundle(out, state, meta)
 
 
+RUN_NETWORK = "network.json"  # in a run's directory: the network its checkpoints hold
+
+
+def _claim_run_dir(run_dir: Path, cfg: TrainConfig) -> None:
+    """A rerun of the same config resumes from its latest checkpoint; a run directory whose checkpoints hold
+    another network (another architecture or memory config, or one written before the directory recorded it)
+    cannot be resumed: it is moved aside, and the move is said on stderr, so the new run starts from step 0."""
+    import sys
+
+    want = {"architecture": ARCHITECTURE, "memory": cfg.memory.to_dict(), "actor": cfg.actor.model_dump()}
+    marker = run_dir / RUN_NETWORK
+    if run_dir.is_dir() and any(run_dir.iterdir()):
+        have = json.loads(marker.read_text()) if marker.is_file() else None
+        if have == want:
+            return
+        stamp, n = time.strftime("%Y%m%d-%H%M%S"), 0
+        aside = run_dir.with_name(f"{run_dir.name}.replaced-{stamp}")
+        while aside.exists():
+            n += 1
+            aside = run_dir.with_name(f"{run_dir.name}.replaced-{stamp}-{n}")
+        run_dir.rename(aside)
+        print(f"{run_dir} held checkpoints of another network ({'unrecorded' if have is None else have.get('architecture')}"
+              f"); moved to {aside}, training starts from step 0", file=sys.stderr)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    marker.write_text(json.dumps(want, indent=2))
+
+
 def _data_report(data_dir: str | None) -> dict:
     """What the data builder recorded (``report.json``: counts, the policy record, the data's sha)."""
     f = Path(data_dir) / "report.json" if data_dir else None
@@ -273,6 +301,7 @@ def launch(cfg: TrainConfig, fault: dict | None = None, track: bool = True) -> d
             run_id = mlflow.start_run(experiment_id=exp, run_name=cfg.name).info.run_id
             mlflow.end_run()
         mlflow_spec = {"uri": tracking_uri(), "run_id": run_id}
+    _claim_run_dir(Path(prep.storage) / cfg.name, cfg)
     if os.environ.get("RAY_TMPDIR"):
         Path(os.environ["RAY_TMPDIR"]).mkdir(parents=True, exist_ok=True)
     if not ray.is_initialized():
