@@ -37,6 +37,8 @@ import random
 import time
 from pathlib import Path
 
+from palimpsest.models.memory import MemoryConfig
+
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "results" / "memory_ladder"
 
@@ -247,8 +249,8 @@ def main() -> None:
                  ("summary", args.lr_summary)):
         if v is not None:
             lrs[k] = v
-    mcfg = cfg.memory.model_copy(update={"block_size": args.tokens, "queries": args.slots,
-                                         "max_slots": max(cfg.memory.max_slots, args.slots)})
+    mcfg = MemoryConfig(**{**cfg.memory.to_dict(), "block_size": args.tokens, "queries": args.slots,
+                           "max_slots": max(cfg.memory.max_slots, args.slots)})  # validated
     actor_path = str(resolve_actor(cfg))
     args.actor_path = actor_path
     torch.manual_seed(args.seed)

@@ -36,6 +36,8 @@ import random
 import time
 from pathlib import Path
 
+from palimpsest.models.memory import MemoryConfig
+
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = {1: 0.90, 2: 0.60}
 
@@ -138,7 +140,7 @@ def main() -> None:
     cfg = load_train_config(args.config)
     mem_over = {k: v for k, v in (("lora_rank", args.lora_rank), ("queries", args.queries)) if v is not None}
     if mem_over:
-        cfg = cfg.model_copy(update={"memory": cfg.memory.model_copy(update=mem_over)})
+        cfg = cfg.model_copy(update={"memory": MemoryConfig(**{**cfg.memory.to_dict(), **mem_over})})  # validated
     data_over = {k: v for k, v in (("recall_sessions", args.recall_sessions), ("budget", args.budget),
                                    ("recall_steps", args.recall_steps), ("memory_tokens", args.memory_tokens))
                  if v is not None}

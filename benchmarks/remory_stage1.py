@@ -119,7 +119,7 @@ def main() -> None:
     curve = []
     t_train = time.perf_counter()
     for i, j in enumerate(order):
-        backend.set_lr(lr_at(i, args.steps, lr, "cosine"))  # cosine over the run
+        backend.set_lr(lr_at(i, args.steps, 1.0, "cosine"))  # the schedule's factor: cosine over the run
         s = sample_tensors(train[j], 1)
         figures = step(s, 1, net.merge_passes(int(s["span"].numel())))
         curve.append({"step": i + 1, "loss": figures["loss"], "grad_norm": figures["grad_norm"]})

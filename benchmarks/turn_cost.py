@@ -61,7 +61,7 @@ def one_shape(name: str, device: str, dtype: torch.dtype, contexts: list[int], h
         model = LlamaForCausalLM(cfg).to(dtype).eval()
     actor = FrozenActor(model)
     params = sum(p.numel() for p in model.parameters())
-    # The memory network of the demo config (configs/train/remory_demo.yaml): the actor's own layers with LoRA.
+    # A memory network of the demo config's kind (the actor's own layers with LoRA), 512-id blocks to 64 soft tokens.
     mcfg = MemoryConfig(block_size=512, queries=64, max_slots=512)
     memory = MemoryNetwork(mcfg, actor).to(dtype).eval()
     out: dict = {"actor_params": params, "memory_params": sum(p.numel() for p in memory.parameters()),

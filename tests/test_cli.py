@@ -174,7 +174,7 @@ def test_replay_bad_input(tmp_path, data, args, message):
 
 
 @pytest.mark.parametrize("body,message", [
-    ("name: x\ndata: {file: d.jsonl}\nmemory: {queries: 64, block_size: 32}\n", "queries (64) must not exceed block_size (32)"),
+    ("name: x\ndata: {file: d.jsonl}\nmemory: {queries: 64, block_size: 32}\n", "queries (64) must be fewer than block_size (32)"),
     ("name: x\ndata: {file: d.jsonl}\noptim: {surprise: 1}\n", "optim.surprise: Extra inputs are not permitted"),
     ("name: x\nactor: {path: /nonexistent}\ndata: {file: d.jsonl}\n", "holds no HF model"),
     ("- not a mapping\n", "a training config is a mapping"),
@@ -209,7 +209,7 @@ def test_train_prints_its_summary_as_one_json_object_and_nothing_else(tmp_path, 
 
 def test_eval_memory_refuses_what_is_not_a_model(tmp_path, data):
     r = cli("eval-memory", "--model", "not-a-model", "--data", str(data), cwd=tmp_path)
-    assert r.returncode == 2 and "neither a checkpoint directory nor an MLflow model URI" in r.stderr
+    assert r.returncode == 2 and "neither a memory bundle directory nor an MLflow model URI" in r.stderr
 
 
 def test_json_mode_sends_whatever_libraries_print_to_stderr(capfd):

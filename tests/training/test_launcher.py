@@ -43,6 +43,7 @@ def config(tmp_path, actor_dir, **over):
 @pytest.mark.parametrize("section,value,message", [
     ("memory", {"queries": 128, "block_size": 64}, "queries (128) must be fewer than block_size (64)"),
     ("memory", {"d_model": 32}, "memory.d_model: Extra inputs are not permitted"),
+    ("optim", {"grad_accum": 4}, "optim.grad_accum (4) must divide stage1_steps (2), checkpoint_every (2)"),
     ("memory", {"max_slots": 2}, "max_slots (2) must be at least queries"),
     ("optim", {"unknown_key": 1}, "Extra inputs are not permitted"),
     ("optim", {"schedule": "linear"}, "Input should be 'constant' or 'cosine'"),

@@ -26,7 +26,7 @@ from palimpsest.cli.common import (
 )
 from palimpsest.cli.replay_commands import _policy_set
 from palimpsest.models.assets import smollm2_dir, smollm2_tokenizer_dir
-from palimpsest.models.registry import read_bundle, resolve_actor_path, resolve_memory_ref
+from palimpsest.models.registry import load_memory, read_bundle, resolve_actor_path, resolve_memory_ref
 from palimpsest.pipelines.environment import open_runtime
 from palimpsest.pipelines.replay_sessions import TimedEmbedder, prepare_sessions
 from palimpsest.pipelines.tracking import log_actions
@@ -298,7 +298,6 @@ def eval_reconstruction(
                                   "unknown: pass --include-train to use every trajectory")
         # deferred: loads torch
         from palimpsest.models.actor import FrozenActor
-        from palimpsest.models.registry import load_memory
         from palimpsest.training.reconstruction import as_tensors, evaluate, trajectory_spans
 
         actor_path = resolve_actor_path(bundle.actor.get("path") or "smollm2")
@@ -307,7 +306,8 @@ def eval_reconstruction(
         skip = None if include_train else trained_on
         picked = trajectory_spans(data, get_tokenizer(str(actor_path)), tokens, spans, seed, skip=skip)
         if len(picked) < 2:
-            raise PalimpsestError(f"{data}: fewer than 2 spans of {tokens} ids outside the memory's training data")
+            where = "" if include_train else " outside the memory's training data"
+            raise PalimpsestError(f"{data}: fewer than 2 spans of {tokens} ids{where}")
         doc = evaluate(actor, net, as_tensors(picked, actor.device), exact_tokens)
         doc |= {"model": ref, "architecture": bundle.architecture,
                 "data": {"file": str(data), "sha256": file_sha256(data)},

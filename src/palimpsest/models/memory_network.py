@@ -146,7 +146,7 @@ class MemoryNetwork(nn.Module):
         with torch.no_grad():
             self.readout.weight.copy_(torch.eye(self.d, dtype=emb.dtype))
         k = min(cfg.summary_layers, self.n_layers)
-        self.summary_at = [round((j + 1) * self.n_layers / (k + 1)) for j in range(k)]
+        self.summary_at = sorted({round((j + 1) * self.n_layers / (k + 1)) for j in range(k)})  # distinct layers
         self.summary_attn = nn.ModuleDict({str(i): GatedSummaryAttention(base.layers[i], self.n_heads, self.n_kv,
                                                                         self.head_dim) for i in self.summary_at})
         self.to(emb.device)
@@ -307,7 +307,7 @@ class MemoryNetwork(nn.Module):
             passes += 1
         idle = mem.new_zeros(())
         for _ in range(passes, min_passes):
-            idle = idle + 0.0 * self._read(self._prefill(mem[: self.cfg.queries + 1]), self.merge_slots, None).sum()
+            idle = idle + 0.0 * self._read(self._prefill(mem[: self.cfg.queries + 1]), self.merge_slots, summary).sum()
         if not passes and torch.is_grad_enabled():
             idle = idle + 0.0 * self.merge_slots.sum()
         return mem + idle

@@ -158,8 +158,10 @@ def evaluate_actions(rt, sessions, arms: list[Arm], budget: int, actor, *, data_
                 n_soft = 0
                 if arm.memory is not None and arm.donor:  # its own read is another row's donor
                     read = memory_read(tok, turn, arm.memory.max_field_chars, arm.memory.max_history_tokens)
-                    if read is not None:
-                        reads.setdefault(sid, []).append(read)
+                    if read is None:  # NAME+memory sends no soft span here: a donor's would not be its control
+                        rows.append({**row, "skipped": "the prompt left nothing out: no memory at this turn"})
+                        continue
+                    reads.setdefault(sid, []).append(read)
                     pending.append((arm, row, context, bridge, target, teachers[rs.t]))
                     continue
                 if arm.memory is not None and arm.inject:

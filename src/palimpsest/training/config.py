@@ -101,6 +101,8 @@ def group_lrs(o: OptimSection) -> dict[str, float]:
 
 
 class TrainConfig(_Strict):
+    """The whole training config (``memory:`` is ``models.memory.MemoryConfig``, the network as served)."""
+
     name: str = Field(..., pattern=r"^[\w.-]{1,64}$")
     actor: ActorSection = ActorSection()
     data: DataSection
@@ -109,6 +111,16 @@ class TrainConfig(_Strict):
     distributed: DistributedSection = DistributedSection()
     tracking: TrackingSection = TrackingSection()
     storage: str = Field(".palimpsest/ray_results", description="Ray Train run storage (checkpoints)")
+
+    @model_validator(mode="after")
+    def _accumulation(self) -> "TrainConfig":
+        o = self.optim
+        if o.grad_accum > 1:  # an update must not mix the stages, and a checkpoint must not fall mid-accumulation
+            bad = [f"{k} ({getattr(o, k)})" for k in ("stage1_steps", "stage2_steps", "checkpoint_every")
+                   if getattr(o, k) % o.grad_accum]
+            if bad:
+                raise ValueError(f"optim.grad_accum ({o.grad_accum}) must divide {', '.join(bad)}")
+        return self
 
 
 def load_train_config(path: str | Path) -> TrainConfig:
