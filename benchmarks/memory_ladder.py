@@ -45,14 +45,13 @@ OUT = ROOT / "benchmarks" / "results" / "memory_ladder"
 
 def stage1_spans(cfg, actor_path: str, tokens: int, chunks: int) -> tuple[list[dict], list[dict]]:
     """(train, val) Stage I spans of exactly ``tokens`` ids."""
-    from dataclasses import replace
 
     from palimpsest.pipelines.remory_data import stage1_rows
     from palimpsest.pipelines.trajectories import read_trajectories
     from palimpsest.platform.tokens import get_tokenizer
     from palimpsest.training.prepare import data_config
 
-    dcfg = replace(data_config(cfg), span_tokens=tokens, stage1_corpus="stdlib", stage1_chunks=chunks)
+    dcfg = data_config(cfg).replace(span_tokens=tokens, stage1_corpus="stdlib", stage1_chunks=chunks)
     rows = [r for r in stage1_rows(read_trajectories(Path(cfg.data.file)).trajectories,
                                    get_tokenizer(actor_path), dcfg) if len(r["span"]) == tokens]
     return [r for r in rows if r["split"] == "train"], [r for r in rows if r["split"] == "val"]
@@ -215,6 +214,8 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=8)
     ap.add_argument("--spans", type=int, default=100, help="rung 3/4: training spans")
     ap.add_argument("--eval", type=int, default=64, help="spans scored")
+    ap.add_argument("--eval-every", type=int, default=0, help="rung 3/4: steps between evaluations "
+                    "(default: a quarter of --steps)")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--lr", type=float, default=None, help="LoRA (default: the config's optim.lr)")
@@ -334,7 +335,7 @@ def main() -> None:
 
         check(0)
         curve = train(net, actor, train_t, args.steps, lrs, args.warmup, args.seed, log_every=50, check=check,
-                      check_every=max(args.steps // 4, 1), continuation=args.continuation)
+                      check_every=args.eval_every or max(args.steps // 4, 1), continuation=args.continuation)
         if evals[-1]["step"] != len(curve):
             check(len(curve))
         final = evals[-1]

@@ -45,7 +45,6 @@ TARGETS = {1: 0.90, 2: 0.60}
 def prepared_rows(cfg, fresh: bool = False):
     """The run's Stage II rows and data folder, built by ``launcher.prepare`` (reused when the trajectory file
     and the data config are those of the last build)."""
-    from dataclasses import asdict
 
     from palimpsest.pipelines.trajectories import file_sha256
     from palimpsest.training.prepare import _load_rows, data_config, prepare, resolve_actor
@@ -54,7 +53,7 @@ def prepared_rows(cfg, fresh: bool = False):
     report = data_dir / "report.json"
     if not fresh and report.is_file():
         old = json.loads(report.read_text())
-        if old.get("data_sha256") == file_sha256(Path(cfg.data.file)) and old["config"] == asdict(data_config(cfg)):
+        if old.get("data_sha256") == file_sha256(Path(cfg.data.file)) and old["config"] == data_config(cfg).to_dict():
             return str(resolve_actor(cfg)), data_dir, old, _load_rows(str(data_dir), 2)
     run = prepare(cfg.model_copy(update={"optim": cfg.optim.model_copy(update={"teacher_cache": False})}))
     return run.actor_path, data_dir, run.data_report, _load_rows(str(data_dir), 2)

@@ -34,14 +34,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def spans(cfg, actor_path: str, corpus: str | None, chunks: int) -> tuple[list[dict], dict]:
     """The Stage I rows of a training config with ``corpus`` added: (rows, counts)."""
-    from dataclasses import replace
 
     from palimpsest.pipelines.remory_data import stage1_rows
     from palimpsest.pipelines.trajectories import read_trajectories
     from palimpsest.platform.tokens import get_tokenizer
     from palimpsest.training.prepare import data_config
 
-    dcfg = replace(data_config(cfg), stage1_corpus=corpus, stage1_chunks=chunks)
+    dcfg = data_config(cfg).replace(stage1_corpus=corpus, stage1_chunks=chunks)
     rows = stage1_rows(read_trajectories(Path(cfg.data.file)).trajectories, get_tokenizer(actor_path), dcfg)
     n_corpus = sum(1 for r in rows if r["trajectory"].startswith("corpus/"))
     counts = {sp: sum(1 for r in rows if r["split"] == sp) for sp in ("train", "val")}

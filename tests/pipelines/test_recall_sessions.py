@@ -49,7 +49,7 @@ def test_the_data_builder_adds_recall_rows_split_by_session(tmp_path, tok_dir, m
     data = tmp_path / "d.jsonl"
     data.write_text("\n".join(json.dumps(traj(f"tr/{i}", n=10, obs=30)) for i in range(6)) + "\n")
     cfg = DataConfig(val_fraction=0.34, recall_sessions=30, **WINDOW)
-    report = build_datasets(data, tok_dir, tmp_path / "ds", cfg, parse_policy_config("window"), "hashing")
+    report = build_datasets(data, tok_dir, tmp_path / "ds", cfg, parse_policy_config("window"))
     rows = pq.read_table(tmp_path / "ds" / "stage2.parquet").to_pylist()
     recall = [r for r in rows if r["trajectory"].startswith("recall/")]
     # fillers are cut where the run cuts what the memory reads (data.max_observation_chars), not at a constant
@@ -58,7 +58,7 @@ def test_the_data_builder_adds_recall_rows_split_by_session(tmp_path, tok_dir, m
     made = []
     monkeypatch.setattr(module, "recall_sessions", lambda *a, **k: made.append(k) or recall_sessions(*a, **k))
     cut = DataConfig(val_fraction=0.34, recall_sessions=3, max_observation_chars=64, recall_steps=12, **WINDOW)
-    build_datasets(data, tok_dir, tmp_path / "cut", cut, parse_policy_config("window"), "hashing")
+    build_datasets(data, tok_dir, tmp_path / "cut", cut, parse_policy_config("window"))
     assert made and made[0]["max_observation_chars"] == 64 and made[0]["max_fill"] == 12  # data.recall_steps
     assert recall and report["counts"]["stage2_recall"]["train"] + report["counts"]["stage2_recall"]["val"] == len(recall)
     assert all(r["split"] == split_of(r["trajectory"], 0.34) for r in recall)

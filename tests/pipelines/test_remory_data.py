@@ -25,7 +25,8 @@ def tok_dir(tmp_path_factory):
     return str(d)
 
 
-WINDOW = dict(max_history_tokens=2400, budget=1000, memory_tokens=300, soft_slots=16, max_target_tokens=40)
+WINDOW = dict(embedder="hashing", max_history_tokens=2400, budget=1000, memory_tokens=300, soft_slots=16,
+              max_target_tokens=40)
 
 
 def test_stage2_rows_are_compiled_prompts_with_the_memory_reading_what_they_left_out(tmp_path, tok_dir):
@@ -35,7 +36,7 @@ def test_stage2_rows_are_compiled_prompts_with_the_memory_reading_what_they_left
     data = tmp_path / "d.jsonl"
     data.write_text("\n".join(json.dumps(traj(f"tr/{i}", n=10, obs=30)) for i in range(6)) + "\n")
     cfg = DataConfig(val_fraction=0.34, **WINDOW)
-    report = build_datasets(data, tok_dir, tmp_path / "ds", cfg, parse_policy_config("window"), "hashing")
+    report = build_datasets(data, tok_dir, tmp_path / "ds", cfg, parse_policy_config("window"))
     rows = pq.read_table(tmp_path / "ds" / "stage2.parquet").to_pylist()
     assert rows and all(r["history_len"] == len(r["teacher"]) and len(r["teacher"]) + len(r["target"]) <= 2400
                         for r in rows)
@@ -78,8 +79,8 @@ def test_no_boundary_that_fits_is_a_clear_error(tmp_path, tok_dir):
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps(traj("x/1", n=4, obs=2000)) + "\n")
     with pytest.raises(PalimpsestError, match="no Stage II boundary"):
-        build_datasets(data, tok_dir, tmp_path / "ds", DataConfig(max_history_tokens=50), parse_policy_config("pace"),
-                       "hashing")
+        build_datasets(data, tok_dir, tmp_path / "ds", DataConfig(max_history_tokens=50, embedder="hashing"),
+                       parse_policy_config("pace"))
 
 
 def test_the_data_builder_and_the_served_turn_hand_the_memory_identical_ids(tmp_path, tok_dir):
@@ -95,7 +96,7 @@ def test_the_data_builder_and_the_served_turn_hand_the_memory_identical_ids(tmp_
     data.write_text(json.dumps(traj("tr/serve", n=10, obs=30)) + "\n")
     cfg = DataConfig(**WINDOW)
     policy = parse_policy_config("pace")
-    build_datasets(data, tok_dir, tmp_path / "ds", cfg, policy, "hashing")
+    build_datasets(data, tok_dir, tmp_path / "ds", cfg, policy)
     rows = pq.read_table(tmp_path / "ds" / "stage2.parquet").to_pylist()
     assert rows
     row = max(rows, key=lambda r: r["t"])
@@ -155,7 +156,7 @@ def test_a_stage1_corpus_adds_reconstruction_spans_split_by_file(tmp_path, tok_d
     data = tmp_path / "d.jsonl"
     data.write_text("\n".join(json.dumps(traj(f"tr/{i}", n=10, obs=30)) for i in range(6)) + "\n")
     report = build_datasets(data, tok_dir, tmp_path / "ds", DataConfig(val_fraction=0.34, stage1_corpus=str(corpus),
-                                                                        **WINDOW), parse_policy_config("window"), "hashing")
+                                                                        **WINDOW), parse_policy_config("window"))
     spans = pq.read_table(tmp_path / "ds" / "stage1.parquet").to_pylist()
     n_corpus = sum(report["counts"]["stage1_corpus"].values())
     assert n_corpus == sum(1 for s in spans if s["trajectory"].startswith("corpus/")) > 0
@@ -164,5 +165,5 @@ def test_a_stage1_corpus_adds_reconstruction_spans_split_by_file(tmp_path, tok_d
     lengths = [len(s["span"]) for s in spans]
     assert lengths[:10] != sorted(lengths)[:10]
     build_datasets(data, tok_dir, tmp_path / "again", DataConfig(val_fraction=0.34, stage1_corpus=str(corpus),
-                                                                 **WINDOW), parse_policy_config("window"), "hashing")
+                                                                 **WINDOW), parse_policy_config("window"))
     assert pq.read_table(tmp_path / "again" / "stage1.parquet").to_pylist() == spans  # the same order each build

@@ -47,6 +47,10 @@ def config(tmp_path, actor_dir, **over):
     ("memory", {"max_slots": 2}, "max_slots (2) must be at least queries"),
     ("optim", {"unknown_key": 1}, "Extra inputs are not permitted"),
     ("optim", {"schedule": "linear"}, "Input should be 'constant' or 'cosine'"),
+    ("data", {"soft_slots": 8}, "data.soft_slots is derived from memory"),
+    ("data", {"seed": 3}, "data.seed is derived from optim.seed"),
+    ("data", {"file": None}, "data.file: the trajectories (JSONL) to train on are required"),
+    ("data", {"memory_read": 0}, "memory_read 0: this code builds what the memory reads at version"),
 ])
 def test_bad_configs_are_refused_before_any_worker(tmp_path, actor_dir, section, value, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from palimpsest.pipelines.environment import open_runtime
 from palimpsest.pipelines.recall_sessions import recall_sessions
@@ -41,45 +42,62 @@ from palimpsest.platform.types import BudgetError, PalimpsestError
 REPEAT_INSTRUCTION = "Repeat the text above exactly."
 
 
-@dataclass(frozen=True)
-class DataConfig:
-    max_history_tokens: int = 1024  # the teacher's window: the whole history and the target fit in it
-    max_target_tokens: int = 96
-    min_history_steps: int = 2
-    stride: int = 1  # every stride-th boundary
-    span_tokens: int = 128
-    val_fraction: float = 0.2
-    max_observation_chars: int = 4000  # each field of a step the memory reads is cut to this (serving's memory.max_field_chars)
-    budget: int = 768  # the student's token budget (the served arm's)
-    memory_tokens: int = 1024  # the memory reads at most this many tokens (serving's memory.max_history_tokens)
-    soft_slots: int = 64  # soft positions the budget reserves for the memory (the network's slots_for(memory_tokens))
-    recall_sessions: int = 0  # programmatic sessions (``pipelines.recall_sessions``) added to Stage II's trajectories
-    recall_steps: int = 10  # the most real steps between a recall session's fact and its use (at least 4)
-    stage1_corpus: str | None = None  # text files added to Stage I: a directory, or "stdlib" (see corpus_root)
-    stage1_chunks: int = 0  # at most this many corpus spans (0: every span of every file)
-    seed: int = 0
+class DataConfig(BaseModel):
+    """What the data builder reads and how: the training config's ``data:`` section is this model, whole.
+
+    ``soft_slots`` and ``seed`` are derived in a training config (from its ``memory:`` and ``optim.seed``:
+    ``training.prepare.data_config``) and refused there when set by hand."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    file: str | None = Field(None, description="trajectories (JSONL); Stage I/II Parquet is built from it (a "
+                             "training config must name it)")
+    max_history_tokens: int = Field(2048, ge=16, le=131072, description="the teacher's window: a boundary's whole "
+                                    "history and its target fit in it")
+    max_target_tokens: int = Field(64, ge=1)
+    min_history_steps: int = Field(2, ge=1, description="the first boundary: this many steps of history")
+    stride: int = Field(1, ge=1, description="every stride-th boundary")
+    max_observation_chars: int = Field(800, ge=64, description="each field of a step the memory reads is cut to "
+                                       "this (serving's memory.max_field_chars)")
+    span_tokens: int = Field(128, ge=8, description="Stage I: spans of at most this many tokens")
+    val_fraction: float = Field(0.2, ge=0.0, lt=1.0, description="the share of trajectories (by a hash of the "
+                                "id) held out for validation")
+    budget: int = Field(1024, ge=64, description="the student's token budget: the policy's prompt is compiled at "
+                        "it, with the soft positions reserved, as the served arm compiles it")
+    memory_tokens: int = Field(1024, ge=16, description="the memory reads at most this many tokens of what the "
+                               "prompt left out (serving's memory.max_history_tokens)")
+    soft_slots: int = Field(64, ge=0, description="soft positions the budget reserves for the memory (derived: "
+                            "MemoryNetwork.slots_for(memory_tokens))")
+    embedder: Literal["minilm", "hashing"] = Field("minilm", description="the key embedder the policy plans with "
+                                                   "(serving's)")
+    recall_sessions: int = Field(0, ge=0, le=100_000, description="programmatic sessions added to Stage II: a fact "
+                                 "shown early that a later action needs, around real steps of the training split "
+                                 "(pipelines.recall_sessions)")
+    recall_steps: int = Field(10, ge=4, le=1000, description="the most real steps between a recall session's fact "
+                              "and its use: longer sessions give rows at larger budgets (their history outgrows "
+                              "the budget) and longer teacher windows")
+    stage1_corpus: str | None = Field(None, description="text added to Stage I's reconstruction spans: a directory "
+                                      "of .py/.md/.rst/.txt files, or 'stdlib' (the interpreter's standard library)")
+    stage1_chunks: int = Field(0, ge=0, le=10_000_000, description="at most this many corpus spans (0: all)")
+    seed: int = Field(0, description="the order of Stage I spans and the recall sessions (derived: optim.seed)")
     # what the memory reads (platform.chat.MEMORY_READ_VERSION): recorded in report.json and the bundle, so a
     # build of another read is not reused and a model trained on one is warned about where served otherwise
     memory_read: int = MEMORY_READ_VERSION
 
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.val_fraction < 1.0:
-            raise ValueError("val_fraction must be within [0, 1)")
-        if self.recall_sessions < 0:
-            raise ValueError("recall_sessions must be >= 0")
-        if self.recall_steps < 4:
-            raise ValueError("recall_steps must be >= 4 (a session has 4 to recall_steps real steps)")
-        if self.stage1_chunks < 0:
-            raise ValueError("stage1_chunks must be >= 0")
-        for name in ("max_history_tokens", "max_target_tokens", "min_history_steps", "stride", "span_tokens",
-                     "budget", "memory_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
-        if self.soft_slots < 0:
-            raise ValueError("soft_slots must be >= 0")
-        if self.memory_read != MEMORY_READ_VERSION:
-            raise ValueError(f"memory_read {self.memory_read}: this code builds what the memory reads at version "
+    @field_validator("memory_read")
+    @classmethod
+    def _read_version(cls, v: int) -> int:
+        if v != MEMORY_READ_VERSION:
+            raise ValueError(f"memory_read {v}: this code builds what the memory reads at version "
                              f"{MEMORY_READ_VERSION} only (platform.chat.MEMORY_READ_VERSION)")
+        return v
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    def replace(self, **changes: Any) -> "DataConfig":
+        """A validated copy with ``changes``."""
+        return DataConfig(**{**self.to_dict(), **changes})
 
 
 def policy_record(policy) -> dict[str, Any]:
@@ -190,12 +208,11 @@ def stage2_recall(trajectories: list[Trajectory], cfg: DataConfig) -> list[Traje
                            max_observation_chars=cfg.max_observation_chars, max_fill=cfg.recall_steps)
 
 
-def build_datasets(data: Path, tokenizer: str, out: Path, cfg: DataConfig, policy,
-                   embedder: str = "minilm") -> dict[str, Any]:
+def build_datasets(data: Path, tokenizer: str, out: Path, cfg: DataConfig, policy) -> dict[str, Any]:
     """Write stage1.parquet (spans in a seeded order) and stage2.parquet (rows sorted by history length: the
     curriculum) into ``out``; returns counts per split, the trajectories of each split and the policy record.
     ``tokenizer`` is the actor's (a folder or tokenizer.json), ``policy`` the memory's policy config,
-    ``embedder`` the key embedder serving uses. An input with no usable sample is an error."""
+    ``cfg.embedder`` the key embedder serving uses. An input with no usable sample is an error."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -206,7 +223,7 @@ def build_datasets(data: Path, tokenizer: str, out: Path, cfg: DataConfig, polic
     ledger = out / "ledger.db"
     for f in out.glob("ledger.db*"):  # built afresh: the ledger is this build's scratch space
         f.unlink()
-    rt = open_runtime(ledger, embedder, tokenizer)
+    rt = open_runtime(ledger, cfg.embedder, tokenizer)
     try:
         skipped: list[Skipped] = []
         sessions = prepare_sessions(rt, read.trajectories + recall, False, file_sha256(data), skipped)
@@ -235,7 +252,7 @@ def build_datasets(data: Path, tokenizer: str, out: Path, cfg: DataConfig, polic
                                for sp in ("train", "val")}
     counts["stage2_recall"] = {sp: sum(1 for r in rows2 if r["split"] == sp and r["trajectory"].startswith("recall/"))
                                for sp in ("train", "val")}
-    report = {"config": asdict(cfg), "counts": counts, "skipped": errors, "embedder": embedder,
+    report = {"config": cfg.to_dict(), "counts": counts, "skipped": errors, "embedder": cfg.embedder,
               "policy": policy_record(policy), "data_sha256": file_sha256(data),
               "trajectories": {sp: sorted({r["trajectory"] for r in rows2 if r["split"] == sp}) for sp in ("train", "val")}}
     (out / "report.json").write_text(json.dumps(report, indent=2))

@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from palimpsest.models.memory import MemoryConfig
+from palimpsest.pipelines.remory_data import DataConfig
 from palimpsest.platform.config import problems, read_yaml
 from palimpsest.platform.types import ConfigError
 
@@ -19,32 +20,6 @@ class _Strict(BaseModel):
 class ActorSection(_Strict):
     path: str = Field("smollm2", description="'smollm2' (the converted offline actor) or a local HF folder")
     dtype: Literal["float32", "bfloat16"] = "float32"
-
-
-class DataSection(_Strict):
-    file: str = Field(..., description="trajectories (JSONL); Stage I/II Parquet is built from it")
-    max_history_tokens: int = Field(2048, ge=16, le=131072, description="the teacher's window: a boundary's whole "
-                                    "history and its target fit in it")
-    max_target_tokens: int = Field(64, ge=1)
-    max_observation_chars: int = Field(800, ge=64, description="each field of a step the memory reads is cut to "
-                                       "this (serving's memory.max_field_chars)")
-    span_tokens: int = Field(128, ge=8)
-    val_fraction: float = Field(0.2, ge=0.0, lt=1.0)
-    budget: int = Field(1024, ge=64, description="the student's token budget: the policy's prompt is compiled at "
-                        "it, with the soft positions reserved, as the served arm compiles it")
-    memory_tokens: int = Field(1024, ge=16, description="the memory reads at most this many tokens of what the "
-                               "prompt left out (serving's memory.max_history_tokens)")
-    embedder: Literal["minilm", "hashing"] = Field("minilm", description="the key embedder the policy plans with "
-                                                   "(serving's)")
-    recall_sessions: int = Field(0, ge=0, le=100_000, description="programmatic sessions added to Stage II: a fact "
-                                 "shown early that a later action needs, around real steps of the training split "
-                                 "(pipelines.recall_sessions)")
-    recall_steps: int = Field(10, ge=4, le=1000, description="the most real steps between a recall session's fact "
-                              "and its use: longer sessions give rows at larger budgets (their history outgrows "
-                              "the budget) and longer teacher windows")
-    stage1_corpus: str | None = Field(None, description="text added to Stage I's reconstruction spans: a directory "
-                                      "of .py/.md/.rst/.txt files, or 'stdlib' (the interpreter's standard library)")
-    stage1_chunks: int = Field(0, ge=0, le=10_000_000, description="at most this many corpus spans (0: all)")
 
 
 class OptimSection(_Strict):
@@ -101,16 +76,27 @@ def group_lrs(o: OptimSection) -> dict[str, float]:
 
 
 class TrainConfig(_Strict):
-    """The whole training config (``memory:`` is ``models.memory.MemoryConfig``, the network as served)."""
+    """The whole training config (``data:`` is ``pipelines.remory_data.DataConfig``, what the data builder
+    reads; ``memory:`` is ``models.memory.MemoryConfig``, the network as served)."""
 
     name: str = Field(..., pattern=r"^[\w.-]{1,64}$")
     actor: ActorSection = ActorSection()
-    data: DataSection
+    data: DataConfig  # the data builder's one config; soft_slots and seed are derived (training.prepare.data_config)
     memory: MemoryConfig = MemoryConfig()  # the network's one config (models/memory.py), as trained and served
     optim: OptimSection = OptimSection()
     distributed: DistributedSection = DistributedSection()
     tracking: TrackingSection = TrackingSection()
     storage: str = Field(".palimpsest/ray_results", description="Ray Train run storage (checkpoints)")
+
+    @model_validator(mode="after")
+    def _data(self) -> "TrainConfig":
+        if self.data.file is None:
+            raise ValueError("data.file: the trajectories (JSONL) to train on are required")
+        derived = {"soft_slots": "memory (MemoryNetwork.slots_for(data.memory_tokens))", "seed": "optim.seed"}
+        bad = [f"data.{k} is derived from {v}" for k, v in derived.items() if k in self.data.model_fields_set]
+        if bad:
+            raise ValueError("; ".join(bad) + ": leave it out")
+        return self
 
     @model_validator(mode="after")
     def _accumulation(self) -> "TrainConfig":

@@ -47,15 +47,12 @@ def resolve_actor(cfg: TrainConfig) -> Path:
     return resolve_actor_path(cfg.actor.path)
 
 
-def data_config(cfg: TrainConfig):
-    """The data builder's config of a training config (``pipelines.remory_data.DataConfig``)."""
+def data_config(cfg: TrainConfig) -> DataConfig:
+    """The data builder's config of a training config: its ``data:`` section, with the two fields derived from the
+    rest (the soft positions the memory takes, ``MemoryNetwork.slots_for``, and the run's seed)."""
     d, m = cfg.data, cfg.memory
     slots = min(math.ceil(d.memory_tokens / m.block_size) * m.queries, m.max_slots)  # MemoryNetwork.slots_for
-    return DataConfig(max_history_tokens=d.max_history_tokens, max_target_tokens=d.max_target_tokens,
-                      max_observation_chars=d.max_observation_chars, span_tokens=d.span_tokens,
-                      val_fraction=d.val_fraction, budget=d.budget, memory_tokens=d.memory_tokens, soft_slots=slots,
-                      recall_sessions=d.recall_sessions, recall_steps=d.recall_steps, stage1_corpus=d.stage1_corpus,
-                      stage1_chunks=d.stage1_chunks, seed=cfg.optim.seed)
+    return d.replace(soft_slots=slots, seed=cfg.optim.seed)
 
 
 def prepare(cfg: TrainConfig) -> PreparedRun:
@@ -73,7 +70,7 @@ def prepare(cfg: TrainConfig) -> PreparedRun:
         raise ConfigError(f"training data not found: {data}")
     storage = Path(cfg.storage).expanduser().resolve() / cfg.name
     policy = load_policy_file(cfg.tracking.policy_config)
-    report = build_datasets(data, str(actor), storage / "data", data_config(cfg), policy, cfg.data.embedder)
+    report = build_datasets(data, str(actor), storage / "data", data_config(cfg), policy)
     if cfg.optim.stage2_steps and not report["counts"]["stage2"]["train"]:
         raise ConfigError(f"{data}: no Stage II training sample (all boundaries fell in the validation split)")
     if cfg.optim.stage1_steps and not report["counts"]["stage1"]["train"]:
