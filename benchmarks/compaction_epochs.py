@@ -46,6 +46,94 @@ def configs(keeps: list[float] | None = None) -> dict:
     return out
 
 
+#: The watermark sweep (--sweep): every (high, low) pair with low < high at the default keep, then every keep at
+#: the default watermarks. The default (high 0.9, low 0.6, keep 0.5) is one of the points.
+SWEEP_HIGH = (0.8, 0.9, 0.95)
+SWEEP_LOW = (0.4, 0.5, 0.6, 0.7)
+SWEEP_KEEP = (0.0, 0.25, 0.5, 0.75)
+SWEEP_POLICIES = ("window", "pace", "ace")
+DEFAULT = (0.9, 0.6, 0.5)
+
+
+def sweep_points() -> list[tuple[float, float, float]]:
+    pts = [(h, lo, DEFAULT[2]) for h in SWEEP_HIGH for lo in SWEEP_LOW if lo < h]
+    pts += [(DEFAULT[0], DEFAULT[1], k) for k in SWEEP_KEEP if (DEFAULT[0], DEFAULT[1], k) not in pts]
+    return pts
+
+
+def sweep_name(policy: str, point: tuple[float, float, float]) -> str:
+    return f"{policy}@h{point[0]:g}/l{point[1]:g}/k{point[2]:g}"
+
+
+def sweep_configs() -> dict:
+    """The reference rows, then each swept policy in epochs at every point of ``sweep_points``."""
+    out = {name: parse_policy_config(cfg) for name, cfg in REFERENCE.items()}
+    for name in SWEEP_POLICIES:
+        for h, lo, k in sweep_points():
+            out[sweep_name(name, (h, lo, k))] = parse_policy_config(
+                {"type": name, "compaction": {"mode": "epochs", "high": h, "low": lo, "keep": k}})
+    return out
+
+
+def frontier(points: list[tuple[float, float]]) -> list[int]:
+    """Indices of the points (billed, recall) no other point beats on both (less billed, at least the recall, or
+    the same billed and more recall)."""
+    return [i for i, (b, r) in enumerate(points)
+            if not any((b2 <= b and r2 >= r) and (b2 < b or r2 > r) for b2, r2 in points)]
+
+
+def sweep_report(summaries: list[dict], out: Path) -> str:
+    """The sweep's table per budget (far recall and billed per point, the frontier marked) and its plot."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    text = []
+    fig, axes = plt.subplots(1, len(summaries), figsize=(6.5 * len(summaries), 5), squeeze=False)
+    for ax, summary in zip(axes[0], summaries):
+        pols = summary["policies"]
+        full_billed = pols["full"]["billed_per_turn"] or 1.0
+        text += [f"Budget {summary['budget']}: far recall / strong recall / billed per turn (x full); * on the "
+                 "policy's frontier (no point of the same policy is cheaper and at least as good on far recall)",
+                 "", "| point (high/low/keep) | " + " | ".join(SWEEP_POLICIES) + " |",
+                 "|---|" + "---|" * len(SWEEP_POLICIES)]
+        fronts = {}
+        for name in SWEEP_POLICIES:
+            pts = sweep_points()
+            xy = [(pols[sweep_name(name, p)]["billed_per_turn"], pols[sweep_name(name, p)]["need_recall_far"])
+                  for p in pts]
+            fronts[name] = set(frontier(xy))
+            line = sorted((xy[i] for i in fronts[name]))
+            ax.plot([b for b, _ in line], [r for _, r in line], "-", alpha=0.5)
+            ax.scatter([b for b, _ in xy], [r for _, r in xy], s=14, label=name)
+            d = xy[pts.index(DEFAULT)]
+            ax.scatter([d[0]], [d[1]], s=90, facecolors="none", edgecolors="black")
+        for k, p in enumerate(sweep_points()):
+            cells = []
+            for name in SWEEP_POLICIES:
+                m = pols[sweep_name(name, p)]
+                star = "*" if k in fronts[name] else ""
+                cells.append(f"{m['need_recall_far']:.3f}{star} / {m['need_recall_strong']:.3f} / "
+                             f"{m['billed_per_turn']:,.0f} ({m['billed_per_turn'] / full_billed:.2f})")
+            label = f"{p[0]:g}/{p[1]:g}/{p[2]:g}" + (" (default)" if p == DEFAULT else "")
+            text.append(f"| {label} | " + " | ".join(cells) + " |")
+        for ref in REFERENCE:
+            m = pols[ref]
+            text.append(f"| {ref} | {m['need_recall_far']:.3f} / {m['need_recall_strong']:.3f} / "
+                        f"{m['billed_per_turn']:,.0f} ({m['billed_per_turn'] / full_billed:.2f}) |"
+                        + " |" * (len(SWEEP_POLICIES) - 1))
+        text.append("")
+        ax.set_xlabel("billed ids per turn (uncached + 0.1 x cached)")
+        ax.set_ylabel("far need recall")
+        ax.set_title(f"budget {summary['budget']}: watermark sweep (circle: the default)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "sweep_frontier.png", dpi=110)
+    return "\n".join(text)
+
+
 def halves(data: Path) -> dict[str, Path]:
     """The file's trajectories split in two by position (even: fit, odd: report), written to a temporary
     folder (the data stays where it is published)."""
@@ -127,10 +215,30 @@ def main() -> None:
                     "longevity: steps until a window's recall 1-4 steps back falls below 0.95)")
     ap.add_argument("--halves", action="store_true", help="replay the even (fit) and odd (report) trajectories "
                     "apart: choose on one, report the other")
+    ap.add_argument("--sweep", action="store_true", help="the watermark sweep: window, pace and ace in epochs at "
+                    "every (high, low) and keep of SWEEP_*, per budget; writes sweep.md, sweep.json and "
+                    "sweep_frontier.png (far recall against billed, the default circled)")
     args = ap.parse_args()
     if not args.data.is_file():
         sys.exit(f"no trajectories at {args.data}; pass --data FILE")
     rt, timer = runtime(args.ledger)
+    if args.sweep:
+        summaries = []
+        for budget in [int(b) for b in args.budgets.split(",")]:
+            t0 = time.perf_counter()
+            res = run_replay(rt, args.data, sweep_configs(), budget, timer=timer, reserve=RESERVE,
+                             cached_rate=args.cached_rate)
+            write_outputs(res, args.out / f"sweep-b{budget}")
+            res.summary["seconds"] = round(time.perf_counter() - t0, 1)
+            summaries.append(res.summary)
+            print(f"budget {budget}: {res.summary['seconds']} s", flush=True)
+        args.out.mkdir(parents=True, exist_ok=True)
+        text = sweep_report(summaries, args.out)
+        (args.out / "sweep.md").write_text(text + "\n")
+        (args.out / "sweep.json").write_text(json.dumps(summaries, indent=2) + "\n")
+        print(text)
+        print(f"written to {args.out}")
+        return
     keeps = [float(k) for k in args.keep.split(",") if k.strip()]
     parts = halves(args.data) if args.halves else {"all": args.data}
     summaries, text = [], []

@@ -1,3 +1,5 @@
+import re
+
 import numpy as np
 import pytest
 
@@ -43,6 +45,23 @@ def test_latest_step_and_prefix_are_never_degraded(runtime, session):
     kinds = [s.kind for s in turn.prompt.segments]
     assert kinds[:2] == ["system", "task"] and kinds.count("step") == 1
     assert turn.prompt.ids == only_latest.ids and "elided" not in turn.plan.info
+
+
+def test_steps_the_compiler_hides_keep_a_range_line_while_the_budget_holds_one(runtime, session):
+    """A policy that plans no drop (``full``) over a budget that cannot show every step: the steps the compiler
+    hides stand as a range line naming their ids, so glimpse reaches each; at the budget of the latest step
+    alone (the test above) the line goes too, and the plan says so."""
+    snap = runtime.snapshot(session)
+    only_latest = runtime.compile(snap, runtime.policy(per_turn("window", k=1)), 100_000).prompt
+    turn = runtime.compile(snap, runtime.policy(per_turn("full")), only_latest.tokens + 120)
+    hidden = [i for i, r in enumerate(turn.plan.resolution) if r == Resolution.DROP]
+    assert hidden, "the budget was meant to hide steps"
+    lines = [s.text for s in turn.prompt.segments if s.kind == "range"]
+    assert lines and all(f"#{snap.steps[i].id}" in " ".join(lines) or any(
+        snap.steps[i].id in range(int(a), int(b) + 1) for a, b in re.findall(r"ids #(\d+)\.\.#(\d+)", " ".join(lines)))
+        for i in hidden)
+    tight = runtime.compile(snap, runtime.policy(per_turn("full")), only_latest.tokens)
+    assert tight.plan.info.get("range_lines_dropped") is True
 
 
 def test_budget_below_prefix_plus_a_minimal_latest_step_is_a_clear_error(runtime, session):
@@ -115,7 +134,9 @@ def test_hidden_runs_fold_into_range_lines_within_the_budget(runtime, session):
     prompt = compile_plan(snap, plan, Budget(100_000), runtime.ledger.tokenizer)
     ranges = [s for s in prompt.segments if s.kind == "range"]
     first, last = snap.steps[0], snap.steps[8]
-    assert [s.text for s in ranges] == [f"[t=0..8 hidden (9 steps, ids #{first.id}..#{last.id}): glimpse any]"]
+    assert len(ranges) == 1
+    assert ranges[0].text.startswith(f"[t=0..8 hidden (9 steps, ids #{first.id}..#{last.id}): glimpse any; they "
+                                     'name <untrusted source="tool">')
     kinds = [s.kind for s in prompt.segments if s.kind in ("range", "step")]
     assert kinds == ["range", "step", "step", "step"]  # in order: the hidden run, then the window
     assert prompt.messages[2]["content"] == ranges[0].text  # in place, right after the task
@@ -176,3 +197,47 @@ def test_a_short_history_compiles_exactly_as_planned(runtime, session):
     snap = runtime.snapshot(session)
     turn = runtime.compile(snap, runtime.policy("pace"), 100_000)
     assert "folded" not in turn.plan.info and not turn.plan.degradations
+
+
+def test_a_range_line_keeps_the_identifiers_its_steps_introduced(runtime):
+    """Folded steps keep, on their one line and within its cap, what later actions reuse: the identifiers the
+    run introduced (no earlier step names them) first, those several of its steps name before the others;
+    inside the block of the least trusted authority they came from; and the same line at every later turn."""
+    from palimpsest.platform.salient import RANGE_ID_CHARS, RANGE_IDS, capped, range_ids
+
+    runtime.ledger.create_session("r", "Fix the loader.", system="You are a careful coding agent.")
+    steps = [("cat README.md", "see settings/loader.py, port 8080"),
+             ("ls build/", "artifact_7f3a9c.tar cache_index.bin"),
+             ("grep -rn parse_config", "settings/loader.py:12: def parse_config(env)"),
+             ("file build/artifact_7f3a9c.tar", "build/artifact_7f3a9c.tar: gzip compressed data"),
+             ("echo done", "ok"),
+             ("sed -n 1,40p settings/loader.py", "def parse_config(env): ..."),
+             ("python -m pytest tests/test_loader.py", "1 passed"),
+             ("git status", "modified: settings/loader.py")]
+    for t, (a, o) in enumerate(steps):
+        runtime.append("r", step(t, a, o))
+    snap = runtime.snapshot("r")
+    ranked = range_ids(snap.steps, [(0, 0), (1, 4)])
+    assert ranked[0][0] == "settings/loader.py"
+    later = ranked[1]
+    assert "settings/loader.py" in later and "artifact_7f3a9c.tar" in later
+    assert later.index("artifact_7f3a9c.tar") < later.index("settings/loader.py")  # step 0 introduced the path
+    assert later.index("artifact_7f3a9c.tar") < later.index("cache_index.bin")  # named by two steps of the run
+    # the compiled prompt: steps 0..4 hidden, their line carries what they introduced, within the cap
+    plan = runtime.policy(WindowConfig(k=3)).plan(snap, 100_000)
+    plan.fold_ranges = True
+    prompt = compile_plan(snap, plan, Budget(100_000), runtime.ledger.tokenizer)
+    (line,) = [s.text for s in prompt.segments if s.kind == "range"]
+    kept = line.split('<untrusted source="tool">')[1].split("</untrusted>")[0].split(", ")
+    assert kept == capped(range_ids(snap.steps, [(0, 4)])[0], RANGE_IDS, RANGE_ID_CHARS, words=True)
+    assert kept[0] == "settings/loader.py" and "artifact_7f3a9c.tar" in kept
+    assert 0 < len(kept) <= RANGE_IDS and len(", ".join(kept)) <= RANGE_ID_CHARS
+    hidden = " ".join(a + " " + o for a, o in steps[:5])
+    assert all(k in hidden for k in kept)
+    # a later turn (more steps, some reusing these names) renders the same run's line byte for byte
+    runtime.append("r", step(8, "cat build/artifact_7f3a9c.tar", "binary"))
+    snap = runtime.snapshot("r")
+    plan = runtime.policy(WindowConfig(k=4)).plan(snap, 100_000)
+    plan.fold_ranges = True
+    again = compile_plan(snap, plan, Budget(100_000), runtime.ledger.tokenizer)
+    assert [s.text for s in again.segments if s.kind == "range"] == [line]

@@ -166,10 +166,10 @@ def test_the_soft_slot_is_the_boundary(runtime):
 
 
 def test_every_step_stays_glimpseable(runtime):
-    """Glimpse-able means findable: every step is on the served prompt, shown or named by its id. (On
-    2026-12-04 it failed here, 25 of 40 steps dropped with no line and no id; it passes since the placeholder
-    lines carry identifiers, by this session's arithmetic rather than by a guarantee: a step the compiler drops
-    without a range line is still unnamed.)"""
+    """Glimpse-able means findable: every step is on the served prompt, shown or named by its id. A step the
+    compiler hides keeps a range line while the budget holds one (``compile_plan``); before that rule this
+    passed or failed by the session's arithmetic (25 of 40 steps unnamed on 2026-12-04, and again when range
+    lines grew their identifiers)."""
     sid = _session(runtime)
     turn = _boundary_then_appends(runtime, sid)
     # every step is on the prompt: shown (its action, unique per step here), or named by its id (a placeholder,

@@ -200,6 +200,8 @@ def compile_plan(snap: "SessionSnapshot", plan: RenderPlan, limit: Budget, token
     overhead = message_overhead(tokenizer)
     costs = step_costs(snap, overhead)
     level = _available_at_or_below(costs, plan.resolution.astype(np.int64))
+    chose_drop = level == Resolution.DROP  # the policy's own drops (ACE's seed renders them as nothing)
+    lines_for_drops = True  # off only where the budget cannot hold even the lines (then the ids go unnamed)
     rows = np.arange(snap.t)
     # A summary never costs more than the raw step it stands for: show the raw one instead.
     summary = (level == Resolution.DETAILED) | (level == Resolution.BRIEF)
@@ -235,9 +237,12 @@ def compile_plan(snap: "SessionSnapshot", plan: RenderPlan, limit: Budget, token
             plan.reason_code[changed] = code
         plan.info["folded"] = folded[1]
         ranges = plan.fold_ranges = True
+    folded_lines = ranges  # the policy's or the fold's range lines: kept whatever the budget
     total = prefix_tokens + fold_tokens + int(costs[rows, level].sum())
     runs_cost = 0
     while True:  # the estimate: cheap, O(M) per pass
+        if not ranges and lines_for_drops and np.any((level == Resolution.DROP) & ~chose_drop):
+            ranges = plan.fold_ranges = True  # a step the compiler hides keeps a line, so glimpse can reach it
         if ranges:
             runs_cost = len(_hidden_runs(level)) * line_cost
         if total + runs_cost <= room:
@@ -253,6 +258,8 @@ def compile_plan(snap: "SessionSnapshot", plan: RenderPlan, limit: Budget, token
 
     # The exact count: assemble, count the ids, degrade further from the measured excess.
     for _ in range(_MAX_ROUNDS):
+        if not ranges and lines_for_drops and np.any((level == Resolution.DROP) & ~chose_drop):
+            ranges = plan.fold_ranges = True
         msgs, spans = history_messages(snap, level, fold, ranges, caps)
         at = (len(prefix) + len(msgs) if slot_at_end
               else soft_slot(level, spans, len(prefix), len(prefix) + len(msgs)))
@@ -270,6 +277,10 @@ def compile_plan(snap: "SessionSnapshot", plan: RenderPlan, limit: Budget, token
         if fold is not None:
             fold = None
             plan.info["fold_dropped"] = True
+            continue
+        if ranges and lines_for_drops and not folded_lines:  # the lines the compiler's own drops added
+            ranges = plan.fold_ranges = lines_for_drops = False
+            plan.info["range_lines_dropped"] = True
             continue
         if not _tighten(snap, caps, pinned_idx, ids, tokenizer, over):
             raise BudgetError(

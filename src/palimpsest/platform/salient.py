@@ -8,6 +8,8 @@ them; policies match them (ACE's elasticizer, PACE+), and replay checks needs ag
 from __future__ import annotations
 
 import re
+from functools import lru_cache
+from typing import Sequence
 
 _URL = re.compile(r"https?://[^\s'\"<>)\]}`]+")
 _PATH = re.compile(
@@ -64,6 +66,60 @@ PLACEHOLDER_ID_CHARS = 72
 PLACEHOLDER_IDS = 4
 
 
+#: a range line's identifiers (``platform.chat.range_message``): at most this many characters, and items
+#: (a placeholder's caps: a range line stands for one step or for thousands, and is one line either way)
+RANGE_ID_CHARS = 72
+RANGE_IDS = 4
+
+
+def capped(tokens, max_items: int, max_chars: int, shown: str = "", words: bool = False) -> list[str]:
+    """``tokens`` in order, leaving out what ``shown`` already has, anything shorter than 4 characters and
+    (``words``) anything with a space in it (an expression, not a name), within ``max_items`` items and
+    ``max_chars`` characters (joined by ", ")."""
+    out: list[str] = []
+    used = 0
+    for tok in tokens:
+        if len(tok) < 4 or tok in shown or len(tok) > max_chars or (words and any(c.isspace() for c in tok)):
+            continue
+        if used + len(tok) + 2 > max_chars or len(out) >= max_items:
+            break
+        out.append(tok)
+        used += len(tok) + 2
+    return out
+
+
+@lru_cache(maxsize=1 << 16)
+def step_identifiers(action: str, observation: str) -> tuple[str, ...]:
+    """The identifiers a step names, from its own text (steps never change: computed once per step): paths,
+    then identifiers, then URLs, of its result and then of its action."""
+    ids, paths, urls, _ = extract_salient(observation, limit=64)
+    a_ids, a_paths, a_urls, _ = extract_salient(action, limit=32)
+    return tuple(uniq(paths + a_paths + ids + a_ids + urls + a_urls, 96))
+
+
+def range_ids(steps: Sequence, runs: Sequence[tuple[int, int]]) -> dict[int, list[str]]:
+    """For each run ``(i, j)`` of hidden steps (ascending, disjoint), the identifiers its steps name, the ones
+    the session may reuse first: those the run introduced (no earlier step names them) before the rest, then
+    by how many steps of the run name them, then by first occurrence. Each from the steps' own text up to the
+    run's end, so a run's line is the same at every later turn (a boundary's kept prefix renders byte for byte
+    again and the cache holds it). One pass over ``steps[:last j + 1]``."""
+    out: dict[int, list[str]] = {}
+    seen: set[str] = set()
+    k = 0
+    for i, j in runs:
+        for s in steps[k:i]:
+            seen.update(step_identifiers(s.action or "", s.observation or ""))
+        count: dict[str, int] = {}
+        for s in steps[i: j + 1]:
+            for tok in step_identifiers(s.action or "", s.observation or ""):
+                count[tok] = count.get(tok, 0) + 1
+        order = {tok: n for n, tok in enumerate(count)}
+        out[i] = sorted(count, key=lambda t: (t in seen, -count[t], order[t]))
+        seen.update(count)
+        k = j + 1
+    return out
+
+
 def placeholder_ids(observation: str | None, shown: str = "") -> list[str]:
     """The identifiers a step's result introduced that its one-line placeholder keeps: the ones the result is
     most about (``ranked_ids``), then its URLs, leaving out what the line already shows (``shown``) and
@@ -71,16 +127,9 @@ def placeholder_ids(observation: str | None, shown: str = "") -> list[str]:
     if not observation:
         return []
     ids, paths, urls, _ = extract_salient(observation, limit=64)
-    out: list[str] = []
-    used = 0
-    for tok in uniq(ranked_ids(observation, ids, paths, 6) + urls[:1], 16):
-        if len(tok) < 4 or tok in shown or len(tok) > PLACEHOLDER_ID_CHARS:
-            continue
-        if used + len(tok) + 2 > PLACEHOLDER_ID_CHARS or len(out) >= PLACEHOLDER_IDS:
-            break
-        out.append(tok)
-        used += len(tok) + 2
-    return out
+    return capped(uniq(ranked_ids(observation, ids, paths, 6) + urls[:1], 16), PLACEHOLDER_IDS,
+                  PLACEHOLDER_ID_CHARS, shown)
 
 
-__all__ = ["PLACEHOLDER_IDS", "PLACEHOLDER_ID_CHARS", "extract_salient", "placeholder_ids", "ranked_ids", "uniq"]
+__all__ = ["PLACEHOLDER_IDS", "PLACEHOLDER_ID_CHARS", "RANGE_IDS", "RANGE_ID_CHARS", "capped", "extract_salient",
+           "placeholder_ids", "range_ids", "ranked_ids", "step_identifiers", "uniq"]
