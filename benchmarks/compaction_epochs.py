@@ -75,6 +75,55 @@ def sweep_configs() -> dict:
     return out
 
 
+#: The long session (--repeat N): these policies in epochs, and `window` at several k to find the one at
+#: pace's mean prompt ids (the token-matched row). `full` is left out: at thousands of steps its prompt is the
+#: whole session on every turn (billed is reported in ids, not as a multiple of full).
+LONG_POLICIES = ("window", "rolling_summary", "pace", "ace", "pace_plus")
+LONG_WINDOW_K = (32, 64, 128, 256)
+
+
+def long_configs() -> dict:
+    out = {"last2": parse_policy_config(REFERENCE["last2"])}
+    for name in LONG_POLICIES:
+        out[name] = parse_policy_config({"type": name, "compaction": {"mode": "epochs"}})
+    for k in LONG_WINDOW_K:
+        out[f"window@k{k}"] = parse_policy_config({"type": "window", "k": k, "compaction": {"mode": "epochs"}})
+    return out
+
+
+def long_table(summary: dict) -> str:
+    """Per policy: recall, far recall, recall 1-4 steps back (whole session and worst window), the worst
+    window, windows below `window`, mean ids, billed; then the window row closest to pace's mean ids."""
+    pols = summary["policies"]
+    base = [w["need_recall_strong"] for w in pols["window"]["recall_by_window"]]
+
+    def near(m):
+        vals = [w["recall_1-4"] for w in m["recall_by_window"] if w.get("recall_1-4") is not None]
+        return min(vals) if vals else None
+
+    matched = min((n for n in pols if n.startswith("window@k")),
+                  key=lambda n: abs(pols[n]["mean_tokens"] - pols["pace"]["mean_tokens"]))
+    lines = [f"Budget {summary['budget']} (reserve {summary['max_tokens']}), one session of {summary['data']['steps']} "
+             f"steps; billed = uncached + {summary['cached_rate']:g} x cached; `{matched}` is the window row at "
+             "pace's mean ids", "",
+             "| policy | strong | far | 1-4 back | 1-4 back, worst window | worst window | windows below `window` | "
+             "mean ids | uncached/turn | billed/turn | compactions/100 |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, m in pols.items():
+        wins = [w["need_recall_strong"] for w in m["recall_by_window"]]
+        below = sum(1 for a, b in zip(wins, base) if a < b)
+        rbd = m.get("recall_by_distance", {})
+        lines.append(f"| {name} | {m['need_recall_strong']} | {m['need_recall_far']} | {rbd.get('1-4')} | {near(m)} | "
+                     f"{min(wins):.2f} | {below} of {len(wins)} | {m['mean_tokens']:,.0f} | "
+                     f"{m['uncached_per_turn']:,.0f} | {m['billed_per_turn']:,.0f} | {m['compactions_per_100']} |")
+    lines += ["", "| policy | far needs | lost | full | detailed | brief | placeholder | hidden |",
+              "|---|---|---|---|---|---|---|---|"]
+    for name, m in pols.items():
+        lost = m["far_lost"]
+        lines.append(f"| {name} | {m['far_needs']} | {sum(lost.values())} | {lost['full']} | {lost['detailed']} | "
+                     f"{lost['brief']} | {lost['placeholder']} | {lost['drop']} |")
+    return "\n".join(lines) + "\n"
+
+
 def frontier(points: list[tuple[float, float]]) -> list[int]:
     """Indices of the points (billed, recall) no other point beats on both (less billed, at least the recall, or
     the same billed and more recall)."""
@@ -218,10 +267,29 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="the watermark sweep: window, pace and ace in epochs at "
                     "every (high, low) and keep of SWEEP_*, per budget; writes sweep.md, sweep.json and "
                     "sweep_frontier.png (far recall against billed, the default circled)")
+    ap.add_argument("--repeat", type=int, default=0, help="the long session: the file N times over as one session "
+                    "(e.g. 6 at --budgets 32768), LONG_POLICIES in epochs and window at LONG_WINDOW_K; writes "
+                    "long.md and long.json")
     args = ap.parse_args()
     if not args.data.is_file():
         sys.exit(f"no trajectories at {args.data}; pass --data FILE")
     rt, timer = runtime(args.ledger)
+    if args.repeat:
+        text, summaries = [], []
+        for budget in [int(b) for b in args.budgets.split(",")]:
+            t0 = time.perf_counter()
+            res = run_replay(rt, args.data, long_configs(), budget, timer=timer, reserve=RESERVE,
+                             cached_rate=args.cached_rate, concat=True, repeat=args.repeat)
+            write_outputs(res, args.out / f"long{args.repeat}-b{budget}")
+            res.summary["seconds"] = round(time.perf_counter() - t0, 1)
+            summaries.append(res.summary)
+            text.append(long_table(res.summary))
+            print(text[-1], flush=True)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "long.md").write_text("\n".join(text))
+        (args.out / "long.json").write_text(json.dumps(summaries, indent=2) + "\n")
+        print(f"written to {args.out}")
+        return
     if args.sweep:
         summaries = []
         for budget in [int(b) for b in args.budgets.split(",")]:
