@@ -34,15 +34,19 @@ POLICIES = ["window", "rolling_summary", "pace", "ace", "pace_plus"]
 REFERENCE = {"full": {"type": "full"}, "last2": {"type": "window", "k": 2, "compaction": {"mode": "per_turn"}}}
 
 
-def configs(keeps: list[float] | None = None) -> dict:
+def configs(keeps: list[float] | None = None, layouts: list[str] | None = None) -> dict:
     """The reference rows, then each policy in epochs (the defaults) and per turn; with ``keeps``, each epoch
-    policy again at each share of the kept prefix (``compaction.keep``)."""
+    policy again at each share of the kept prefix (``compaction.keep``); with ``layouts``, pace and pace_plus
+    again in epochs at each query layout (``query``: what a boundary's plan asks for)."""
     out = {name: parse_policy_config(cfg) for name, cfg in REFERENCE.items()}
     for name in POLICIES:
         out[name] = parse_policy_config({"type": name, "compaction": {"mode": "epochs"}})
         out[f"{name}@per_turn"] = parse_policy_config({"type": name, "compaction": {"mode": "per_turn"}})
         for k in keeps or []:
             out[f"{name}@keep{k:g}"] = parse_policy_config({"type": name, "compaction": {"keep": k}})
+        if name in ("pace", "pace_plus"):
+            for q in layouts or []:
+                out[f"{name}@{q}"] = parse_policy_config({"type": name, "query": q, "compaction": {"mode": "epochs"}})
     return out
 
 
@@ -260,6 +264,8 @@ def main() -> None:
     ap.add_argument("--ledger", type=Path, default=Path(".palimpsest/replay-smollm2.db"))
     ap.add_argument("--keep", default="", help="comma-separated shares of the kept prefix to add as rows "
                     "(e.g. 0,0.25,0.5); with --halves, measured on each half of the file")
+    ap.add_argument("--query", default="", help="comma-separated query layouts to add as pace / pace_plus rows "
+                    "(e.g. epoch,task_first)")
     ap.add_argument("--concat", action="store_true", help="the whole file as one session (per-window recall, "
                     "longevity: steps until a window's recall 1-4 steps back falls below 0.95)")
     ap.add_argument("--halves", action="store_true", help="replay the even (fit) and odd (report) trajectories "
@@ -313,7 +319,8 @@ def main() -> None:
     for part, data in parts.items():
         for budget in [int(b) for b in args.budgets.split(",")]:
             t0 = time.perf_counter()
-            res = run_replay(rt, data, configs(keeps), budget, timer=timer, reserve=RESERVE,
+            layouts = [q for q in args.query.split(",") if q.strip()]
+            res = run_replay(rt, data, configs(keeps, layouts), budget, timer=timer, reserve=RESERVE,
                              cached_rate=args.cached_rate, concat=args.concat)
             name = ("concat-" if args.concat else "") + (f"b{budget}" if part == "all" else f"{part}-b{budget}")
             write_outputs(res, args.out / name)

@@ -11,7 +11,7 @@ from palimpsest.platform.policies import (
     parse_policy_config,
     policy_names,
 )
-from tests.helpers import PER_TURN, step
+from tests.helpers import PER_TURN, per_turn, step
 
 BUDGET = 100_000
 
@@ -219,3 +219,32 @@ def test_pace_caps_the_length_term_of_pressure(runtime, session):
     assert capped.pressure(snap, BUDGET) == 1.5 and unbounded.pressure(snap, BUDGET) == pytest.approx(4.0)
     last = snap.upto(snap.t, last_context_tokens={capped.name: 3 * BUDGET})
     assert capped.pressure(last, BUDGET) == pytest.approx(3.0)  # |C_{t-1}| / B_max still counts in full
+
+
+def test_the_epoch_query_covers_the_task_the_latest_steps_and_their_identifiers(runtime, ledger):
+    """A boundary's plan serves the turns until the next one: with ``query: epoch`` a step that the steps 3-8
+    back are about is as relevant as one the last step is about, where the default query (the last 2 steps)
+    sees only the latter."""
+    from palimpsest.platform.policies.base import EPOCH_QUERY_STEPS, query_steps, query_texts
+
+    ledger.create_session("e", "Repair the billing service.", system="s")
+    steps = [("cat invoices/ledger_reconcile.py", "def reconcile_ledger(rows): totals = sum_invoices(rows)"),
+             ("cat weather/forecast_today.txt", "sunny with light wind and warm afternoon temperatures"),
+             ("cat docs/unrelated_notes.md", "meeting notes about the office party and the cake"),
+             ("python -m pytest tests/test_reconcile.py", "reconcile_ledger failed: sum_invoices KeyError")]
+    steps += [("echo progress", "still working") for _ in range(2)]
+    steps += [("cat weather/forecast_week.txt", "rain later in the week with wind from the north")]
+    steps += [("echo step", "ok") for _ in range(2)]
+    for t, (a, o) in enumerate(steps):
+        runtime.append("e", step(t, a, o))
+    snap = runtime.snapshot("e")
+    texts = query_texts(snap.session.task, query_steps(snap, 2, "epoch"), "epoch")
+    assert texts[0].startswith("Repair the billing service.")
+    assert len(texts) == 1 + min(EPOCH_QUERY_STEPS, snap.t) + 1  # the task, each step, the live identifiers
+    assert "weather/forecast_week.txt" in texts[-1]
+    default = runtime.policy(per_turn("pace")).relative_weights(snap, np.arange(snap.t - 2))
+    epoch = runtime.policy(per_turn("pace", query="epoch")).relative_weights(snap, np.arange(snap.t - 2))
+    # step 1 (the weather) is what step 6, five back, was about: the epoch query ranks it above the default
+    assert epoch[1] / epoch.mean() > default[1] / default.mean()
+    # one text for the other layouts, as before
+    assert query_texts("task", snap.steps[-2:], "recent_first") == [query_texts("task", snap.steps[-2:])[0]]

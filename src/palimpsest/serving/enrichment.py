@@ -14,7 +14,7 @@ from typing import Callable
 import numpy as np
 
 from palimpsest.platform.embedding import EmbedderUnavailable
-from palimpsest.platform.policies.base import query_from
+from palimpsest.platform.policies.base import EPOCH_QUERY_STEPS, query_texts
 from palimpsest.platform.render import key_text
 from palimpsest.platform.types import StepRecord
 
@@ -183,10 +183,11 @@ class Enrichment:
         if wanted:
             ledger = self.runtime.ledger
             session, n = ledger.session(sid), ledger.count(sid)
-            recent = max(r for r, _ in wanted)
+            reads = {(r, layout): max(r, EPOCH_QUERY_STEPS) if layout == "epoch" else r for r, layout in wanted}
+            recent = max(reads.values())
             steps = ledger.steps(sid, max(0, n - recent), recent)
-            for r, layout in sorted(wanted):
-                texts.append(query_from(session.task, steps[len(steps) - min(r, len(steps)):], layout))
+            for (r, layout), k in sorted(reads.items()):
+                texts += query_texts(session.task, steps[len(steps) - min(k, len(steps)):], layout)
         if texts:
             self.runtime.embedder.prime(texts)
 

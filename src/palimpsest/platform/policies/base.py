@@ -20,6 +20,7 @@ from palimpsest.platform.embedding import Embedder, HashingEmbedder
 from palimpsest.platform.epochs import Compaction
 from palimpsest.platform.folding import HistoryBound
 from palimpsest.platform.render import head_tail, key_text, own_words
+from palimpsest.platform.salient import extract_salient, uniq
 from palimpsest.platform.tokens import ApproxTokenizer, Tokenizer
 from palimpsest.platform.types import ConfigError, Fold, RenderPlan, Resolution
 
@@ -116,7 +117,14 @@ def scored_plan_start(snap: "SessionSnapshot", recent: int, embedder, policy: st
 #: as few as ~650 of dense code or logs): each recent step's head and tail, then the head of the task, 640
 #: characters for N = 2 (docs/methods.md).
 QUERY_STEP_HEAD, QUERY_STEP_TAIL, QUERY_TASK_HEAD = 160, 80, 160
-QueryLayout = Literal["recent_first", "task_first"]
+QueryLayout = Literal["recent_first", "task_first", "epoch"]
+
+#: ``query: epoch``: the plan serves every turn until the next boundary, so the query covers the task, each of
+#: this many latest steps as its own text (never cut by the embedder's window), and the identifiers they name;
+#: a step's relevance is its best cosine over those texts (docs/methods.md).
+EPOCH_QUERY_STEPS = 8
+#: the live identifiers' text: at most this many of them (the latest steps' first)
+EPOCH_QUERY_IDS = 48
 
 
 def query_from(task: str, recent_steps, layout: QueryLayout = "recent_first") -> str:
@@ -135,8 +143,39 @@ def query_from(task: str, recent_steps, layout: QueryLayout = "recent_first") ->
 
 
 def query_text(snap: "SessionSnapshot", recent: int, layout: QueryLayout = "recent_first") -> str:
-    """PACE's query over a snapshot: the task and the last ``recent`` steps (see :func:`query_from`)."""
-    return query_from(snap.session.task, [snap.steps[i] for i in range(max(0, snap.t - recent), snap.t)], layout)
+    """PACE's query over a snapshot: the task and the last ``recent`` steps (see :func:`query_from`); for
+    ``epoch``, its texts joined (the identifier overlap of pace_plus reads it)."""
+    return "\n".join(query_texts(snap.session.task, query_steps(snap, recent, layout), layout))
+
+
+def query_steps(snap: "SessionSnapshot", recent: int, layout: QueryLayout) -> list:
+    """The latest steps a query reads: ``recent`` of them, ``max(recent, EPOCH_QUERY_STEPS)`` for ``epoch``."""
+    n = max(recent, EPOCH_QUERY_STEPS) if layout == "epoch" else recent
+    return [snap.steps[i] for i in range(max(0, snap.t - n), snap.t)]
+
+
+def query_texts(task: str, recent_steps, layout: QueryLayout = "recent_first") -> list[str]:
+    """The texts a policy embeds for its query: one (``query_from``), or for ``epoch`` the head of the task,
+    each recent step's bounded head and tail (newest first), and the identifiers they name, each its own text."""
+    if layout != "epoch":
+        return [query_from(task, recent_steps, layout)]
+    steps = list(recent_steps)[::-1]
+    texts = [task[: QUERY_TASK_HEAD * 3] or "(no task)"]
+    texts += [head_tail(own_words(s), QUERY_STEP_HEAD, QUERY_STEP_TAIL) for s in steps]
+    names: list[str] = []
+    for s in steps:
+        ids, paths, urls, _ = extract_salient(own_words(s), limit=32)
+        names += paths + ids + urls
+    live = " ".join(uniq(names, EPOCH_QUERY_IDS))
+    if live:
+        texts.append(live)
+    return [t for t in texts if t.strip()]
+
+
+def query_scores(embedder, texts: list[str], keys: np.ndarray) -> np.ndarray:
+    """Each key's cosine to the query: its best over ``texts`` (one text: that cosine). Keys are L2-normalised."""
+    q = embedder.embed(texts)  # (n, d)
+    return (keys @ q.T).max(axis=1) if len(texts) > 1 else keys @ q[0]
 
 
 def relative_softmax(s: np.ndarray, tau: float) -> np.ndarray:

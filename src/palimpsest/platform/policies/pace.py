@@ -29,7 +29,10 @@ from palimpsest.platform.policies.base import (
     PolicyDeps,
     fallback_missing,
     new_plan,
+    query_scores,
+    query_steps,
     query_text,
+    query_texts,
     relative_softmax,
     scored_plan_start,
 )
@@ -46,7 +49,8 @@ class PaceConfig(PolicyConfigBase):
     name: ClassVar[str] = "pace"
     recent: int = Field(2, ge=1, le=64, description="N: the most recent steps, always full")
     query: QueryLayout = Field("recent_first", description="query text: recent_first (the last N steps are never "
-                               "cut by the embedder's window) or task_first (the paper's order)")
+                               "cut by the embedder's window), task_first (the paper's order) or epoch (the task, "
+                               "each of the last 8 steps and their identifiers, a step scored by its best cosine)")
     tau: float = Field(0.3, gt=0.0, le=10.0, description="softmax temperature over cosine scores")
     alpha: float = Field(0.4, gt=0.0, description="brief threshold on the relative weight M*w")
     beta: float = Field(0.8, gt=0.0, description="detailed threshold")
@@ -93,8 +97,8 @@ class PacePolicy:
 
     def relative_weights(self, snap: "SessionSnapshot", old: np.ndarray) -> np.ndarray:
         """w~ = M · softmax(cos(q, k) / tau) over the old steps that have a key."""
-        q = self.deps.embedder.embed([self.query_text(snap)])[0]  # (d,)
-        s = (snap.keys @ q)[old]  # (M,) cosine; keys are L2-normalised. Index after the product: no (M, d) copy
+        texts = query_texts(snap.session.task, query_steps(snap, self.cfg.recent, self.cfg.query), self.cfg.query)
+        s = query_scores(self.deps.embedder, texts, snap.keys)[old]  # (M,) cosine; no (M, d) copy
         return relative_softmax(s, self.cfg.tau)
 
     def plan(self, snap: "SessionSnapshot", budget: int) -> RenderPlan:

@@ -34,7 +34,9 @@ from palimpsest.platform.policies.base import (
     PolicyDeps,
     fallback_missing,
     new_plan,
-    query_text,
+    query_scores,
+    query_steps,
+    query_texts,
     relative_softmax,
     scored_plan_start,
 )
@@ -145,16 +147,15 @@ class PacePlusPolicy:
         self.deps = deps
         self.config_hash = cfg.config_hash()
 
-    def _query(self, snap: "SessionSnapshot") -> tuple[str, frozenset[str]]:
-        text = query_text(snap, self.cfg.recent, self.cfg.query)
-        ids, paths, urls, _ = extract_salient(text)
-        return text, frozenset(ids) | frozenset(paths) | frozenset(urls)
+    def _query(self, snap: "SessionSnapshot") -> tuple[list[str], frozenset[str]]:
+        texts = query_texts(snap.session.task, query_steps(snap, self.cfg.recent, self.cfg.query), self.cfg.query)
+        ids, paths, urls, _ = extract_salient("\n".join(texts))
+        return texts, frozenset(ids) | frozenset(paths) | frozenset(urls)
 
     def relevance(self, snap: "SessionSnapshot", old: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(r, n_ids): relative relevance (mean 1) and the number of identifiers each step holds."""
-        text, q_ids = self._query(snap)
-        q = self.deps.embedder.embed([text])[0]
-        cos = (snap.keys @ q)[old]  # (M,)
+        texts, q_ids = self._query(snap)
+        cos = query_scores(self.deps.embedder, texts, snap.keys)[old]  # (M,)
         index = snap.salient_index()
         n_ids = index.sizes[old].astype(np.float64)
         shared = index.overlap(q_ids)[old].astype(np.float64)
