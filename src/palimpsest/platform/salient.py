@@ -8,7 +8,7 @@ them; policies match them (ACE's elasticizer, PACE+), and replay checks needs ag
 from __future__ import annotations
 
 import re
-from functools import lru_cache
+import threading
 from typing import Sequence
 
 _URL = re.compile(r"https?://[^\s'\"<>)\]}`]+")
@@ -88,13 +88,26 @@ def capped(tokens, max_items: int, max_chars: int, shown: str = "", words: bool 
     return out
 
 
-@lru_cache(maxsize=1 << 16)
 def step_identifiers(action: str, observation: str) -> tuple[str, ...]:
     """The identifiers a step names, from its own text (steps never change: computed once per step): paths,
-    then identifiers, then URLs, of its result and then of its action."""
-    ids, paths, urls, _ = extract_salient(observation, limit=64)
-    a_ids, a_paths, a_urls, _ = extract_salient(action, limit=32)
-    return tuple(uniq(paths + a_paths + ids + a_ids + urls + a_urls, 96))
+    then identifiers, then URLs, of its result and then of its action. Remembered by the texts' hashes, so
+    the cache holds no step's text."""
+    key = (hash(action), hash(observation), len(observation))
+    got = _STEP_IDS.get(key)
+    if got is None:
+        ids, paths, urls, _ = extract_salient(observation, limit=64)
+        a_ids, a_paths, a_urls, _ = extract_salient(action, limit=32)
+        got = tuple(uniq(paths + a_paths + ids + a_ids + urls + a_urls, 96))
+        with _STEP_IDS_LOCK:  # compiles run on several threads in serving
+            if len(_STEP_IDS) >= _STEP_IDS_MAX:
+                _STEP_IDS.pop(next(iter(_STEP_IDS)))
+            _STEP_IDS[key] = got
+    return got
+
+
+_STEP_IDS: dict[tuple[int, int, int], tuple[str, ...]] = {}
+_STEP_IDS_MAX = 1 << 16
+_STEP_IDS_LOCK = threading.Lock()
 
 
 def range_ids(steps: Sequence, runs: Sequence[tuple[int, int]]) -> dict[int, list[str]]:
