@@ -36,15 +36,15 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from palimpsest.platform.render import (
-    authority_block,
     head_tail,
     observation_role,
+    range_message,
+    range_names,
     render_placeholder_body,
     step_messages,
 )
-from palimpsest.platform.salient import RANGE_ID_CHARS, RANGE_IDS, capped, range_ids
 from palimpsest.platform.tokens import ChatTokenizer
-from palimpsest.platform.types import Authority, Fold, Resolution, Session, Step, StepRecord
+from palimpsest.platform.types import Fold, Resolution, Session, Step, StepRecord
 
 if TYPE_CHECKING:
     from palimpsest.platform.ledger.snapshot import SessionSnapshot
@@ -98,33 +98,6 @@ def prefix_messages(session: Session) -> list[dict]:
 
 def fold_message(fold: Fold) -> dict:
     return message("user", f"## Summary of steps 0..{fold.upto - 1}\n{fold.text.strip()}")
-
-
-def range_message(first: Step, last: Step, n: int, names: Sequence[str] = (),
-                  authority: str | Authority = Authority.TOOL) -> dict:
-    """The line that stands for hidden steps ``first..last``: their t and id range (``glimpse`` reaches each)
-    and the identifiers they introduced that the session may reuse (``names``, ``salient.range_ids``),
-    inside the block of the least trusted ``authority`` among the steps they came from."""
-    kept = f"; they name {authority_block(', '.join(names), authority, inline=True)}" if names else ""
-    if n == 1:
-        return message("user", f"[t={first.t} hidden: glimpse(#{first.id}){kept}]")
-    return message("user", f"[t={first.t}..{last.t} hidden ({n} steps, ids #{first.id}..#{last.id}): glimpse any"
-                           f"{kept}]")
-
-
-def range_names(snap: "SessionSnapshot", runs: dict[int, int]) -> dict[int, tuple[list[str], Authority]]:
-    """For each hidden run (first step -> last), the identifiers its range line keeps (``salient.range_ids``,
-    within ``RANGE_IDS`` items and ``RANGE_ID_CHARS``) and the authority they are shown under: the first
-    untrusted one among those steps (the identifiers of a step's result are data, never instructions), else
-    the first step's."""
-    ranked = range_ids(snap.steps, sorted(runs.items()))
-    out = {}
-    for i, j in runs.items():
-        steps = snap.steps[i: j + 1]
-        auth = next((Authority(s.authority) for s in steps if not Authority(s.authority).trusted),
-                    Authority(steps[0].authority))
-        out[i] = (capped(ranked[i], RANGE_IDS, RANGE_ID_CHARS, words=True), auth)
-    return out
 
 
 def glimpse_messages(step_id: int, text: str) -> list[dict]:
@@ -272,7 +245,7 @@ def history_messages(snap: "SessionSnapshot", level, fold: Fold | None, ranges: 
     hidden = np.concatenate([[False], level == drop, [False]]).astype(np.int8)
     edges = np.flatnonzero(np.diff(hidden))
     runs = {int(a): int(b) - 1 for a, b in zip(edges[::2], edges[1::2])} if ranges else {}
-    names = range_names(snap, runs) if runs else {}
+    names = range_names(snap.steps, runs) if runs else {}
     order = sorted(set(shown.tolist()) | set(runs)) if runs else shown.tolist()
     levels = level[order].tolist() if len(order) else []
     for i, lv in zip(order, levels):

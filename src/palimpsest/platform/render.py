@@ -8,9 +8,10 @@ delimited block that its own text cannot close.
 from __future__ import annotations
 
 import re
+from typing import Sequence
 
 from palimpsest.platform import toolcalls
-from palimpsest.platform.salient import placeholder_ids
+from palimpsest.platform.salient import RANGE_ID_CHARS, RANGE_IDS, capped, placeholder_ids, range_ids
 from palimpsest.platform.types import Authority, Resolution, Step, StepRecord
 
 _WS = re.compile(r"\s+")
@@ -190,3 +191,31 @@ def step_text(step: Step | StepRecord, step_id: int, resolution: Resolution, bod
     """The contents of a step's messages, joined: what the ledger counts (an estimate the compiler then
     corrects with the exact ids of the assembled chat)."""
     return "\n".join(m["content"] for m in step_messages(step, step_id, resolution, body))
+
+
+def range_message(first: Step, last: Step, n: int, names: Sequence[str] = (),
+                  authority: str | Authority = Authority.TOOL) -> dict:
+    """The line that stands for hidden steps ``first..last``: their t and id range (``glimpse`` reaches each)
+    and the identifiers they introduced that the session may reuse (``names``, ``salient.range_ids``),
+    inside the block of the least trusted ``authority`` among the steps they came from."""
+    kept = f"; they name {authority_block(', '.join(names), authority, inline=True)}" if names else ""
+    if n == 1:
+        return _msg("user", f"[t={first.t} hidden: glimpse(#{first.id}){kept}]")
+    return _msg("user", f"[t={first.t}..{last.t} hidden ({n} steps, ids #{first.id}..#{last.id}): glimpse any"
+                        f"{kept}]")
+
+
+def range_names(steps: Sequence[Step | StepRecord],
+                runs: dict[int, int]) -> dict[int, tuple[list[str], Authority]]:
+    """For each hidden run (first step -> last), the identifiers its range line keeps (``salient.range_ids``,
+    within ``RANGE_IDS`` items and ``RANGE_ID_CHARS``) and the authority they are shown under: the first
+    untrusted one among those steps (the identifiers of a step's result are data, never instructions), else
+    the first step's."""
+    ranked = range_ids(steps, sorted(runs.items()))
+    out = {}
+    for i, j in runs.items():
+        run = steps[i: j + 1]
+        auth = next((Authority(s.authority) for s in run if not Authority(s.authority).trusted),
+                    Authority(run[0].authority))
+        out[i] = (capped(ranked[i], RANGE_IDS, RANGE_ID_CHARS, words=True), auth)
+    return out
