@@ -135,7 +135,21 @@ def frontier(points: list[tuple[float, float]]) -> list[int]:
             if not any((b2 <= b and r2 >= r) and (b2 < b or r2 > r) for b2, r2 in points)]
 
 
-def sweep_report(summaries: list[dict], out: Path) -> str:
+def choose(summaries: list[dict]) -> tuple[tuple[float, float, float], dict]:
+    """The rule, fixed before any sweep was read: the point whose far recall summed over SWEEP_POLICIES and the
+    budgets is highest among those whose billed input, summed the same way, is at most the default's.
+    Applied to the fit half only; the report half shows what it gives."""
+    def total(p, key):
+        return sum(x["policies"][sweep_name(n, p)][key] for x in summaries for n in SWEEP_POLICIES)
+
+    cap = total(DEFAULT, "billed_per_turn")
+    ok = [p for p in sweep_points() if total(p, "billed_per_turn") <= cap]
+    best = max(ok, key=lambda p: (total(p, "need_recall_far"), -total(p, "billed_per_turn")))
+    return best, {"far_sum": total(best, "need_recall_far"), "billed_sum": total(best, "billed_per_turn"),
+                  "default_far_sum": total(DEFAULT, "need_recall_far"), "default_billed_sum": cap}
+
+
+def sweep_report(summaries: list[dict], out: Path, stem: str = "sweep") -> str:
     """The sweep's table per budget (far recall and billed per point, the frontier marked) and its plot."""
     import matplotlib
 
@@ -183,7 +197,7 @@ def sweep_report(summaries: list[dict], out: Path) -> str:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out / "sweep_frontier.png", dpi=110)
+    fig.savefig(out / f"{stem}_frontier.png", dpi=110)
     return "\n".join(text)
 
 
@@ -297,20 +311,38 @@ def main() -> None:
         print(f"written to {args.out}")
         return
     if args.sweep:
-        summaries = []
-        for budget in [int(b) for b in args.budgets.split(",")]:
-            t0 = time.perf_counter()
-            res = run_replay(rt, args.data, sweep_configs(), budget, timer=timer, reserve=RESERVE,
-                             cached_rate=args.cached_rate)
-            write_outputs(res, args.out / f"sweep-b{budget}")
-            res.summary["seconds"] = round(time.perf_counter() - t0, 1)
-            summaries.append(res.summary)
-            print(f"budget {budget}: {res.summary['seconds']} s", flush=True)
+        parts = halves(args.data) if args.halves else {"all": args.data}
+        by_part: dict[str, list[dict]] = {}
+        for part, data in parts.items():
+            for budget in [int(b) for b in args.budgets.split(",")]:
+                t0 = time.perf_counter()
+                res = run_replay(rt, data, sweep_configs(), budget, timer=timer, reserve=RESERVE,
+                                 cached_rate=args.cached_rate)
+                stem = "sweep" if part == "all" else f"sweep-{part}"
+                write_outputs(res, args.out / f"{stem}-b{budget}")
+                res.summary["seconds"] = round(time.perf_counter() - t0, 1)
+                res.summary["part"] = part
+                by_part.setdefault(part, []).append(res.summary)
+                print(f"{part}, budget {budget}: {res.summary['seconds']} s", flush=True)
         args.out.mkdir(parents=True, exist_ok=True)
-        text = sweep_report(summaries, args.out)
-        (args.out / "sweep.md").write_text(text + "\n")
-        (args.out / "sweep.json").write_text(json.dumps(summaries, indent=2) + "\n")
-        print(text)
+        text = []
+        for part, summaries in by_part.items():
+            stem = "sweep" if part == "all" else f"sweep-{part}"
+            text.append(("" if part == "all" else f"**{part} half**\n\n") + sweep_report(summaries, args.out, stem))
+        if args.halves:
+            point, detail = choose(by_part["fit"])
+            report = {"fit": detail, "report": dict(zip(("far_sum", "billed_sum"), (
+                sum(x["policies"][sweep_name(n, point)][k] for x in by_part["report"] for n in SWEEP_POLICIES)
+                for k in ("need_recall_far", "billed_per_turn")))) | {
+                "default_far_sum": sum(x["policies"][sweep_name(n, DEFAULT)]["need_recall_far"]
+                                       for x in by_part["report"] for n in SWEEP_POLICIES),
+                "default_billed_sum": sum(x["policies"][sweep_name(n, DEFAULT)]["billed_per_turn"]
+                                          for x in by_part["report"] for n in SWEEP_POLICIES)}}
+            text.append(f"Chosen on the fit half (choose()): high/low/keep {point}; {json.dumps(report)}")
+            by_part["choice"] = [{"point": point, **report}]
+        (args.out / "sweep.md").write_text("\n".join(text) + "\n")
+        (args.out / "sweep.json").write_text(json.dumps(by_part, indent=2) + "\n")
+        print("\n".join(text))
         print(f"written to {args.out}")
         return
     keeps = [float(k) for k in args.keep.split(",") if k.strip()]
