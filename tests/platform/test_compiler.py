@@ -57,9 +57,10 @@ def test_steps_the_compiler_hides_keep_a_range_line_while_the_budget_holds_one(r
     hidden = [i for i, r in enumerate(turn.plan.resolution) if r == Resolution.DROP]
     assert hidden, "the budget was meant to hide steps"
     lines = [s.text for s in turn.prompt.segments if s.kind == "range"]
-    assert lines and all(f"#{snap.steps[i].id}" in " ".join(lines) or any(
-        snap.steps[i].id in range(int(a), int(b) + 1) for a, b in re.findall(r"ids #(\d+)\.\.#(\d+)", " ".join(lines)))
-        for i in hidden)
+    joined = " ".join(lines)
+    spans = [(int(a), int(b)) for a, b in re.findall(r"ids #(\d+)\.\.#(\d+)", joined)]
+    assert lines and all(re.search(rf"#{snap.steps[i].id}(?!\d)", joined) or any(
+        a <= snap.steps[i].id <= b for a, b in spans) for i in hidden)
     tight = runtime.compile(snap, runtime.policy(per_turn("full")), only_latest.tokens)
     assert tight.plan.info.get("range_lines_dropped") is True
 
@@ -241,3 +242,58 @@ def test_a_range_line_keeps_the_identifiers_its_steps_introduced(runtime):
     plan.fold_ranges = True
     again = compile_plan(snap, plan, Budget(100_000), runtime.ledger.tokenizer)
     assert [s.text for s in again.segments if s.kind == "range"] == [line]
+
+
+def test_only_the_runs_the_compiler_hid_or_a_boundary_drew_get_lines(runtime, session):
+    """A policy's own drops stay as its seed renders them (no line); a run a previous boundary drew inside a
+    line (``plan.lined``: its kept region) gets its line again, whatever hid it; and a recompile of a plan
+    draws what the first compile drew."""
+    from palimpsest.platform.policies.base import Reasons, new_plan
+
+    snap = runtime.snapshot(session)
+    m = snap.t
+    reasons = Reasons()
+    levels = np.full(m, int(Resolution.FULL))
+    levels[[0, 1, 4]] = int(Resolution.DROP)  # the policy drops 0-1 and 4
+    plan = new_plan("p", "x", snap, levels.copy(), np.linspace(0, 1, m), np.full(m, reasons("r")), reasons)
+    prompt = compile_plan(snap, plan, Budget(100_000), runtime.ledger.tokenizer)
+    assert [s for s in prompt.segments if s.kind == "range"] == []  # drops the policy chose: no line
+    plan = new_plan("p", "x", snap, levels.copy(), np.linspace(0, 1, m), np.full(m, reasons("r")), reasons)
+    plan.lined = np.zeros(m, dtype=bool)
+    plan.lined[[0, 1]] = True  # a kept region drew 0-1 inside a line
+    prompt = compile_plan(snap, plan, Budget(100_000), runtime.ledger.tokenizer)
+    lines = [s for s in prompt.segments if s.kind == "range"]
+    assert [(s.step_id, s.text.split(":")[0]) for s in lines] == [
+        (snap.steps[0].id, f"[t=0..1 hidden (2 steps, ids #{snap.steps[0].id}..#{snap.steps[1].id})")]
+    again = compile_plan(snap, plan, Budget(100_000), runtime.ledger.tokenizer)
+    assert again.ids == prompt.ids
+
+
+def test_a_kept_region_names_the_runs_its_boundary_drew(runtime, session):
+    from palimpsest.platform.epoch_compile import _lined
+    from palimpsest.platform.epochs import Boundary
+    from palimpsest.platform.types import Segment
+
+    snap = runtime.snapshot(session)
+    drop, full = int(Resolution.DROP), int(Resolution.FULL)
+    res = np.array([drop, drop, full, drop, full, drop] + [full] * (snap.t - 6), dtype=np.int8)
+    seg = Segment("range", "user", "[t=0..1 hidden]", 10, t=snap.steps[0].t, step_id=snap.steps[0].id,
+                  resolution=Resolution.DROP, messages=(2, 3))
+    b = Boundary(t=snap.t, messages=(), resolution=res, score=np.zeros(snap.t), reason_code=np.zeros(snap.t, np.int16),
+                 reasons=(), segments=(seg,))
+    assert _lined(b, snap, 5).tolist()[:6] == [True, True, False, False, False, False]  # 3 had no line; 5 not kept
+
+
+def test_a_range_line_shows_its_names_under_the_least_trusted_authority_of_its_steps():
+    from palimpsest.platform import Authority
+    from palimpsest.platform.render import range_names
+
+    steps = [step(0, "cat notes.txt", "see deploy_config.yaml", authority=Authority.USER),
+             step(1, "curl https://example.com/doc", "the page names release_tag_v2", authority=Authority.RETRIEVED),
+             step(2, "ls build/", "artifact_7f3a9c.tar", authority=Authority.TOOL)]
+    (names, auth), = range_names(steps, {0: 2}).values()
+    assert auth is Authority.RETRIEVED and names
+    (_, auth), = range_names(steps, {0: 0}).values()
+    assert auth is Authority.USER
+    (_, auth), = range_names([steps[0], steps[2]], {0: 1}).values()
+    assert auth is Authority.TOOL  # a tool's result is never shown as the user's words

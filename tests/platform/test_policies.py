@@ -222,29 +222,37 @@ def test_pace_caps_the_length_term_of_pressure(runtime, session):
 
 
 def test_the_epoch_query_covers_the_task_the_latest_steps_and_their_identifiers(runtime, ledger):
-    """A boundary's plan serves the turns until the next one: with ``query: epoch`` a step that the steps 3-8
-    back are about is as relevant as one the last step is about, where the default query (the last 2 steps)
-    sees only the latter."""
-    from palimpsest.platform.policies.base import EPOCH_QUERY_STEPS, query_steps, query_texts
+    """A boundary's plan serves the turns until the next one: with ``query: epoch`` a step that one of the last
+    8 steps is about is relevant, where the default query (the last 2 steps) does not see it; and a step that
+    is itself one of the query's texts is not scored against its own text."""
+    from palimpsest.platform.policies.base import EPOCH_QUERY_STEPS, query_relevance, query_steps, query_texts
 
     ledger.create_session("e", "Repair the billing service.", system="s")
-    steps = [("cat invoices/ledger_reconcile.py", "def reconcile_ledger(rows): totals = sum_invoices(rows)"),
-             ("cat weather/forecast_today.txt", "sunny with light wind and warm afternoon temperatures"),
+    steps = [("cat weather/forecast_today.txt", "sunny with light wind and warm afternoon temperatures"),
+             ("cat invoices/ledger_reconcile.py", "def reconcile_ledger(rows): totals = sum_invoices(rows)"),
              ("cat docs/unrelated_notes.md", "meeting notes about the office party and the cake"),
              ("python -m pytest tests/test_reconcile.py", "reconcile_ledger failed: sum_invoices KeyError")]
-    steps += [("echo progress", "still working") for _ in range(2)]
-    steps += [("cat weather/forecast_week.txt", "rain later in the week with wind from the north")]
-    steps += [("echo step", "ok") for _ in range(2)]
+    filler = ["garden hose", "piano lesson", "bicycle tyre", "kitchen tiles", "violin strings", "marble statue",
+              "copper kettle"]
+    steps += [(f"echo {w}", f"{w} noted") for w in filler[:3]]
+    steps += [("cat weather/forecast_week.txt", "rain later in the week with wind from the north")]  # step 7
+    steps += [(f"echo {w}", f"{w} noted") for w in filler[3:]]
     for t, (a, o) in enumerate(steps):
         runtime.append("e", step(t, a, o))
     snap = runtime.snapshot("e")
-    texts = query_texts(snap.session.task, query_steps(snap, 2, "epoch"), "epoch")
+    window = query_steps(snap, 2, "epoch")
+    assert len(window) == EPOCH_QUERY_STEPS and window[0].t == snap.t - EPOCH_QUERY_STEPS  # steps 4..11
+    texts = query_texts(snap.session.task, window, "epoch")
     assert texts[0].startswith("Repair the billing service.")
-    assert len(texts) == 1 + min(EPOCH_QUERY_STEPS, snap.t) + 1  # the task, each step, the live identifiers
+    assert len(texts) == 1 + EPOCH_QUERY_STEPS + 1  # the task, each step, the live identifiers
     assert "weather/forecast_week.txt" in texts[-1]
-    default = runtime.policy(per_turn("pace")).relative_weights(snap, np.arange(snap.t - 2))
-    epoch = runtime.policy(per_turn("pace", query="epoch")).relative_weights(snap, np.arange(snap.t - 2))
-    # step 1 (the weather) is what step 6, five back, was about: the epoch query ranks it above the default
-    assert epoch[1] / epoch.mean() > default[1] / default.mean()
+    old = np.arange(snap.t - 2)
+    default = runtime.policy(per_turn("pace")).relative_weights(snap, old)
+    epoch = runtime.policy(per_turn("pace", query="epoch")).relative_weights(snap, old)
+    # step 0 (the weather, outside the query's steps) is what step 7 was about: the epoch query ranks it higher
+    assert epoch[0] / epoch.mean() > default[0] / default.mean()
+    # step 7 is a query text: its score is its best cosine over the other texts, not 1 against itself
+    cos = query_relevance(snap, 2, "epoch", runtime.embedder)
+    assert cos[7] < 0.99
     # one text for the other layouts, as before
     assert query_texts("task", snap.steps[-2:], "recent_first") == [query_texts("task", snap.steps[-2:])[0]]

@@ -57,6 +57,18 @@ def test_bad_configs_are_refused_before_any_worker(tmp_path, actor_dir, section,
         config(tmp_path, actor_dir, **{section: value})
 
 
+def test_the_config_a_worker_receives_validates_as_the_one_parsed(tmp_path, actor_dir):
+    """The launcher hands each worker ``cfg.model_dump(mode="json")``; it must validate back to the same config
+    (the derived data fields it carries are refused only in a file)."""
+    from palimpsest.training.config import TrainConfig
+    from palimpsest.training.prepare import data_config
+
+    cfg = config(tmp_path, actor_dir)
+    assert TrainConfig.model_validate(cfg.model_dump(mode="json")) == cfg
+    built = data_config(cfg)
+    assert TrainConfig.model_validate({**cfg.model_dump(mode="json"), "data": built.to_dict()}).data == built
+
+
 def test_missing_actor_and_empty_data_are_clear_errors(tmp_path, actor_dir):
     from palimpsest.training.prepare import prepare
 

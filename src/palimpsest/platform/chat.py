@@ -228,12 +228,12 @@ def message_overhead(tokenizer: ChatTokenizer) -> int:
 _OVERHEAD: dict[str, int] = {}
 
 
-def history_messages(snap: "SessionSnapshot", level, fold: Fold | None, ranges: bool,
+def history_messages(snap: "SessionSnapshot", level, fold: Fold | None, ranges: "bool | np.ndarray",
                      elide: dict[int, int] | None = None) -> tuple[list[dict], list[tuple[int, int, int]]]:
     """The messages of a plan's history (after the prefix) and, per step shown, (index, first message, n).
 
-    ``level[i]`` is step i's resolution (DROP: not shown); with ``ranges`` every run of dropped steps is one
-    line in place. ``elide`` maps a step index to the character cap of its fields (oversized steps)."""
+    ``level[i]`` is step i's resolution (DROP: not shown); with ``ranges`` True every run of dropped steps is one
+    line in place, with an (M,) bool mask only the runs holding a masked step. ``elide`` maps a step index to the character cap of its fields (oversized steps)."""
     msgs: list[dict] = []
     spans: list[tuple[int, int, int]] = []
     if fold is not None:
@@ -244,7 +244,9 @@ def history_messages(snap: "SessionSnapshot", level, fold: Fold | None, ranges: 
     shown = np.flatnonzero(level < drop)
     hidden = np.concatenate([[False], level == drop, [False]]).astype(np.int8)
     edges = np.flatnonzero(np.diff(hidden))
-    runs = {int(a): int(b) - 1 for a, b in zip(edges[::2], edges[1::2])} if ranges else {}
+    runs = {int(a): int(b) - 1 for a, b in zip(edges[::2], edges[1::2])} if ranges is not False else {}
+    if isinstance(ranges, np.ndarray):  # only the runs holding a step the mask names get a line
+        runs = {a: b for a, b in runs.items() if ranges[a: b + 1].any()}
     names = range_names(snap.steps, runs) if runs else {}
     order = sorted(set(shown.tolist()) | set(runs)) if runs else shown.tolist()
     levels = level[order].tolist() if len(order) else []

@@ -237,14 +237,35 @@ def compile_plan(snap: "SessionSnapshot", plan: RenderPlan, limit: Budget, token
             plan.reason_code[changed] = code
         plan.info["folded"] = folded[1]
         ranges = plan.fold_ranges = True
-    folded_lines = ranges  # the policy's or the fold's range lines: kept whatever the budget
+    folded_lines = bool(ranges)  # the policy's or the fold's lines (every run): kept whatever the budget
+    lined = plan.lined if plan.lined is not None and np.any(plan.lined) else None
+
+    def lines() -> "bool | np.ndarray":
+        """Which hidden runs get a line: every run (the policy's or the fold's lines); else the runs holding a
+        step the compiler hid (a policy's own drops stay as its seed renders them) or one the previous boundary
+        drew inside a line (``plan.lined``: its kept region renders byte for byte); False for none."""
+        if folded_lines:
+            return True
+        if not lines_for_drops:
+            return False
+        hidden = level == Resolution.DROP
+        m = hidden & ~chose_drop
+        if lined is not None:
+            m |= lined & hidden
+        return m if m.any() else False
+
+    def lines_cost(mask) -> int:
+        if mask is False:
+            return 0
+        runs = _hidden_runs(level)
+        if mask is not True:
+            runs = [(a, b) for a, b in runs if mask[a: b + 1].any()]
+        return len(runs) * line_cost
+
     total = prefix_tokens + fold_tokens + int(costs[rows, level].sum())
-    runs_cost = 0
     while True:  # the estimate: cheap, O(M) per pass
-        if not ranges and lines_for_drops and np.any((level == Resolution.DROP) & ~chose_drop):
-            ranges = plan.fold_ranges = True  # a step the compiler hides keeps a line, so glimpse can reach it
-        if ranges:
-            runs_cost = len(_hidden_runs(level)) * line_cost
+        ranges = lines()
+        runs_cost = lines_cost(ranges)
         if total + runs_cost <= room:
             break
         step = _degrade(costs, level, keep, order, total + runs_cost - room, last)
@@ -258,8 +279,7 @@ def compile_plan(snap: "SessionSnapshot", plan: RenderPlan, limit: Budget, token
 
     # The exact count: assemble, count the ids, degrade further from the measured excess.
     for _ in range(_MAX_ROUNDS):
-        if not ranges and lines_for_drops and np.any((level == Resolution.DROP) & ~chose_drop):
-            ranges = plan.fold_ranges = True
+        ranges = lines()
         msgs, spans = history_messages(snap, level, fold, ranges, caps)
         at = (len(prefix) + len(msgs) if slot_at_end
               else soft_slot(level, spans, len(prefix), len(prefix) + len(msgs)))
@@ -271,16 +291,16 @@ def compile_plan(snap: "SessionSnapshot", plan: RenderPlan, limit: Budget, token
         if step is not None:
             degraded.append(step[0])
             continue
+        if ranges is not False and not folded_lines:  # the compiler's lines go before the kept region or the fold
+            lines_for_drops = False
+            plan.info["range_lines_dropped"] = True
+            continue
         if keep is not pinned:
             keep = _release(plan, pinned)
             continue
         if fold is not None:
             fold = None
             plan.info["fold_dropped"] = True
-            continue
-        if ranges and lines_for_drops and not folded_lines:  # the lines the compiler's own drops added
-            ranges = plan.fold_ranges = lines_for_drops = False
-            plan.info["range_lines_dropped"] = True
             continue
         if not _tighten(snap, caps, pinned_idx, ids, tokenizer, over):
             raise BudgetError(
@@ -294,6 +314,11 @@ def compile_plan(snap: "SessionSnapshot", plan: RenderPlan, limit: Budget, token
     # tokens a turn saved against it without encoding the whole history every turn).
     plan.info["full_tokens_estimate"] = prefix_tokens + int(np.maximum(costs[:, Resolution.FULL], 0).sum())
     plan.resolution = level.astype(np.int8)
+    if isinstance(ranges, np.ndarray):  # the runs drawn with a line: a recompile of this plan draws them again
+        plan.lined = np.zeros(len(level), dtype=bool)
+        for a, b in _hidden_runs(level):
+            if ranges[a: b + 1].any():
+                plan.lined[a: b + 1] = True
     plan.degraded = np.concatenate(degraded) if degraded else np.zeros((0, 3), dtype=np.int64)
     if caps:
         plan.info["elided"] = [{"t": snap.steps[i].t, "step_id": snap.steps[i].id, "max_field_chars": c,

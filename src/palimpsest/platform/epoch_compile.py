@@ -83,6 +83,7 @@ def compile_epoch(snap: "SessionSnapshot", plan_at: Callable[[int], RenderPlan],
             plan.resolution[:kept] = base.resolution[:kept]
             plan.frozen = np.zeros(len(plan), dtype=bool)
             plan.frozen[:kept] = True
+            plan.lined = _lined(base, snap, kept)
             plan.reason_code[:kept] = len(plan.reasons)
             plan.reasons.append(f"kept as the compaction boundary at t={base.t} rendered it (the prefix cache "
                                 "holds it)")
@@ -135,6 +136,27 @@ def compile_epoch(snap: "SessionSnapshot", plan_at: Callable[[int], RenderPlan],
             "tokens": prompt.tokens, "recent": recent_info}
     plan.info["compaction"] = info
     return plan, prompt, boundary_of(plan, prompt.messages, prompt.segments, budget, info), True
+
+
+def _lined(b: Boundary, snap: "SessionSnapshot", kept: int) -> np.ndarray:
+    """(M,) bool: the hidden steps of the kept region that boundary ``b`` drew inside a range line (its range
+    segments name each run's first step by id), so that the next compile draws those lines again, whatever hid
+    them."""
+    lv = b.resolution[:kept]
+    out = np.zeros(snap.t, dtype=bool)
+    firsts = {s.step_id for s in b.segments if s.kind == "range"}
+    i = 0
+    while i < kept:
+        if lv[i] != _DROP:
+            i += 1
+            continue
+        j = i
+        while j + 1 < kept and lv[j + 1] == _DROP:
+            j += 1
+        if int(snap.step_ids[i]) in firsts:
+            out[i: j + 1] = True
+        i = j + 1
+    return out
 
 
 def _kept_prefix(b: Boundary, snap: "SessionSnapshot", overhead: int, limit: int) -> int:

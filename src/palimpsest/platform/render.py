@@ -208,14 +208,16 @@ def range_message(first: Step, last: Step, n: int, names: Sequence[str] = (),
 def range_names(steps: Sequence[Step | StepRecord],
                 runs: dict[int, int]) -> dict[int, tuple[list[str], Authority]]:
     """For each hidden run (first step -> last), the identifiers its range line keeps (``salient.range_ids``,
-    within ``RANGE_IDS`` items and ``RANGE_ID_CHARS``) and the authority they are shown under: the first
-    untrusted one among those steps (the identifiers of a step's result are data, never instructions), else
-    the first step's."""
+    within ``RANGE_IDS`` items and ``RANGE_ID_CHARS``) and the authority they are shown under: the least
+    trusted among those steps (retrieved, tool, user, model, system: the identifiers of a tool's result are
+    never shown as the user's words, nor as instructions)."""
     ranked = range_ids(steps, sorted(runs.items()))
     out = {}
     for i, j in runs.items():
-        run = steps[i: j + 1]
-        auth = next((Authority(s.authority) for s in run if not Authority(s.authority).trusted),
-                    Authority(run[0].authority))
+        auth = min((Authority(s.authority) for s in steps[i: j + 1]), key=_TRUST.index)
         out[i] = (capped(ranked[i], RANGE_IDS, RANGE_ID_CHARS, words=True), auth)
     return out
+
+
+#: Authorities from the least trusted to the most: a range line's names are shown under its steps' lowest.
+_TRUST = [Authority.RETRIEVED, Authority.TOOL, Authority.USER, Authority.MODEL, Authority.SYSTEM]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import threading
+from collections import OrderedDict
 from typing import Sequence
 
 _URL = re.compile(r"https?://[^\s'\"<>)\]}`]+")
@@ -66,7 +67,7 @@ PLACEHOLDER_ID_CHARS = 72
 PLACEHOLDER_IDS = 4
 
 
-#: a range line's identifiers (``platform.chat.range_message``): at most this many characters, and items
+#: a range line's identifiers (``platform.render.range_message``): at most this many characters, and items
 #: (a placeholder's caps: a range line stands for one step or for thousands, and is one line either way)
 RANGE_ID_CHARS = 72
 RANGE_IDS = 4
@@ -90,23 +91,26 @@ def capped(tokens, max_items: int, max_chars: int, shown: str = "", words: bool 
 
 def step_identifiers(action: str, observation: str) -> tuple[str, ...]:
     """The identifiers a step names, from its own text (steps never change: computed once per step): paths,
-    then identifiers, then URLs, of its result and then of its action. Remembered by the texts' hashes, so
-    the cache holds no step's text."""
+    then identifiers, then URLs, of its result and then of its action. Remembered (least recently used out) by
+    the texts' hashes, so the cache holds no step's text."""
     key = (hash(action), hash(observation), len(observation))
-    got = _STEP_IDS.get(key)
-    if got is None:
-        ids, paths, urls, _ = extract_salient(observation, limit=64)
-        a_ids, a_paths, a_urls, _ = extract_salient(action, limit=32)
-        got = tuple(uniq(paths + a_paths + ids + a_ids + urls + a_urls, 96))
-        with _STEP_IDS_LOCK:  # compiles run on several threads in serving
-            if len(_STEP_IDS) >= _STEP_IDS_MAX:
-                _STEP_IDS.pop(next(iter(_STEP_IDS)))
-            _STEP_IDS[key] = got
+    with _STEP_IDS_LOCK:  # compiles run on several threads in serving
+        got = _STEP_IDS.get(key)
+        if got is not None:
+            _STEP_IDS.move_to_end(key)
+            return got
+    ids, paths, urls, _ = extract_salient(observation, limit=64)
+    a_ids, a_paths, a_urls, _ = extract_salient(action, limit=32)
+    got = tuple(uniq(paths + a_paths + ids + a_ids + urls + a_urls, 96))
+    with _STEP_IDS_LOCK:
+        _STEP_IDS[key] = got
+        if len(_STEP_IDS) > _STEP_IDS_MAX:
+            _STEP_IDS.popitem(last=False)
     return got
 
 
-_STEP_IDS: dict[tuple[int, int, int], tuple[str, ...]] = {}
-_STEP_IDS_MAX = 1 << 16
+_STEP_IDS: "OrderedDict[tuple[int, int, int], tuple[str, ...]]" = OrderedDict()
+_STEP_IDS_MAX = 1 << 17
 _STEP_IDS_LOCK = threading.Lock()
 
 

@@ -227,6 +227,9 @@ class RenderPlan:
     # oldest region as the previous boundary rendered it, so the prefix cache holds it); released if nothing
     # else can give way
     frozen: Any = None
+    # (M,) bool or None: hidden steps whose run keeps its range line whatever hid them (a boundary's kept
+    # region, as the previous boundary drew it)
+    lined: Any = None
     info: dict[str, Any] = field(default_factory=dict)
 
     def __len__(self) -> int:

@@ -92,10 +92,6 @@ class TrainConfig(_Strict):
     def _data(self) -> "TrainConfig":
         if self.data.file is None:
             raise ValueError("data.file: the trajectories (JSONL) to train on are required")
-        derived = {"soft_slots": "memory (MemoryNetwork.slots_for(data.memory_tokens))", "seed": "optim.seed"}
-        bad = [f"data.{k} is derived from {v}" for k, v in derived.items() if k in self.data.model_fields_set]
-        if bad:
-            raise ValueError("; ".join(bad) + ": leave it out")
         return self
 
     @model_validator(mode="after")
@@ -113,9 +109,20 @@ def load_train_config(path: str | Path) -> TrainConfig:
     return parse_train_config(read_yaml(path, "training config"), where=str(path))
 
 
+#: fields of ``data:`` a training config derives (``training.prepare.data_config``): a file may not set them
+DERIVED_DATA = {"soft_slots": "memory (MemoryNetwork.slots_for(data.memory_tokens))", "seed": "optim.seed"}
+
+
 def parse_train_config(data, where: str = "config") -> TrainConfig:
+    """A training config from its file's mapping. A dump of a parsed config (what the launcher hands each
+    worker) validates with ``TrainConfig.model_validate`` directly."""
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: a training config is a mapping")
+    section = data.get("data")
+    bad = [f"data.{k} is derived from {v}" for k, v in DERIVED_DATA.items()
+           if isinstance(section, dict) and k in section]
+    if bad:
+        raise ConfigError(f"{where}: invalid training config: {'; '.join(bad)}: leave it out")
     try:
         return TrainConfig.model_validate(data)
     except ValidationError as e:

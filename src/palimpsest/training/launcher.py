@@ -40,6 +40,7 @@ from palimpsest.training.prepare import (
     _load_rows,
     _teacher_key,
     curriculum_row,
+    data_config,
     prepare,
 )
 
@@ -191,7 +192,7 @@ def _export_bundle(cfg: TrainConfig, module, actor, out: Path, engine, data_dir:
         policy_config=cfg.tracking.policy_config, name=cfg.name,
         # the resolved policy config the samples were compiled with (content and hash)
         policy={"file": cfg.tracking.policy_config, **(report.get("policy") or {})},
-        data={**cfg.data.model_dump(), "sha256": report.get("data_sha256"), **_splits(data_dir),
+        data={**data_config(cfg).to_dict(), "sha256": report.get("data_sha256"), **_splits(data_dir),
               # the read version the rows were built with (none recorded: version 1, before it was)
               "memory_read": (report.get("config") or {}).get("memory_read")})
     write_bundle(out, state, meta)
@@ -264,7 +265,8 @@ class _RankZeroTracker:
                                "strategy": cfg.distributed.strategy, "num_workers": cfg.distributed.num_workers,
                                **{f"memory.{k}": v for k, v in cfg.memory.model_dump().items()},
                                **{f"optim.{k}": v for k, v in cfg.optim.model_dump().items()}})
-            mlflow.log_dict(cfg.model_dump(mode="json"), "config.json")
+            # the data section as built: its derived fields (soft slots, seed) filled in
+            mlflow.log_dict({**cfg.model_dump(mode="json"), "data": data_config(cfg).to_dict()}, "config.json")
         else:
             mlflow.set_tag("resumed_at_step", str(resumed_at))
 

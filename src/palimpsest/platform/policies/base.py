@@ -157,25 +157,41 @@ def query_steps(snap: "SessionSnapshot", recent: int, layout: QueryLayout) -> li
 def query_texts(task: str, recent_steps, layout: QueryLayout = "recent_first") -> list[str]:
     """The texts a policy embeds for its query: one (``query_from``), or for ``epoch`` the head of the task,
     each recent step's bounded head and tail (newest first), and the identifiers they name, each its own text."""
+    return [text for text, _ in _query_parts(task, recent_steps, layout)]
+
+
+def _query_parts(task: str, recent_steps, layout: QueryLayout) -> list[tuple[str, int]]:
+    """(text, k): k is the position in ``recent_steps`` of the step the text is (-1: the task, the identifiers
+    or a one-text query)."""
     if layout != "epoch":
-        return [query_from(task, recent_steps, layout)]
-    steps = list(recent_steps)[::-1]
-    texts = [task[: QUERY_TASK_HEAD * 3] or "(no task)"]
-    texts += [head_tail(own_words(s), QUERY_STEP_HEAD, QUERY_STEP_TAIL) for s in steps]
+        return [(query_from(task, recent_steps, layout), -1)]
+    steps = list(recent_steps)
+    parts = [(task[: QUERY_TASK_HEAD * 3] or "(no task)", -1)]
+    parts += [(head_tail(own_words(steps[k]), QUERY_STEP_HEAD, QUERY_STEP_TAIL), k)
+              for k in range(len(steps) - 1, -1, -1)]
     names: list[str] = []
-    for s in steps:
+    for s in reversed(steps):
         ids, paths, urls, _ = extract_salient(own_words(s), limit=32)
         names += paths + ids + urls
-    live = " ".join(uniq(names, EPOCH_QUERY_IDS))
-    if live:
-        texts.append(live)
-    return [t for t in texts if t.strip()]
+    parts.append((" ".join(uniq(names, EPOCH_QUERY_IDS)), -1))
+    return [(text, k) for text, k in parts if text.strip()]
 
 
-def query_scores(embedder, texts: list[str], keys: np.ndarray) -> np.ndarray:
-    """Each key's cosine to the query: its best over ``texts`` (one text: that cosine). Keys are L2-normalised."""
-    q = embedder.embed(texts)  # (n, d)
-    return (keys @ q.T).max(axis=1) if len(texts) > 1 else keys @ q[0]
+def query_relevance(snap: "SessionSnapshot", recent: int, layout: QueryLayout, embedder) -> np.ndarray:
+    """(M,) each step's cosine to the policy's query: for one text, that cosine; for ``epoch``, its best over the
+    texts other than its own (a step among the latest ones is a query text itself, and would score 1 against
+    it). Keys are L2-normalised."""
+    steps = query_steps(snap, recent, layout)
+    parts = _query_parts(snap.session.task, steps, layout)
+    q = embedder.embed([text for text, _ in parts])  # (n, d)
+    if len(parts) == 1:
+        return snap.keys @ q[0]
+    s = snap.keys @ q.T  # (M, n)
+    first = snap.t - len(steps)
+    for col, (_, k) in enumerate(parts):
+        if k >= 0:
+            s[first + k, col] = -np.inf
+    return s.max(axis=1)
 
 
 def relative_softmax(s: np.ndarray, tau: float) -> np.ndarray:

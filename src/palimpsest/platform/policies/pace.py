@@ -29,10 +29,8 @@ from palimpsest.platform.policies.base import (
     PolicyDeps,
     fallback_missing,
     new_plan,
-    query_scores,
-    query_steps,
+    query_relevance,
     query_text,
-    query_texts,
     relative_softmax,
     scored_plan_start,
 )
@@ -97,8 +95,7 @@ class PacePolicy:
 
     def relative_weights(self, snap: "SessionSnapshot", old: np.ndarray) -> np.ndarray:
         """w~ = M · softmax(cos(q, k) / tau) over the old steps that have a key."""
-        texts = query_texts(snap.session.task, query_steps(snap, self.cfg.recent, self.cfg.query), self.cfg.query)
-        s = query_scores(self.deps.embedder, texts, snap.keys)[old]  # (M,) cosine; no (M, d) copy
+        s = query_relevance(snap, self.cfg.recent, self.cfg.query, self.deps.embedder)[old]  # (M,) cosine
         return relative_softmax(s, self.cfg.tau)
 
     def plan(self, snap: "SessionSnapshot", budget: int) -> RenderPlan:

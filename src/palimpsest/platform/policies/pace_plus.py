@@ -34,7 +34,7 @@ from palimpsest.platform.policies.base import (
     PolicyDeps,
     fallback_missing,
     new_plan,
-    query_scores,
+    query_relevance,
     query_steps,
     query_texts,
     relative_softmax,
@@ -154,8 +154,8 @@ class PacePlusPolicy:
 
     def relevance(self, snap: "SessionSnapshot", old: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(r, n_ids): relative relevance (mean 1) and the number of identifiers each step holds."""
-        texts, q_ids = self._query(snap)
-        cos = query_scores(self.deps.embedder, texts, snap.keys)[old]  # (M,)
+        _, q_ids = self._query(snap)
+        cos = query_relevance(snap, self.cfg.recent, self.cfg.query, self.deps.embedder)[old]  # (M,)
         index = snap.salient_index()
         n_ids = index.sizes[old].astype(np.float64)
         shared = index.overlap(q_ids)[old].astype(np.float64)
