@@ -59,6 +59,11 @@ SWEEP_POLICIES = ("window", "pace", "ace")
 DEFAULT = (0.9, 0.6, 0.5)
 
 
+def _f(x, fmt: str = ".3f") -> str:
+    """A figure, or '-' where the replay had none (a window or a half without such needs)."""
+    return "-" if x is None else format(x, fmt)
+
+
 def sweep_points() -> list[tuple[float, float, float]]:
     pts = [(h, lo, DEFAULT[2]) for h in SWEEP_HIGH for lo in SWEEP_LOW if lo < h]
     pts += [(DEFAULT[0], DEFAULT[1], k) for k in SWEEP_KEEP if (DEFAULT[0], DEFAULT[1], k) not in pts]
@@ -105,20 +110,25 @@ def long_table(summary: dict) -> str:
         vals = [w["recall_1-4"] for w in m["recall_by_window"] if w.get("recall_1-4") is not None]
         return min(vals) if vals else None
 
+    def wins_of(m):
+        return [w["need_recall_strong"] for w in m["recall_by_window"]]
+
     matched = min((n for n in pols if n.startswith("window@k")),
-                  key=lambda n: abs(pols[n]["mean_tokens"] - pols["pace"]["mean_tokens"]))
+                  key=lambda n: abs((pols[n]["mean_tokens"] or 0) - (pols["pace"]["mean_tokens"] or 0)))
     lines = [f"Budget {summary['budget']} (reserve {summary['max_tokens']}), one session of {summary['data']['steps']} "
              f"steps; billed = uncached + {summary['cached_rate']:g} x cached; `{matched}` is the window row at "
              "pace's mean ids", "",
              "| policy | strong | far | 1-4 back | 1-4 back, worst window | worst window | windows below `window` | "
              "mean ids | uncached/turn | billed/turn | compactions/100 |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, m in pols.items():
-        wins = [w["need_recall_strong"] for w in m["recall_by_window"]]
-        below = sum(1 for a, b in zip(wins, base) if a < b)
+        wins = wins_of(m)
+        below = sum(1 for a, b in zip(wins, base) if a is not None and b is not None and a < b)
+        low = min((w for w in wins if w is not None), default=None)
         rbd = m.get("recall_by_distance", {})
         lines.append(f"| {name} | {m['need_recall_strong']} | {m['need_recall_far']} | {rbd.get('1-4')} | {near(m)} | "
-                     f"{min(wins):.2f} | {below} of {len(wins)} | {m['mean_tokens']:,.0f} | "
-                     f"{m['uncached_per_turn']:,.0f} | {m['billed_per_turn']:,.0f} | {m['compactions_per_100']} |")
+                     f"{_f(low, '.2f')} | {below} of {len(wins)} | {_f(m['mean_tokens'], ',.0f')} | "
+                     f"{_f(m['uncached_per_turn'], ',.0f')} | {_f(m['billed_per_turn'], ',.0f')} | "
+                     f"{m['compactions_per_100']} |")
     lines += ["", "| policy | far needs | lost | full | detailed | brief | placeholder | hidden |",
               "|---|---|---|---|---|---|---|---|"]
     for name, m in pols.items():
@@ -139,8 +149,8 @@ def choose(summaries: list[dict]) -> tuple[tuple[float, float, float], dict]:
     """The rule, fixed before any sweep was read: the point whose far recall summed over SWEEP_POLICIES and the
     budgets is highest among those whose billed input, summed the same way, is at most the default's.
     Applied to the fit half only; the report half shows what it gives."""
-    def total(p, key):
-        return sum(x["policies"][sweep_name(n, p)][key] for x in summaries for n in SWEEP_POLICIES)
+    def total(p, key):  # a figure the replay had none of (no far needs in a half) counts 0 for every point
+        return sum(x["policies"][sweep_name(n, p)][key] or 0.0 for x in summaries for n in SWEEP_POLICIES)
 
     cap = total(DEFAULT, "billed_per_turn")
     ok = [p for p in sweep_points() if total(p, "billed_per_turn") <= cap]
@@ -168,8 +178,8 @@ def sweep_report(summaries: list[dict], out: Path, stem: str = "sweep") -> str:
         fronts = {}
         for name in SWEEP_POLICIES:
             pts = sweep_points()
-            xy = [(pols[sweep_name(name, p)]["billed_per_turn"], pols[sweep_name(name, p)]["need_recall_far"])
-                  for p in pts]
+            xy = [(pols[sweep_name(name, p)]["billed_per_turn"] or 0.0,
+                   pols[sweep_name(name, p)]["need_recall_far"] or 0.0) for p in pts]
             fronts[name] = set(frontier(xy))
             line = sorted((xy[i] for i in fronts[name]))
             ax.plot([b for b, _ in line], [r for _, r in line], "-", alpha=0.5)
@@ -181,14 +191,14 @@ def sweep_report(summaries: list[dict], out: Path, stem: str = "sweep") -> str:
             for name in SWEEP_POLICIES:
                 m = pols[sweep_name(name, p)]
                 star = "*" if k in fronts[name] else ""
-                cells.append(f"{m['need_recall_far']:.3f}{star} / {m['need_recall_strong']:.3f} / "
-                             f"{m['billed_per_turn']:,.0f} ({m['billed_per_turn'] / full_billed:.2f})")
+                cells.append(f"{_f(m['need_recall_far'])}{star} / {_f(m['need_recall_strong'])} / "
+                             f"{_f(m['billed_per_turn'], ',.0f')} ({(m['billed_per_turn'] or 0) / full_billed:.2f})")
             label = f"{p[0]:g}/{p[1]:g}/{p[2]:g}" + (" (default)" if p == DEFAULT else "")
             text.append(f"| {label} | " + " | ".join(cells) + " |")
         for ref in REFERENCE:
             m = pols[ref]
-            text.append(f"| {ref} | {m['need_recall_far']:.3f} / {m['need_recall_strong']:.3f} / "
-                        f"{m['billed_per_turn']:,.0f} ({m['billed_per_turn'] / full_billed:.2f}) |"
+            text.append(f"| {ref} | {_f(m['need_recall_far'])} / {_f(m['need_recall_strong'])} / "
+                        f"{_f(m['billed_per_turn'], ',.0f')} ({(m['billed_per_turn'] or 0) / full_billed:.2f}) |"
                         + " |" * (len(SWEEP_POLICIES) - 1))
         text.append("")
         ax.set_xlabel("billed ids per turn (uncached + 0.1 x cached)")
@@ -291,6 +301,12 @@ def main() -> None:
                     "(e.g. 6 at --budgets 32768), LONG_POLICIES in epochs and window at LONG_WINDOW_K; writes "
                     "long.md and long.json")
     args = ap.parse_args()
+    if args.sweep and args.repeat:
+        ap.error("--sweep and --repeat are separate runs")
+    if (args.sweep or args.repeat) and (args.keep or args.query or args.concat):
+        ap.error("--keep, --query and --concat add rows to the default run, not to --sweep or --repeat")
+    if args.repeat and args.halves:
+        ap.error("--repeat is one session of the whole file: no --halves")
     if not args.data.is_file():
         sys.exit(f"no trajectories at {args.data}; pass --data FILE")
     rt, timer = runtime(args.ledger)
