@@ -129,13 +129,7 @@ def long_table(summary: dict) -> str:
                      f"{_f(low, '.2f')} | {below} of {len(wins)} | {_f(m['mean_tokens'], ',.0f')} | "
                      f"{_f(m['uncached_per_turn'], ',.0f')} | {_f(m['billed_per_turn'], ',.0f')} | "
                      f"{m['compactions_per_100']} |")
-    lines += ["", "| policy | far needs | lost | full | detailed | brief | placeholder | hidden |",
-              "|---|---|---|---|---|---|---|---|"]
-    for name, m in pols.items():
-        lost = m["far_lost"]
-        lines.append(f"| {name} | {m['far_needs']} | {sum(lost.values())} | {lost['full']} | {lost['detailed']} | "
-                     f"{lost['brief']} | {lost['placeholder']} | {lost['drop']} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + lost_table(pols, ids=False)) + "\n"
 
 
 def frontier(points: list[tuple[float, float]]) -> list[int]:
@@ -248,13 +242,19 @@ def table(summary: dict) -> str:
         for name, m in pols.items():
             wins = " ".join(str(w["need_recall_strong"]) for w in m["recall_by_window"])
             lines.append(f"| {name} | {wins} | {m['longevity_steps']} |")
-    lines += ["", "| policy | far needs | lost | full | detailed | brief | placeholder | hidden | ids on their sources |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    return "\n".join(lines + lost_table(pols)) + "\n"
+
+
+def lost_table(pols: dict, ids: bool = True) -> list[str]:
+    """Lost far needs per policy by the resolution their source step got (and the ids spent on those steps)."""
+    out = ["", "| policy | far needs | lost | full | detailed | brief | placeholder | hidden |"
+           + (" ids on their sources |" if ids else ""), "|---|---|---|---|---|---|---|---|" + ("---|" if ids else "")]
     for name, m in pols.items():
         lost = m["far_lost"]
-        lines.append(f"| {name} | {m['far_needs']} | {sum(lost.values())} | {lost['full']} | {lost['detailed']} | "
-                     f"{lost['brief']} | {lost['placeholder']} | {lost['drop']} | {m['far_lost_ids']:,} |")
-    return "\n".join(lines) + "\n"
+        out.append(f"| {name} | {m['far_needs']} | {sum(lost.values())} | {lost['full']} | {lost['detailed']} | "
+                   f"{lost['brief']} | {lost['placeholder']} | {lost['drop']} |"
+                   + (f" {m['far_lost_ids']:,} |" if ids else ""))
+    return out
 
 
 def plot(summaries: list[dict], path: Path) -> None:

@@ -139,6 +139,12 @@ def _degrade(costs: np.ndarray, level: np.ndarray, pinned: np.ndarray, score: np
     return np.stack([chosen, before, after], axis=1).astype(np.int64), int(cum[k - 1])
 
 
+def _lined_runs(level: np.ndarray, mask: "bool | np.ndarray") -> list[tuple[int, int]]:
+    """The runs of dropped steps that get a line: all of them (``mask`` True), or those holding a masked step."""
+    runs = _hidden_runs(level)
+    return runs if mask is True else [(a, b) for a, b in runs if mask[a: b + 1].any()]
+
+
 def _hidden_runs(level: np.ndarray) -> list[tuple[int, int]]:
     """Maximal runs [a, b] of dropped steps."""
     hidden = np.concatenate([[False], level == _DROP, [False]]).astype(np.int8)
@@ -255,12 +261,7 @@ def compile_plan(snap: "SessionSnapshot", plan: RenderPlan, limit: Budget, token
         return m if m.any() else False
 
     def lines_cost(mask) -> int:
-        if mask is False:
-            return 0
-        runs = _hidden_runs(level)
-        if mask is not True:
-            runs = [(a, b) for a, b in runs if mask[a: b + 1].any()]
-        return len(runs) * line_cost
+        return 0 if mask is False else len(_lined_runs(level, mask)) * line_cost
 
     total = prefix_tokens + fold_tokens + int(costs[rows, level].sum())
     while True:  # the estimate: cheap, O(M) per pass
@@ -316,9 +317,8 @@ def compile_plan(snap: "SessionSnapshot", plan: RenderPlan, limit: Budget, token
     plan.resolution = level.astype(np.int8)
     if isinstance(ranges, np.ndarray):  # the runs drawn with a line: a recompile of this plan draws them again
         plan.lined = np.zeros(len(level), dtype=bool)
-        for a, b in _hidden_runs(level):
-            if ranges[a: b + 1].any():
-                plan.lined[a: b + 1] = True
+        for a, b in _lined_runs(level, ranges):
+            plan.lined[a: b + 1] = True
     plan.degraded = np.concatenate(degraded) if degraded else np.zeros((0, 3), dtype=np.int64)
     if caps:
         plan.info["elided"] = [{"t": snap.steps[i].t, "step_id": snap.steps[i].id, "max_field_chars": c,

@@ -142,20 +142,11 @@ def _lined(b: Boundary, snap: "SessionSnapshot", kept: int) -> np.ndarray:
     """(M,) bool: the hidden steps of the kept region that boundary ``b`` drew inside a range line (its range
     segments name each run's first step by id), so that the next compile draws those lines again, whatever hid
     them."""
-    lv = b.resolution[:kept]
     out = np.zeros(snap.t, dtype=bool)
     firsts = {s.step_id for s in b.segments if s.kind == "range"}
-    i = 0
-    while i < kept:
-        if lv[i] != _DROP:
-            i += 1
-            continue
-        j = i
-        while j + 1 < kept and lv[j + 1] == _DROP:
-            j += 1
+    for i, j in compiler._hidden_runs(b.resolution[:kept].astype(np.int64)):
         if int(snap.step_ids[i]) in firsts:
             out[i: j + 1] = True
-        i = j + 1
     return out
 
 
