@@ -49,6 +49,17 @@ def table(doc: dict) -> str:
     return "\n".join(rows)
 
 
+def turn_table(doc: dict) -> str:
+    """An epoch policy's two kinds of served turn apart: the boundary (the epoch's compaction) and the append
+    turns after it (the chain as served); a per-turn policy plans every turn."""
+    rows = ["| policy | served turn | boundaries | KL | top-1 | positions |", "|---|---|---|---|---|---|"]
+    for label, p in doc["policies"].items():
+        for kind, v in (p.get("by_turn") or {}).items():
+            rows.append(f"| {label} | {kind} | {v['boundaries']} | {v['kl']:.3f} | {v['top1']:.3f} | "
+                        f"{v['positions']:.0f} |")
+    return "\n".join(rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", type=Path, default=DEV)
@@ -70,6 +81,8 @@ def main() -> None:
         print(f"\n### Budget {budget:,} (window {args.window:,}): {n} boundaries from {trajectories} trajectories"
               f"{' (held out from the memory)' if doc.get('held_out_only') else ''}\n")
         print(table(doc))
+        print()
+        print(turn_table(doc))
         print(f"\nteacher cache: {doc['teacher_cache']}")
 
 
