@@ -1,9 +1,11 @@
 """Where the lost far needs went, side by side across runs of `compaction_epochs.py`.
 
     .venv/bin/python benchmarks/loss_table.py before=benchmarks/results/epochs_steps/before \\
-        after=benchmarks/results/range_lines/after_fixed [--policies window,pace,ace] [--budgets 8192,16384]
+        after=benchmarks/results/range_lines/after_fixed "query epoch=benchmarks/results/epoch_query/whole:pace@epoch" \
+        [--policies window,pace,ace] [--budgets 8192,16384]
 
-Each argument is LABEL=DIR, a directory holding the `epochs.json` a replay wrote (one summary per budget). For
+Each argument is LABEL=DIR[:POLICY,...], a directory holding the `epochs.json` a replay wrote (one summary per
+budget), and optionally the only rows to take from it (a run that adds a `--query` row repeats the others). For
 every budget, policy and run: far recall, the far needs lost, and how the turn that lost each one showed its
 source step (`full` = an oversized step shown head and tail, `detailed`, `brief`, `placeholder`, `hidden` in a
 range), and billed ids per turn against `full`'s. Rows a run does not have (a `--query` row, say) are left out.
@@ -25,7 +27,8 @@ def load(path: Path) -> dict[int, dict]:
     return {int(s["budget"]): s for s in (doc if isinstance(doc, list) else [doc])}
 
 
-def rows(runs: dict[str, dict[int, dict]], budget: int, policies: list[str]) -> list[str]:
+def rows(runs: dict[str, dict[int, dict]], budget: int, policies: list[str],
+         only: dict[str, set[str]] | None = None) -> list[str]:
     out = [f"**Budget {budget:,}** (epochs; far recall, far needs lost by how their source step was shown, "
            "billed ids per turn (x full))", "",
            "| policy | run | far recall | lost | full | detailed | brief | placeholder | hidden | billed/turn |",
@@ -34,7 +37,7 @@ def rows(runs: dict[str, dict[int, dict]], budget: int, policies: list[str]) -> 
         for label, by_budget in runs.items():
             summary = by_budget.get(budget)
             m = summary and summary["policies"].get(name)
-            if not m:
+            if not m or (only and only.get(label) and name not in only[label]):
                 continue
             lost = m["far_lost"]
             full = summary["policies"].get("full", {}).get("billed_per_turn")
@@ -47,21 +50,26 @@ def rows(runs: dict[str, dict[int, dict]], budget: int, policies: list[str]) -> 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("runs", nargs="+", help="LABEL=DIR (a directory with epochs.json)")
+    ap.add_argument("runs", nargs="+", help="LABEL=DIR[:POLICY,...] (a directory with epochs.json)")
     ap.add_argument("--policies", default="window,rolling_summary,pace,ace,pace_plus,pace@epoch")
     ap.add_argument("--budgets", default="", help="comma-separated (default: every budget of the first run)")
     args = ap.parse_args()
     runs: dict[str, dict[int, dict]] = {}
+    only: dict[str, set[str]] = {}
     for spec in args.runs:
-        label, sep, folder = spec.partition("=")
+        label, sep, rest = spec.partition("=")
+        folder, _, names = rest.partition(":")
         if not sep or not label or not (Path(folder) / "epochs.json").is_file():
-            raise SystemExit(f"{spec!r}: expected LABEL=DIR with DIR/epochs.json")
+            raise SystemExit(f"{spec!r}: expected LABEL=DIR[:POLICY,...] with DIR/epochs.json")
+        if label in runs:
+            raise SystemExit(f"{spec!r}: the label {label!r} is used twice")
         runs[label] = load(Path(folder))
+        only[label] = {n for n in names.split(",") if n}
     budgets = ([int(b) for b in args.budgets.split(",") if b]
                or sorted(next(iter(runs.values()))))
     policies = [p for p in args.policies.split(",") if p]
     for budget in budgets:
-        print("\n".join(rows(runs, budget, policies)) + "\n")
+        print("\n".join(rows(runs, budget, policies, only)) + "\n")
 
 
 if __name__ == "__main__":
