@@ -222,6 +222,8 @@ def main() -> None:
     ap.add_argument("--lr-slots", type=float, default=None)
     ap.add_argument("--lr-readout", type=float, default=None)
     ap.add_argument("--lr-summary", type=float, default=None)
+    ap.add_argument("--lora-rank", type=int, default=None, help="the LoRA rank (default: the config's), "
+                                                                   "alpha scaled to keep alpha / rank")
     ap.add_argument("--continuation", type=float, default=0.0)
     ap.add_argument("--chunks", type=int, default=20000, help="most standard-library spans read")
     ap.add_argument("--seed", type=int, default=0)
@@ -250,8 +252,10 @@ def main() -> None:
                  ("summary", args.lr_summary)):
         if v is not None:
             lrs[k] = v
+    rank = {} if args.lora_rank is None else {"lora_rank": args.lora_rank,  # alpha / rank kept as configured
+                                              "lora_alpha": cfg.memory.lora_alpha * args.lora_rank / cfg.memory.lora_rank}
     mcfg = MemoryConfig(**{**cfg.memory.to_dict(), "block_size": args.tokens, "queries": args.slots,
-                           "max_slots": max(cfg.memory.max_slots, args.slots)})  # validated
+                           "max_slots": max(cfg.memory.max_slots, args.slots), **rank})  # validated
     actor_path = str(resolve_actor(cfg))
     args.actor_path = actor_path
     torch.manual_seed(args.seed)
