@@ -252,8 +252,8 @@ def main() -> None:
                  ("summary", args.lr_summary)):
         if v is not None:
             lrs[k] = v
-    rank = {} if args.lora_rank is None else {"lora_rank": args.lora_rank,  # alpha / rank kept as configured
-                                              "lora_alpha": cfg.memory.lora_alpha * args.lora_rank / cfg.memory.lora_rank}
+    rank = {} if args.lora_rank is None else {  # alpha / rank kept as configured
+        "lora_rank": args.lora_rank, "lora_alpha": cfg.memory.lora_alpha * args.lora_rank / cfg.memory.lora_rank}
     mcfg = MemoryConfig(**{**cfg.memory.to_dict(), "block_size": args.tokens, "queries": args.slots,
                            "max_slots": max(cfg.memory.max_slots, args.slots), **rank})  # validated
     actor_path = str(resolve_actor(cfg))
@@ -353,7 +353,9 @@ def main() -> None:
     else:
         out.update(rung5(args, actor, network, train_rows, val_rows, lrs))
     out["seconds"] = round(time.perf_counter() - t1, 1)
-    path = args.out or OUT / f"rung{args.rung}.json"
+    variant = (f"_rank{args.lora_rank}" if args.lora_rank is not None else "") + \
+        (f"_slots{args.slots}" if args.slots != 8 else "")  # a variant never overwrites the results of record
+    path = args.out or OUT / f"rung{args.rung}{variant}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2))
     print(json.dumps({k: v for k, v in out.items() if k not in ("curve", "evals")}, indent=2)[:3000])
