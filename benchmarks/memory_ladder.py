@@ -94,13 +94,16 @@ class FreeSlots:
 
 
 def train(net, actor, samples, steps: int, lrs: dict, warmup: int, seed: int, log_every: int = 50,
-          check=None, check_every: int = 0, continuation: float = 0.0) -> list[dict]:
-    """Stage I steps on ``samples`` (tensors), shuffled passes; ``check(step)`` every ``check_every`` steps may
-    stop the run early by returning True."""
-    from palimpsest.training.step import LocalBackend, Step, lr_at
+          check=None, check_every: int = 0, continuation: float = 0.0, batch: int = 1,
+          autocast: str = "none") -> list[dict]:
+    """Stage I steps of ``batch`` spans each on ``samples`` (tensors), shuffled passes; ``check(step)`` every
+    ``check_every`` steps may stop the run early by returning True. Each span's prefill is kept for its next
+    visit (the actor is frozen)."""
+    from palimpsest.training.step import LocalBackend, PrefixCache, Step, lr_at
 
     backend = LocalBackend(net, lrs, 0.0, 1.0)
-    step = Step(backend, actor, continuation=continuation)
+    step = Step(backend, actor, continuation=continuation, autocast=autocast,
+                prefix=PrefixCache(rows=len(samples)) if batch > 1 else None)
     rng = random.Random(seed)
     order: list[int] = []
     curve = []
@@ -108,9 +111,16 @@ def train(net, actor, samples, steps: int, lrs: dict, warmup: int, seed: int, lo
     for i in range(steps):
         if not order:
             order = rng.sample(range(len(samples)), len(samples))
-        s = samples[order.pop()]
         backend.set_lr(lr_at(i, steps, 1.0, "cosine", warmup))
-        f = step(s, 1, net.merge_passes(int(s["span"].numel())))
+        if batch > 1:
+            rows = []
+            while len(rows) < batch:
+                order = order or rng.sample(range(len(samples)), len(samples))
+                rows.append(samples[order.pop()])
+            f = step(rows, 1)
+        else:
+            s = samples[order.pop()]
+            f = step(s, 1, net.merge_passes(int(s["span"].numel())))
         curve.append({"step": i + 1, "loss": f["loss"], "grad_norm": f["grad_norm"],
                       **{k: v for k, v in f.items() if k.startswith("grad/")}})
         if log_every and (i + 1) % log_every == 0:
@@ -225,6 +235,9 @@ def main() -> None:
     ap.add_argument("--lora-rank", type=int, default=None, help="the LoRA rank (default: the config's), "
                                                                    "alpha scaled to keep alpha / rank")
     ap.add_argument("--continuation", type=float, default=0.0)
+    ap.add_argument("--batch", type=int, default=1, help="rung 3/4: spans per step (one actor pass)")
+    ap.add_argument("--autocast", default="none", choices=("none", "bfloat16"),
+                    help="rung 3/4: the training step under torch.autocast (scoring stays fp32)")
     ap.add_argument("--chunks", type=int, default=20000, help="most standard-library spans read")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
@@ -277,7 +290,8 @@ def main() -> None:
     out: dict = {"rung": args.rung, "config": str(args.config.relative_to(ROOT) if args.config.is_relative_to(ROOT)
                                                    else args.config),
                  "memory": mcfg.to_dict(), "lrs": lrs, "warmup": args.warmup, "tokens": args.tokens,
-                 "slots": args.slots, "seed": args.seed, "machine": "2 CPU cores (this machine)"}
+                 "slots": args.slots, "seed": args.seed, "batch": args.batch, "autocast": args.autocast,
+                 "torch_threads": torch.get_num_threads(), "machine": "2 CPU cores (this machine)"}
     t1 = time.perf_counter()
     if args.rung == 0:
         net = network()
@@ -339,7 +353,8 @@ def main() -> None:
 
         check(0)
         curve = train(net, actor, train_t, args.steps, lrs, args.warmup, args.seed, log_every=50, check=check,
-                      check_every=args.eval_every or max(args.steps // 4, 1), continuation=args.continuation)
+                      check_every=args.eval_every or max(args.steps // 4, 1), continuation=args.continuation,
+                      batch=args.batch, autocast=args.autocast)
         if evals[-1]["step"] != len(curve):
             check(len(curve))
         final = evals[-1]
@@ -354,7 +369,8 @@ def main() -> None:
         out.update(rung5(args, actor, network, train_rows, val_rows, lrs))
     out["seconds"] = round(time.perf_counter() - t1, 1)
     variant = (f"_rank{args.lora_rank}" if args.lora_rank is not None else "") + \
-        (f"_slots{args.slots}" if args.slots != 8 else "")  # a variant never overwrites the results of record
+        (f"_slots{args.slots}" if args.slots != 8 else "") + (f"_batch{args.batch}" if args.batch != 1 else "") + \
+        (f"_{args.autocast}" if args.autocast != "none" else "")  # a variant never overwrites the results of record
     path = args.out or OUT / f"rung{args.rung}{variant}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2))

@@ -259,3 +259,54 @@ def test_gradient_accumulation_updates_every_k_rows_with_the_mean_gradient():
     b1.optimizer.step()
     for (k, a), b in zip(accum.state_dict().items(), whole.state_dict().values()):
         assert torch.allclose(a, b, atol=1e-6), k
+
+
+def test_a_batch_of_spans_is_the_mean_of_their_losses_and_its_memories_are_each_ones_own():
+    """Stage I's batch (memories read together, one actor pass) is the same loss as the rows one by one, with
+    the same gradient; a list read by the network gives each history's own memory."""
+    from palimpsest.training.losses import stage1_batch_loss
+    from palimpsest.training.step import PrefixCache
+
+    actor = tiny_actor()
+    net = memnet(actor)
+    with torch.no_grad():  # LoRA B away from zero, so that the memory depends on what each block holds
+        for d in net.lora:
+            for lora in d.values():
+                lora.B.normal_(0, 0.05)
+    g = torch.Generator().manual_seed(3)
+    instr = torch.randint(0, 256, (5,), generator=g)
+    rows = [{"span": torch.randint(0, 256, (n,), generator=g), "instruction": instr} for n in (16, 16, 16, 32)]
+    mems = net([r["span"] for r in rows])
+    for m, r in zip(mems, rows):
+        assert torch.allclose(m, net(r["span"]), atol=1e-5)
+    assert not torch.allclose(mems[0], mems[1], atol=1e-3)  # each reads its own span
+
+    same = rows[:3]
+    batch = stage1_batch_loss(net, actor, same, prefix=PrefixCache(rows=8))
+    batch.backward()
+    got = net.slots.grad.clone()
+    net.zero_grad()
+    one_by_one = sum(stage1_loss(net, actor, r) for r in same) / len(same)
+    one_by_one.backward()
+    assert torch.allclose(batch, one_by_one, atol=1e-5)
+    assert torch.allclose(got, net.slots.grad, atol=1e-6)
+    mixed = stage1_batch_loss(net, actor, rows)  # unequal lengths: row by row, the same loss
+    assert torch.allclose(mixed, sum(stage1_loss(net, actor, r) for r in rows) / len(rows), atol=1e-5)
+    with pytest.raises(ValueError, match="summary"):
+        net([r["span"] for r in rows], torch.zeros(3, actor.hidden_size))
+    with pytest.raises(ValueError, match="merge"):
+        net([torch.randint(0, 256, (80,), generator=g)])  # 5 blocks x 4 > max_slots 16
+
+
+def test_a_step_under_autocast_updates_fp32_weights_and_an_unknown_precision_is_refused():
+    actor = tiny_actor()
+    net = memnet(actor)
+    g = torch.Generator().manual_seed(4)
+    instr = torch.randint(0, 256, (5,), generator=g)
+    rows = [{"span": torch.randint(0, 256, (16,), generator=g), "instruction": instr} for _ in range(2)]
+    before = net.slots.detach().clone()
+    figures = Step(LocalBackend(net, lr=1e-2), actor, autocast="bfloat16")(rows, stage=1)
+    assert figures["loss"] > 0 and net.slots.dtype == torch.float32
+    assert not torch.equal(before, net.slots.detach())
+    with pytest.raises(ValueError, match="autocast"):
+        Step(LocalBackend(net, lr=1e-2), actor, autocast="int8")

@@ -106,6 +106,13 @@ class Source:
     def positions(self) -> int:
         return sum(self.lengths)
 
+    @staticmethod
+    def cat(sources: list["Source"]) -> "Source":
+        """Several histories' blocks as one source (their blocks side by side; each block is read on its own)."""
+        return Source([torch.cat(k, 0) for k in zip(*(s.keys for s in sources))],
+                      [torch.cat(v, 0) for v in zip(*(s.values for s in sources))],
+                      torch.cat([s.inputs for s in sources], 0), [n for s in sources for n in s.lengths])
+
 
 def _actor_model(actor) -> nn.Module:
     """The HF causal LM of a ``FrozenActor`` (or the model itself)."""
@@ -281,14 +288,20 @@ class MemoryNetwork(nn.Module):
 
     # -------------------------------------------------------------------------------- forward
 
-    def forward(self, history: torch.Tensor | Source, summary: torch.Tensor | None = None,
-                min_passes: int = 0) -> torch.Tensor:
+    def forward(self, history: torch.Tensor | Source | list, summary: torch.Tensor | None = None,
+                min_passes: int = 0) -> torch.Tensor | list[torch.Tensor]:
         """``history``: token ids (T,) or their :meth:`source`; ``summary``: (T_s, d) token embeddings of the
         summary, or None. Returns the soft span (S, d), S = slots_for(T).
+
+        A list of histories (ids or sources, no summary, none needing a merge) is read in one batch: every
+        block of every history side by side, the same result as one call each (a training batch of Stage I
+        spans); returns the list of their soft spans.
 
         ``min_passes``: run at least this many merge passes, the extra ones with a zero contribution. Data-
         parallel training sets it to the largest count of any rank this step: ZeRO-3 gathers a module's weights
         with a collective at every call, so all ranks must call the same modules as often."""
+        if isinstance(history, list):
+            return self._forward_many(history, summary)
         src = history if isinstance(history, Source) else self.source(history)
         if summary is not None and (summary.dim() != 2 or summary.shape[-1] != self.d):
             raise ValueError(f"expected summary embeddings of shape (T, {self.d}), got {tuple(summary.shape)}")
@@ -311,6 +324,23 @@ class MemoryNetwork(nn.Module):
         if not passes and torch.is_grad_enabled():
             idle = idle + 0.0 * self.merge_slots.sum()
         return mem + idle
+
+    def _forward_many(self, histories: list, summary: torch.Tensor | None) -> list[torch.Tensor]:
+        if not histories:
+            raise ValueError("no histories to read")
+        if summary is not None:
+            raise ValueError("a batch of histories is read without a summary (one call per history with one)")
+        sources = [h if isinstance(h, Source) else self.source(h) for h in histories]
+        counts = [len(s.lengths) * self.cfg.queries for s in sources]
+        if max(counts) > self.cfg.max_slots:
+            raise ValueError(f"a history of {max(counts)} first-level soft tokens needs a merge (max_slots "
+                             f"{self.cfg.max_slots}): read it on its own")
+        mem = self._read(Source.cat(sources), self.slots, None)
+        if torch.is_grad_enabled():  # the same parameters every step (DDP buckets), with a zero contribution
+            x, kv = mem.new_zeros(1, 1, self.d), mem.new_zeros(1, self.d)
+            mem = mem + 0.0 * (self.merge_slots.sum() + sum(
+                m(x, kv, self._base.layers[int(k)].input_layernorm).sum() for k, m in self.summary_attn.items()))
+        return list(mem.split(counts, 0))
 
     # -------------------------------------------------------------------------------- bookkeeping
 

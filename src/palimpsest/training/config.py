@@ -37,6 +37,9 @@ class OptimSection(_Strict):
     stage1_continuation: float = Field(0.0, ge=0.0, le=1.0, description="Stage I's weight of continuation "
                                        "(the memory of a span's first half predicts its second) beside "
                                        "reconstruction")
+    autocast: Literal["none", "bfloat16", "float16"] = Field(
+        "none", description="mixed precision: the step's forward and backward under torch.autocast at this dtype "
+        "(weights, optimizer and loss stay fp32); bfloat16 is ~1.8x faster per span on CPUs with AVX512-BF16")
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
     kl_decay: float = Field(0.05, ge=0, description="w_j proportional to 1 / (1 + kl_decay * j)")

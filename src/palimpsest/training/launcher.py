@@ -104,7 +104,7 @@ def train_loop(loop_config: dict) -> None:
                else DDPBackend(memnet, lrs, o.weight_decay, o.grad_clip, o.grad_accum))  # plain DDP, for comparison
     engine = getattr(backend, "engine", None)
     prefix = PrefixCache(rows=o.prefix_cache_rows) if o.prefix_cache_rows else None
-    run_step = Step(backend, actor, o.kl_decay, prefix, continuation=o.stage1_continuation)  # the step the ladder and the tests run
+    run_step = Step(backend, actor, o.kl_decay, prefix, continuation=o.stage1_continuation, autocast=o.autocast)  # the step the ladder and the tests run
 
     step = 0
     ckpt = ray.train.get_checkpoint()

@@ -100,6 +100,34 @@ def stage1_loss(memnet: MemoryNetwork, actor: FrozenActor, sample: StageISample,
     return (1 - continuation) * recon + continuation * F.cross_entropy(logits.float(), tail)
 
 
+def stage1_batch_loss(memnet: MemoryNetwork, actor: FrozenActor, samples: list[StageISample],
+                      continuation: float = 0.0, prefix=None) -> torch.Tensor:
+    """The mean reconstruction loss of several spans in one batch: their memories read together
+    (``MemoryNetwork.forward`` on a list), then one actor pass over [memory; instruction; span] per row. Rows of
+    unequal length, a question-answer row, or ``continuation`` > 0 take :func:`stage1_loss` row by row (the same
+    loss, unbatched). ``prefix`` (a ``training.step.PrefixCache``) keeps each span's prefill for its next visit."""
+    if not samples:
+        raise ValueError("no Stage I samples")
+    shapes = {(int(s["span"].numel()), int(s["instruction"].numel())) for s in samples}
+    if len(samples) == 1 or len(shapes) > 1 or continuation > 0 or any("source" in s for s in samples):
+        return sum(stage1_loss(memnet, actor, s, 0, continuation) for s in samples) / len(samples)
+    net = memnet.module if hasattr(memnet, "module") else memnet
+    def source(span):
+        if prefix is None:
+            return net.source(span)
+        return prefix.get(prefix.key("source", span), lambda: net.source(span))
+
+    mems = memnet([source(s["span"]) for s in samples])  # through the wrapper: its hooks apply
+    if len({int(m.shape[0]) for m in mems}) > 1:
+        raise ValueError("spans of one length gave memories of different sizes")
+    embeds = torch.stack([torch.cat([m, actor.embed(s["instruction"]), actor.embed(s["span"])])
+                          for m, s in zip(mems, samples)])  # (N, M + I + T, d)
+    t = samples[0]["span"].shape[0]
+    logits = actor(inputs_embeds=embeds, last=t + 1)[:, :t]  # (N, T, V)
+    target = torch.stack([s["span"] for s in samples])
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
 @torch.no_grad()
 def teacher_logits(actor: FrozenActor, sample: StageIISample) -> torch.Tensor:
     """(R, V) the teacher's logits on the target tokens, seeing the whole history."""

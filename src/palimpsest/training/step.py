@@ -27,7 +27,7 @@ import torch
 
 from palimpsest.models.actor import FrozenActor
 from palimpsest.models.memory_network import MemoryNetwork
-from palimpsest.training.losses import stage1_loss, stage2_loss
+from palimpsest.training.losses import stage1_batch_loss, stage1_loss, stage2_loss
 
 STAGE1_KEYS = ("span", "instruction")
 STAGE2_KEYS = ("teacher", "memory", "summary", "context", "bridge", "target")
@@ -48,9 +48,11 @@ def unwrap(module) -> MemoryNetwork:
 
 def sample_loss(module, actor: FrozenActor, sample: dict, stage: int, *, decay: float = 0.05, passes: int = 0,
                 teacher=None, prefix=None, continuation: float = 0.0) -> torch.Tensor:
-    """The loss of one row. ``module`` may be wrapped (calling the wrapper keeps its hooks); ``teacher`` is a
+    """The loss of one row (Stage I: or a list of rows, one batch). ``module`` may be wrapped (calling the wrapper keeps its hooks); ``teacher`` is a
     cached ``training.teachers.Teacher`` (None: a full-vocabulary teacher pass); ``prefix`` a
     :class:`PrefixCache` that keeps each row's constant parts (the context's KV cache, the memory's features)."""
+    if stage == 1 and isinstance(sample, list):  # a batch of spans: one actor pass
+        return stage1_batch_loss(module, actor, sample, continuation, prefix)
     if stage == 1:
         return stage1_loss(module, actor, sample, passes, continuation)
     if stage == 2:
@@ -224,18 +226,26 @@ class DeepSpeedBackend:
         return float(sum(torch.tanh(safe_get_full_fp32_param(g)).reshape(-1)[0] for g in gates) / len(gates))
 
 
+AUTOCAST = {"none": None, "bfloat16": torch.bfloat16, "float16": torch.float16}  # OptimSection.autocast
+
+
 class Step:
     """One training step on one row: loss (through the frozen actor), update, figures."""
 
     def __init__(self, backend: Backend, actor: FrozenActor, kl_decay: float = 0.05, prefix: "PrefixCache | None" = None,
-                 continuation: float = 0.0):
+                 continuation: float = 0.0, autocast: str = "none"):
         self.backend, self.actor, self.kl_decay, self.prefix = backend, actor, kl_decay, prefix
         self.continuation = continuation
+        if autocast not in AUTOCAST:
+            raise ValueError(f"autocast must be one of {sorted(AUTOCAST)}, got {autocast!r}")
+        self.autocast = AUTOCAST[autocast]
 
-    def __call__(self, sample: dict, stage: int, passes: int = 0, teacher=None) -> dict[str, float]:
+    def __call__(self, sample: dict | list[dict], stage: int, passes: int = 0, teacher=None) -> dict[str, float]:
         unwrap(self.backend.module).train()
-        loss = sample_loss(self.backend.module, self.actor, sample, stage, decay=self.kl_decay, passes=passes,
-                           teacher=teacher, prefix=self.prefix, continuation=self.continuation)
+        with torch.autocast(self.actor.device.type, dtype=self.autocast or torch.float32,
+                            enabled=self.autocast is not None):  # mixed precision: fp32 weights, optimizer, loss
+            loss = sample_loss(self.backend.module, self.actor, sample, stage, decay=self.kl_decay, passes=passes,
+                               teacher=teacher, prefix=self.prefix, continuation=self.continuation)
         figures = self.backend.update(loss)
         return {"loss": float(loss.detach()), "gate": self.backend.gate(), **figures}
 
