@@ -235,6 +235,8 @@ def main() -> None:
     ap.add_argument("--lora-rank", type=int, default=None, help="the LoRA rank (default: the config's), "
                                                                    "alpha scaled to keep alpha / rank")
     ap.add_argument("--continuation", type=float, default=0.0)
+    ap.add_argument("--until-passed", action="store_true", help="rung 3/4: stop at the first evaluation that "
+                    "passes (the schedule stays the one --steps sets)")
     ap.add_argument("--batch", type=int, default=1, help="rung 3/4: spans per step (one actor pass)")
     ap.add_argument("--autocast", default="none", choices=("none", "bfloat16"),
                     help="rung 3/4: the training step under torch.autocast (scoring stays fp32)")
@@ -349,7 +351,11 @@ def main() -> None:
             print(f"  step {step}: own {doc['own']['nll']:.3f} acc {doc['own']['acc']:.3f} exact "
                   f"{doc['own']['exact']:.2f} | other {doc['other']['nll']:.3f} | none {doc['none']['nll']:.3f}",
                   flush=True)
-            return False
+            return args.until_passed and step > 0 and passes(doc)
+
+        def passes(doc):
+            return (doc["own"]["acc"] >= 0.9 and reads_its_input(doc, 1.0)) if args.rung == 3 \
+                else reads_its_input(doc, 0.3, 0.5)
 
         check(0)
         curve = train(net, actor, train_t, args.steps, lrs, args.warmup, args.seed, log_every=50, check=check,
@@ -358,10 +364,8 @@ def main() -> None:
         if evals[-1]["step"] != len(curve):
             check(len(curve))
         final = evals[-1]
-        if args.rung == 3:
-            out["passed"] = final["own"]["acc"] >= 0.9 and reads_its_input(final, 1.0)
-        else:
-            out["passed"] = reads_its_input(final, 0.3, 0.5)
+        out["passed"] = passes(final)
+        if args.rung == 4:
             out["train_spans_scored"] = evaluate(actor, net, eval_train)
         out.update(train_spans=len(train_t), steps_run=len(curve), evals=evals, final=final,
                    curve=[c for c in curve if c["step"] % 10 == 0])

@@ -215,9 +215,11 @@ def test_zero3_and_ddp_train_and_export_the_same_architecture(tmp_path, actor_di
     from palimpsest.training.launcher import launch
 
     monkeypatch.chdir(tmp_path)
-    # every parameter group partitioned, gathered and exported, with its own learning rate
+    # every parameter group partitioned, gathered and exported, with its own learning rate; Stage I in batches
+    # of 2 spans per worker under bf16 autocast
     cfg = config(tmp_path, actor_dir, distributed=dist, optim={"stage1_steps": 2, "stage2_steps": 2,
-                                                               "checkpoint_every": 2, "lr_slots": 0.05})
+                                                               "checkpoint_every": 2, "lr_slots": 0.05,
+                                                               "stage1_batch": 2, "autocast": "bfloat16"})
     try:
         summary = launch(cfg, track=False)
     finally:
@@ -263,3 +265,14 @@ def test_a_run_directory_of_another_network_is_moved_aside_and_the_same_one_is_r
     _claim_run_dir(run, other)  # another memory config: moved aside too
     assert not (run / "checkpoint_000002").exists()
     assert json.loads((run / RUN_NETWORK).read_text())["memory"]["lora_rank"] == 8
+
+
+def test_stage1_batches_take_every_row_once_per_epoch_and_batch_one_is_the_plain_walk():
+    from palimpsest.training.prepare import curriculum_row, stage1_batch_rows
+
+    world, n, batch = 2, 12, 3
+    taken = [i for step in range(2) for r in range(world) for i in stage1_batch_rows(step, world, r, n, batch)]
+    assert sorted(taken) == list(range(n))  # one epoch: 2 steps x 2 ranks x 3 rows, every row once
+    assert stage1_batch_rows(0, world, 1, n, batch) == [3, 4, 5]  # rank 1 after rank 0, no row shared
+    assert all(stage1_batch_rows(s, world, r, 5, 1) == [curriculum_row(s, 9, world, r, 5)[1]]
+               for s in range(6) for r in range(world))

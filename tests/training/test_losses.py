@@ -290,8 +290,11 @@ def test_a_batch_of_spans_is_the_mean_of_their_losses_and_its_memories_are_each_
     one_by_one.backward()
     assert torch.allclose(batch, one_by_one, atol=1e-5)
     assert torch.allclose(got, net.slots.grad, atol=1e-6)
-    mixed = stage1_batch_loss(net, actor, rows)  # unequal lengths: row by row, the same loss
-    assert torch.allclose(mixed, sum(stage1_loss(net, actor, r) for r in rows) / len(rows), atol=1e-5)
+    mixed = rows + [{"span": torch.randint(0, 256, (7,), generator=g), "instruction": instr[:3],
+                     "source": torch.randint(0, 256, (11,), generator=g)}]  # unequal lengths, a question row
+    for c in (0.0, 0.25):  # right-padded rows, continuation's halves in the same batch: the same loss
+        assert torch.allclose(stage1_batch_loss(net, actor, mixed, continuation=c),
+                              sum(stage1_loss(net, actor, r, continuation=c) for r in mixed) / len(mixed), atol=1e-5)
     with pytest.raises(ValueError, match="summary"):
         net([r["span"] for r in rows], torch.zeros(3, actor.hidden_size))
     with pytest.raises(ValueError, match="merge"):

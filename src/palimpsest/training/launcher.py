@@ -40,6 +40,7 @@ from palimpsest.training.prepare import (
     _load_rows,
     _teacher_key,
     curriculum_row,
+    stage1_batch_rows,
     data_config,
     prepare,
 )
@@ -135,19 +136,23 @@ def train_loop(loop_config: dict) -> None:
         row_index = curriculum_row(step, cfg.optim.stage1_steps, world, rank, len(data))[1]
         row = data[row_index]
         sample = sample_tensors(row, stage, device)
+        batch = None
+        if stage == 1 and cfg.optim.stage1_batch > 1:  # one batch of spans (spans never need a merge pass)
+            batch = [sample_tensors(data[i], 1, device)
+                     for i in stage1_batch_rows(step, world, rank, len(data), cfg.optim.stage1_batch)]
         t0 = time.perf_counter()
         # Every rank runs as many merge passes as the rank that needs most (ZeRO-3 gathers per call).
         src = sample["span"] if stage == 1 else sample["memory"]
-        passes = torch.tensor(memnet.merge_passes(int(src.numel())), device=device)  # NCCL reduces device tensors
+        passes = torch.tensor(0 if batch else memnet.merge_passes(int(src.numel())), device=device)  # NCCL: device tensors
         if dist.is_initialized():
             dist.all_reduce(passes, op=dist.ReduceOp.MAX)
         teacher = (teachers.get(_teacher_key(cfg, loop_config["actor_path"], data_sha, row))
                    if stage == 2 and teachers is not None else None)  # None: a full teacher pass
         start, steps = (0, cfg.optim.stage1_steps) if stage == 1 else (cfg.optim.stage1_steps, cfg.optim.stage2_steps)
         backend.set_lr(lr_at(step - start, steps, 1.0, cfg.optim.schedule, cfg.optim.warmup_steps))
-        figures = run_step(sample, stage, int(passes), teacher)
+        figures = run_step(batch or sample, stage, int(passes), teacher)
         step += 1
-        tokens = sum(int(v.numel()) for v in sample.values())
+        tokens = sum(int(v.numel()) for s in (batch or [sample]) for v in s.values())
         metrics = {"step": step, "stage": stage, **figures, "lr": backend.lr(), "resumed_from": resumed_from,
                    "seconds": time.perf_counter() - t0, "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                    "tokens_per_s": tokens / max(time.perf_counter() - t0, 1e-9),

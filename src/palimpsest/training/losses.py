@@ -100,32 +100,47 @@ def stage1_loss(memnet: MemoryNetwork, actor: FrozenActor, sample: StageISample,
     return (1 - continuation) * recon + continuation * F.cross_entropy(logits.float(), tail)
 
 
+def batched_logits(actor: FrozenActor, prefixes: list[torch.Tensor], targets: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Teacher-forced logits (T_i, V) on each ``targets[i]`` after ``prefixes[i]`` (P_i, d), all rows in one actor
+    pass. Rows are padded on the right: the actor is causal, so no real position reads a pad, and every row's
+    logits are those of its own pass (each row starts at position 0)."""
+    rows = [torch.cat([p, actor.embed(t)]) for p, t in zip(prefixes, targets)]
+    starts = [int(p.shape[0]) - 1 for p in prefixes]  # the position that predicts each target's first token
+    longest = max(int(r.shape[0]) for r in rows)
+    embeds = torch.stack([F.pad(r, (0, 0, 0, longest - r.shape[0])) for r in rows])  # (N, L, d)
+    first = min(starts)
+    logits = actor(inputs_embeds=embeds, last=longest - first)  # positions first .. L-1
+    return [logits[i, s - first: s - first + int(t.numel())] for i, (s, t) in enumerate(zip(starts, targets))]
+
+
 def stage1_batch_loss(memnet: MemoryNetwork, actor: FrozenActor, samples: list[StageISample],
                       continuation: float = 0.0, prefix=None) -> torch.Tensor:
-    """The mean reconstruction loss of several spans in one batch: their memories read together
-    (``MemoryNetwork.forward`` on a list), then one actor pass over [memory; instruction; span] per row. Rows of
-    unequal length, a question-answer row, or ``continuation`` > 0 take :func:`stage1_loss` row by row (the same
-    loss, unbatched). ``prefix`` (a ``training.step.PrefixCache``) keeps each span's prefill for its next visit."""
+    """:func:`stage1_loss` of several rows in one batch, the mean of theirs: every memory read together
+    (``MemoryNetwork.forward`` on a list: the spans, the question-answer rows' sources and, for continuation,
+    the spans' first halves), then one actor pass for reconstruction and one for continuation
+    (:func:`batched_logits`). ``prefix`` (a ``training.step.PrefixCache``) keeps each prefill for its next
+    visit (the actor is frozen)."""
     if not samples:
         raise ValueError("no Stage I samples")
-    shapes = {(int(s["span"].numel()), int(s["instruction"].numel())) for s in samples}
-    if len(samples) == 1 or len(shapes) > 1 or continuation > 0 or any("source" in s for s in samples):
-        return sum(stage1_loss(memnet, actor, s, 0, continuation) for s in samples) / len(samples)
     net = memnet.module if hasattr(memnet, "module") else memnet
-    def source(span):
-        if prefix is None:
-            return net.source(span)
-        return prefix.get(prefix.key("source", span), lambda: net.source(span))
 
-    mems = memnet([source(s["span"]) for s in samples])  # through the wrapper: its hooks apply
-    if len({int(m.shape[0]) for m in mems}) > 1:
-        raise ValueError("spans of one length gave memories of different sizes")
-    embeds = torch.stack([torch.cat([m, actor.embed(s["instruction"]), actor.embed(s["span"])])
-                          for m, s in zip(mems, samples)])  # (N, M + I + T, d)
-    t = samples[0]["span"].shape[0]
-    logits = actor(inputs_embeds=embeds, last=t + 1)[:, :t]  # (N, T, V)
-    target = torch.stack([s["span"] for s in samples])
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1))
+    def source(ids):
+        if prefix is None:
+            return net.source(ids)
+        return prefix.get(prefix.key("source", ids), lambda: net.source(ids))
+
+    reads = [s.get("source", s["span"]) for s in samples]
+    cont = [i for i, s in enumerate(samples) if continuation > 0 and s["span"].shape[0] // 2 >= 1]
+    heads = [samples[i]["span"][: samples[i]["span"].shape[0] // 2] for i in cont]
+    mems = memnet([source(r) for r in reads + heads])  # through the wrapper: its hooks apply
+    logits = batched_logits(actor, [torch.cat([m, actor.embed(s["instruction"])]) for m, s in zip(mems, samples)],
+                            [s["span"] for s in samples])
+    losses = [F.cross_entropy(lg.float(), s["span"]) for lg, s in zip(logits, samples)]
+    if cont:  # the memory of the first half, then the second half from it alone
+        tails = [samples[i]["span"][samples[i]["span"].shape[0] // 2:] for i in cont]
+        for i, lg, t in zip(cont, batched_logits(actor, mems[len(samples):], tails), tails):
+            losses[i] = (1 - continuation) * losses[i] + continuation * F.cross_entropy(lg.float(), t)
+    return sum(losses) / len(losses)
 
 
 @torch.no_grad()

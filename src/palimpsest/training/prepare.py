@@ -27,6 +27,13 @@ def curriculum_row(step: int, stage1_steps: int, world: int, rank: int, n_rows: 
     return stage, (local * world + rank) % n_rows
 
 
+def stage1_batch_rows(step: int, world: int, rank: int, n_rows: int, batch: int) -> list[int]:
+    """The Stage I row indices of a global step on one rank when each takes ``batch`` rows: consecutive rows,
+    rank after rank, epoch after epoch (``batch`` 1 is :func:`curriculum_row`'s walk)."""
+    first = (step * world + rank) * batch
+    return [(first + j) % n_rows for j in range(batch)]
+
+
 def _load_rows(data_dir: str, stage: int, split: str = "train") -> list[dict]:
     import pyarrow.parquet as pq
 
