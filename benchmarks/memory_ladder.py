@@ -3,16 +3,18 @@
     .venv/bin/python benchmarks/memory_ladder.py --rung 0            # at initialisation
     .venv/bin/python benchmarks/memory_ladder.py --rung 1            # capacity: free vectors in the slot
     .venv/bin/python benchmarks/memory_ladder.py --rung 2            # one span through the network
-    .venv/bin/python benchmarks/memory_ladder.py --rung 3 --spans 100 --steps 1500
-    .venv/bin/python benchmarks/memory_ladder.py --rung 4 --steps N  # spans of files never trained on
+    .venv/bin/python benchmarks/memory_ladder.py --rung 3 --spans 100 --steps 2500 --batch 8 --autocast bfloat16
+    .venv/bin/python benchmarks/memory_ladder.py --rung 4 --spans 16000 --steps N --batch 8 --autocast bfloat16
+                                                                     # spans of files never trained on
     .venv/bin/python benchmarks/memory_ladder.py --rung 5            # needles in filler, 8 slots
 
 Spans are ``--tokens`` (64) ids of Stage I text: the dev trajectories' actions and observations and the
 interpreter's standard library (``pipelines.remory_data.stage1_rows``), split by file or trajectory (the
 config's ``val_fraction``). The network is ``--config``'s ``memory:`` with ``block_size`` = the span and
 ``queries`` = ``--slots`` (8: 8 source tokens per soft token), trained with the launcher's own step
-(``training.step.Step``, Stage I, ``LocalBackend``) and scored by ``training.reconstruction`` (none / own /
-other). Results: ``benchmarks/results/memory_ladder/rungN.json``.
+(``training.step.Step``, Stage I, ``LocalBackend``; ``--batch`` spans per step in one actor pass and
+``--autocast bfloat16`` for mixed precision, as ``optim.stage1_batch`` / ``optim.autocast`` train them) and
+scored in fp32 by ``training.reconstruction`` (none / own / other). Results: ``benchmarks/results/memory_ladder/rungN.json``.
 
 What each rung asks, and its control:
 - 0: the slots of one memory differ (mean pairwise cosine < 0.9) and reversing the source changes the memory
@@ -204,7 +206,7 @@ def rung5(args, actor, network, train_rows, val_rows, lrs) -> dict:
 
     check(0)
     curve = train(net, actor, train_t, args.steps, lrs, args.warmup, args.seed, log_every=50, check=check,
-                  check_every=max(args.steps // 3, 1))
+                  check_every=args.eval_every or max(args.steps // 3, 1), batch=args.batch, autocast=args.autocast)
     if evals[-1]["step"] != len(curve):
         check(len(curve))
     final = evals[-1]
@@ -224,8 +226,8 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=8)
     ap.add_argument("--spans", type=int, default=100, help="rung 3/4: training spans")
     ap.add_argument("--eval", type=int, default=64, help="spans scored")
-    ap.add_argument("--eval-every", type=int, default=0, help="rung 3/4: steps between evaluations "
-                    "(default: a quarter of --steps)")
+    ap.add_argument("--eval-every", type=int, default=0, help="rung 3/4/5: steps between evaluations "
+                    "(default: a quarter of --steps; a third at rung 5)")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--lr", type=float, default=None, help="LoRA (default: the config's optim.lr)")
@@ -237,9 +239,9 @@ def main() -> None:
     ap.add_argument("--continuation", type=float, default=0.0)
     ap.add_argument("--until-passed", action="store_true", help="rung 3/4: stop at the first evaluation that "
                     "passes (the schedule stays the one --steps sets)")
-    ap.add_argument("--batch", type=int, default=1, help="rung 3/4: spans per step (one actor pass)")
+    ap.add_argument("--batch", type=int, default=1, help="rung 3/4/5: spans per step (one actor pass)")
     ap.add_argument("--autocast", default="none", choices=("none", "bfloat16"),
-                    help="rung 3/4: the training step under torch.autocast (scoring stays fp32)")
+                    help="rung 3/4/5: the training step under torch.autocast (scoring stays fp32)")
     ap.add_argument("--chunks", type=int, default=20000, help="most standard-library spans read")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
