@@ -100,12 +100,13 @@ def train(net, actor, samples, steps: int, lrs: dict, warmup: int, seed: int, lo
           autocast: str = "none") -> list[dict]:
     """Stage I steps of ``batch`` spans each on ``samples`` (tensors), shuffled passes; ``check(step)`` every
     ``check_every`` steps may stop the run early by returning True. Each span's prefill is kept for its next
-    visit (the actor is frozen)."""
+    visit when spans are visited again and few enough to keep (the actor is frozen)."""
     from palimpsest.training.step import LocalBackend, PrefixCache, Step, lr_at
 
     backend = LocalBackend(net, lrs, 0.0, 1.0)
+    revisits = steps * batch > len(samples) and len(samples) <= 2000  # ~3 MB a span (64 ids): bounded
     step = Step(backend, actor, continuation=continuation, autocast=autocast,
-                prefix=PrefixCache(rows=len(samples)) if batch > 1 else None)
+                prefix=PrefixCache(rows=len(samples)) if batch > 1 and revisits else None)
     rng = random.Random(seed)
     order: list[int] = []
     curve = []

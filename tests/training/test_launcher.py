@@ -276,3 +276,12 @@ def test_stage1_batches_take_every_row_once_per_epoch_and_batch_one_is_the_plain
     assert stage1_batch_rows(0, world, 1, n, batch) == [3, 4, 5]  # rank 1 after rank 0, no row shared
     assert all(stage1_batch_rows(s, world, r, 5, 1) == [curriculum_row(s, 9, world, r, 5)[1]]
                for s in range(6) for r in range(world))
+
+
+def test_a_stage1_batch_of_spans_that_need_a_merge_is_refused(tmp_path, actor_dir):
+    small = {"block_size": 8, "queries": 4, "max_slots": 8}  # 32-id spans: 4 blocks x 4 = 16 soft tokens > 8
+    config(tmp_path, actor_dir, memory=small)  # one span a step: merges are fine
+    with pytest.raises(ConfigError, match=r"optim.stage1_batch \(4\) needs spans that need no merge"):
+        config(tmp_path, actor_dir, memory=small, optim={"stage1_batch": 4})
+    with pytest.raises(ConfigError, match="Input should be 'none' or 'bfloat16'"):
+        config(tmp_path, actor_dir, optim={"autocast": "float16"})

@@ -35,14 +35,15 @@ class OptimSection(_Strict):
                                                     "(training.step.lr_at)")
     grad_accum: int = Field(1, ge=1, le=1024, description="rows per update (gradient accumulation)")
     stage1_batch: int = Field(1, ge=1, le=256, description="Stage I spans per step on each worker, read and "
-                              "scored in one batch (losses.stage1_batch_loss): the same loss as one at a time, "
-                              "~1.4x the spans per second on 2 CPU cores")
+                              "scored in one batch (losses.stage1_batch_loss): the same loss as one at a time, more "
+                              "spans per second (benchmarks/stage1_throughput.py)")
     stage1_continuation: float = Field(0.0, ge=0.0, le=1.0, description="Stage I's weight of continuation "
                                        "(the memory of a span's first half predicts its second) beside "
                                        "reconstruction")
-    autocast: Literal["none", "bfloat16", "float16"] = Field(
-        "none", description="mixed precision: the step's forward and backward under torch.autocast at this dtype "
-        "(weights, optimizer and loss stay fp32); bfloat16 is ~1.8x faster per span on CPUs with AVX512-BF16")
+    autocast: Literal["none", "bfloat16"] = Field(
+        "none", description="mixed precision: the step's forward under torch.autocast at this dtype, the backward "
+        "following it (the network's weights, the optimizer and the loss stay at their own dtype); "
+        "benchmarks/stage1_throughput.py measures it")
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
     kl_decay: float = Field(0.05, ge=0, description="w_j proportional to 1 / (1 + kl_decay * j)")
@@ -108,6 +109,16 @@ class TrainConfig(_Strict):
                    if getattr(o, k) % o.grad_accum]
             if bad:
                 raise ValueError(f"optim.grad_accum ({o.grad_accum}) must divide {', '.join(bad)}")
+        return self
+
+    @model_validator(mode="after")
+    def _stage1_batch(self) -> "TrainConfig":
+        m = self.memory  # a batch reads its spans in one pass, which a span needing a merge cannot join
+        slots = -(-self.data.span_tokens // m.block_size) * m.queries
+        if self.optim.stage1_batch > 1 and slots > m.max_slots:
+            raise ValueError(f"optim.stage1_batch ({self.optim.stage1_batch}) needs spans that need no merge: "
+                             f"data.span_tokens {self.data.span_tokens} gives {slots} soft tokens > "
+                             f"memory.max_slots {m.max_slots}")
         return self
 
 

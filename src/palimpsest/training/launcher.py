@@ -60,6 +60,8 @@ def ds_config(cfg: TrainConfig) -> dict[str, Any]:
     }
     if cfg.actor.dtype == "bfloat16":
         out["bf16"] = {"enabled": True}
+    if o.autocast != "none":  # the engine's forward runs torch.autocast itself (else it turns the step's off)
+        out["torch_autocast"] = {"enabled": True, "dtype": o.autocast}
     return out
 
 

@@ -19,6 +19,7 @@ gradient accumulation (an update every ``grad_accum`` rows).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import OrderedDict
 from typing import Any, Callable, Protocol
@@ -226,7 +227,7 @@ class DeepSpeedBackend:
         return float(sum(torch.tanh(safe_get_full_fp32_param(g)).reshape(-1)[0] for g in gates) / len(gates))
 
 
-AUTOCAST = {"none": None, "bfloat16": torch.bfloat16, "float16": torch.float16}  # OptimSection.autocast
+AUTOCAST = {"none": None, "bfloat16": torch.bfloat16}  # OptimSection.autocast (float16 would need loss scaling)
 
 
 class Step:
@@ -242,8 +243,9 @@ class Step:
 
     def __call__(self, sample: dict | list[dict], stage: int, passes: int = 0, teacher=None) -> dict[str, float]:
         unwrap(self.backend.module).train()
-        with torch.autocast(self.actor.device.type, dtype=self.autocast or torch.float32,
-                            enabled=self.autocast is not None):  # mixed precision: fp32 weights, optimizer, loss
+        mixed = (torch.autocast(self.actor.device.type, dtype=self.autocast) if self.autocast is not None
+                 else contextlib.nullcontext())  # the forward in mixed precision; the backward follows it
+        with mixed:
             loss = sample_loss(self.backend.module, self.actor, sample, stage, decay=self.kl_decay, passes=passes,
                                teacher=teacher, prefix=self.prefix, continuation=self.continuation)
         figures = self.backend.update(loss)
@@ -252,7 +254,8 @@ class Step:
 
 class PrefixCache:
     """What a row's Stage II loss computes that training never changes, kept for the next visit of the row:
-    the KV cache of the context before the soft slot and the actor's features of what the memory reads.
+    the KV cache of the context before the soft slot and the actor's features of what the memory reads (also
+    each span's features in a Stage I batch).
     Bounded by ``rows`` (least recently used out): a KV cache of 2K SmolLM2 positions is ~90 MB."""
 
     KINDS = 2  # entries per row: the context's KV cache and the actor's prefill of what the memory reads
