@@ -203,7 +203,7 @@ def rung5(args, actor, network, train_rows, val_rows, lrs) -> dict:
         print(f"  step {step}: exact train {doc['train']['exact']:.2f} (another source {doc['train']['other_source_exact']:.2f})"
               f", held-out {doc['held_out']['exact']:.2f} (another source {doc['held_out']['other_source_exact']:.2f})",
               flush=True)
-        return False
+        return args.until_passed and step > 0 and doc["train"]["exact"] >= 0.5 and doc["held_out"]["exact"] >= 0.5
 
     check(0)
     curve = train(net, actor, train_t, args.steps, lrs, args.warmup, args.seed, log_every=50, check=check,
@@ -238,7 +238,7 @@ def main() -> None:
     ap.add_argument("--lora-rank", type=int, default=None, help="the LoRA rank (default: the config's), "
                                                                    "alpha scaled to keep alpha / rank")
     ap.add_argument("--continuation", type=float, default=0.0)
-    ap.add_argument("--until-passed", action="store_true", help="rung 3/4: stop at the first evaluation that "
+    ap.add_argument("--until-passed", action="store_true", help="rung 3/4/5: stop at the first evaluation that "
                     "passes (the schedule stays the one --steps sets)")
     ap.add_argument("--batch", type=int, default=1, help="rung 3/4/5: spans per step (one actor pass)")
     ap.add_argument("--autocast", default="none", choices=("none", "bfloat16"),
