@@ -28,7 +28,7 @@ def config(tmp_path, actor_dir, **over):
     data = tmp_path / "d.jsonl"
     data.write_text("\n".join(json.dumps(traj(f"tr/{i}", n=6, obs=20)) for i in range(5)) + "\n")
     base = {"name": "tiny", "actor": {"path": str(actor_dir)},
-            "data": {"file": str(data), "max_history_tokens": 3000, "val_fraction": 0.0, "span_tokens": 32,
+            "data": {"file": str(data), "max_history_tokens": 3000, "val_fraction": 0.0, "span_tokens": 64,
                      "budget": 800, "memory_tokens": 200, "embedder": "hashing"},
             "tracking": {"policy_config": str(POLICY)},
             "memory": {"block_size": 64, "queries": 4, "max_slots": 16, "lora_rank": 4, "summary_layers": 1},
@@ -48,6 +48,8 @@ def config(tmp_path, actor_dir, **over):
     ("optim", {"unknown_key": 1}, "Extra inputs are not permitted"),
     ("optim", {"schedule": "linear"}, "Input should be 'constant' or 'cosine'"),
     ("data", {"soft_slots": 8}, "data.soft_slots is derived from memory"),
+    ("data", {"span_tokens": 96}, "data.span_tokens (96) must be a multiple of memory.block_size (64): Stage I must "
+                                  "compress at the 16 ids per soft token"),
     ("data", {"seed": 3}, "data.seed is derived from optim.seed"),
     ("data", {"file": None}, "data.file: the trajectories (JSONL) to train on are required"),
     ("data", {"memory_read": 0}, "memory_read 0: this code builds what the memory reads at version"),
@@ -279,7 +281,7 @@ def test_stage1_batches_take_every_row_once_per_epoch_and_batch_one_is_the_plain
 
 
 def test_a_stage1_batch_of_spans_that_need_a_merge_is_refused(tmp_path, actor_dir):
-    small = {"block_size": 8, "queries": 4, "max_slots": 8}  # 32-id spans: 4 blocks x 4 = 16 soft tokens > 8
+    small = {"block_size": 8, "queries": 4, "max_slots": 8}  # 64-id spans: 8 blocks x 4 = 32 soft tokens > 8
     config(tmp_path, actor_dir, memory=small)  # one span a step: merges are fine
     with pytest.raises(ConfigError, match=r"optim.stage1_batch \(4\) needs spans that need no merge"):
         config(tmp_path, actor_dir, memory=small, optim={"stage1_batch": 4})

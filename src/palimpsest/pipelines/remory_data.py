@@ -59,7 +59,8 @@ class DataConfig(BaseModel):
     stride: int = Field(1, ge=1, description="every stride-th boundary")
     max_observation_chars: int = Field(800, ge=64, description="each field of a step the memory reads is cut to "
                                        "this (serving's memory.max_field_chars)")
-    span_tokens: int = Field(128, ge=8, description="Stage I: spans of at most this many tokens")
+    span_tokens: int = Field(256, ge=8, description="Stage I: spans of at most this many tokens (training: a multiple "
+                             "of memory.block_size, whose default it is)")
     val_fraction: float = Field(0.2, ge=0.0, lt=1.0, description="the share of trajectories (by a hash of the "
                                 "id) held out for validation")
     budget: int = Field(1024, ge=64, description="the student's token budget: the policy's prompt is compiled at "

@@ -121,6 +121,16 @@ class TrainConfig(_Strict):
                              f"memory.max_slots {m.max_slots}")
         return self
 
+    @model_validator(mode="after")
+    def _stage1_ratio(self) -> "TrainConfig":
+        m = self.memory  # a block yields Q soft tokens however few ids fill it: a short span is compressed less
+        if self.data.span_tokens % m.block_size:
+            raise ValueError(f"data.span_tokens ({self.data.span_tokens}) must be a multiple of memory.block_size "
+                             f"({m.block_size}): Stage I must compress at the {m.block_size / m.queries:g} ids per "
+                             f"soft token the memory serves at, and a span that fills part of a block gives "
+                             f"{m.queries} soft tokens to fewer ids")
+        return self
+
 
 def load_train_config(path: str | Path) -> TrainConfig:
     return parse_train_config(read_yaml(path, "training config"), where=str(path))
