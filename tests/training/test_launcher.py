@@ -50,6 +50,9 @@ def config(tmp_path, actor_dir, **over):
     ("data", {"soft_slots": 8}, "data.soft_slots is derived from memory"),
     ("data", {"span_tokens": 96}, "data.span_tokens (96) must be a multiple of memory.block_size (64): Stage I must "
                                   "compress at the 16 ids per soft token"),
+    ("optim", {"stage2_replay_every": 1}, "optim.stage2_replay_every (1) would make every Stage II step a "
+                                          "reconstruction step"),
+    ("optim", {"stage2_replay_every": 2, "grad_accum": 2}, "optim.stage2_replay_every (2) needs optim.grad_accum 1"),
     ("data", {"seed": 3}, "data.seed is derived from optim.seed"),
     ("data", {"file": None}, "data.file: the trajectories (JSONL) to train on are required"),
     ("data", {"memory_read": 0}, "memory_read 0: this code builds what the memory reads at version"),
@@ -175,6 +178,12 @@ def _check_run(summary, marker, tracking, store, cfg):
     assert run.data.params["zero_stage"] == "2" and run.data.tags.get("resumed_at_step") == str(resumed)  # one run, kept
     losses = client.get_metric_history(run.info.run_id, "loss")
     assert sorted({m.step for m in losses}) == [1, 2, 3, 4, 5, 6]
+    # the network as Stage I left it, logged beside the run and loadable by reference; Stage II moved it on
+    assert summary["stage1_bundle"] == f"runs:/{run.info.run_id}/stage1"
+    stage1 = load_memory(summary["stage1_bundle"], actor)
+    assert stage1.cfg == cfg.memory and read_bundle(summary["stage1_bundle"]).architecture == "actor-lora/1"
+    with torch.no_grad():
+        assert not torch.allclose(stage1(x), net(x), atol=1e-6)
     name, version = summary["registered"].split("/")[-2:]
     mv = client.get_model_version(name, version)
     # the policy the samples were compiled with: its file, and its content and hash beside the checkpoint
@@ -218,15 +227,17 @@ def test_zero3_and_ddp_train_and_export_the_same_architecture(tmp_path, actor_di
 
     monkeypatch.chdir(tmp_path)
     # every parameter group partitioned, gathered and exported, with its own learning rate; Stage I in batches
-    # of 2 spans per worker under bf16 autocast
+    # of 2 spans per worker under bf16 autocast; Stage II's second step a reconstruction replay
     cfg = config(tmp_path, actor_dir, distributed=dist, optim={"stage1_steps": 2, "stage2_steps": 2,
                                                                "checkpoint_every": 2, "lr_slots": 0.05,
-                                                               "stage1_batch": 2, "autocast": "bfloat16"})
+                                                               "stage1_batch": 2, "autocast": "bfloat16",
+                                                               "stage2_replay_every": 2})
     try:
         summary = launch(cfg, track=False)
     finally:
         ray.shutdown()
-    assert summary["metrics"]["step"] == 4 and summary["metrics"]["loss"] == summary["metrics"]["loss"]
+    last = summary["metrics"]  # step 4, the replay: a reconstruction NLL on its own curve, at Stage II's rate
+    assert last["step"] == 4 and last["stage"] == 2 and "loss" not in last and 0 < last["replay_loss"] < 20
     net = load_memory(Path(summary["checkpoint"]), FrozenActor.from_pretrained(actor_dir))  # without DeepSpeed
     assert net(torch.randint(0, 256, (50,))).shape == (4, 64)
     assert net.slots.abs().sum() > 0  # trained (it starts at zero)
@@ -245,6 +256,13 @@ def test_each_stage_walks_its_own_rows_from_the_shortest_history_epoch_by_epoch(
                   for r in range(world))
     assert both == sorted(k % n for k in range(10))  # two epochs, every row once per epoch
     assert curriculum_row(0, stage1, world, 1, 3) == (1, 1)
+
+
+def test_stage2_replays_reconstruction_every_nth_step_of_stage2_only():
+    from palimpsest.training.prepare import replays
+
+    assert [s for s in range(12) if replays(s, 4, 3)] == [6, 9]  # Stage II's 3rd and 6th steps
+    assert not any(replays(s, 4, 0) for s in range(12))  # 0: the seed's Stage II
 
 
 def test_a_run_directory_of_another_network_is_moved_aside_and_the_same_one_is_resumed(tmp_path, actor_dir):

@@ -37,6 +37,9 @@ class OptimSection(_Strict):
     stage1_batch: int = Field(1, ge=1, le=256, description="Stage I spans per step on each worker, read and "
                               "scored in one batch (losses.stage1_batch_loss): the same loss as one at a time, more "
                               "spans per second (benchmarks/stage1_throughput.py)")
+    stage2_replay_every: int = Field(0, ge=0, description="every this many steps of Stage II is a Stage I "
+                                     "reconstruction step (a batch of fresh spans, Stage II's learning rate), so "
+                                     "that distillation does not unlearn reading; 0: none (the seed's Stage II)")
     stage1_continuation: float = Field(0.0, ge=0.0, le=1.0, description="Stage I's weight of continuation "
                                        "(the memory of a span's first half predicts its second) beside "
                                        "reconstruction")
@@ -109,6 +112,17 @@ class TrainConfig(_Strict):
                    if getattr(o, k) % o.grad_accum]
             if bad:
                 raise ValueError(f"optim.grad_accum ({o.grad_accum}) must divide {', '.join(bad)}")
+        return self
+
+    @model_validator(mode="after")
+    def _replay(self) -> "TrainConfig":
+        o = self.optim
+        if o.stage2_replay_every == 1:
+            raise ValueError("optim.stage2_replay_every (1) would make every Stage II step a reconstruction step: "
+                             "use 0 (none) or at least 2")
+        if o.stage2_replay_every > 1 and o.grad_accum > 1:  # an update must not mix the two losses
+            raise ValueError(f"optim.stage2_replay_every ({o.stage2_replay_every}) needs optim.grad_accum 1 "
+                             f"(got {o.grad_accum}): an update would mix reconstruction and distillation")
         return self
 
     @model_validator(mode="after")

@@ -40,6 +40,7 @@ from palimpsest.training.prepare import (
     _load_rows,
     _teacher_key,
     curriculum_row,
+    replays,
     stage1_batch_rows,
     data_config,
     prepare,
@@ -108,6 +109,8 @@ def train_loop(loop_config: dict) -> None:
     engine = getattr(backend, "engine", None)
     prefix = PrefixCache(rows=o.prefix_cache_rows) if o.prefix_cache_rows else None
     run_step = Step(backend, actor, o.kl_decay, prefix, continuation=o.stage1_continuation, autocast=o.autocast)  # the step the ladder and the tests run
+    # Stage II's reconstruction replays keep no prefill: their spans would push Stage II's rows out of the cache
+    replay_step = Step(backend, actor, o.kl_decay, None, continuation=o.stage1_continuation, autocast=o.autocast)
 
     step = 0
     ckpt = ray.train.get_checkpoint()
@@ -133,9 +136,12 @@ def train_loop(loop_config: dict) -> None:
     total = cfg.optim.stage1_steps + cfg.optim.stage2_steps
     fault = loop_config.get("fault") or {}
     while step < total:
-        stage = 1 if step < cfg.optim.stage1_steps else 2
+        phase = 1 if step < cfg.optim.stage1_steps else 2  # the stage whose schedule and rows the step follows
+        replay = replays(step, cfg.optim.stage1_steps, cfg.optim.stage2_replay_every)
+        stage = 1 if replay else phase  # the loss: a replay is a Stage I step on spans Stage I has not read yet
         data = rows[stage]
-        row_index = curriculum_row(step, cfg.optim.stage1_steps, world, rank, len(data))[1]
+        row_index = (stage1_batch_rows(step, world, rank, len(data), 1)[0] if replay
+                     else curriculum_row(step, cfg.optim.stage1_steps, world, rank, len(data))[1])
         row = data[row_index]
         sample = sample_tensors(row, stage, device)
         batch = None
@@ -150,15 +156,22 @@ def train_loop(loop_config: dict) -> None:
             dist.all_reduce(passes, op=dist.ReduceOp.MAX)
         teacher = (teachers.get(_teacher_key(cfg, loop_config["actor_path"], data_sha, row))
                    if stage == 2 and teachers is not None else None)  # None: a full teacher pass
-        start, steps = (0, cfg.optim.stage1_steps) if stage == 1 else (cfg.optim.stage1_steps, cfg.optim.stage2_steps)
+        start, steps = (0, cfg.optim.stage1_steps) if phase == 1 else (cfg.optim.stage1_steps, cfg.optim.stage2_steps)
         backend.set_lr(lr_at(step - start, steps, 1.0, cfg.optim.schedule, cfg.optim.warmup_steps))
-        figures = run_step(batch or sample, stage, int(passes), teacher)
+        figures = (replay_step if replay else run_step)(batch or sample, stage, int(passes), teacher)
+        if replay:  # its own curve: Stage II's loss is a KL, this one a reconstruction NLL
+            figures["replay_loss"] = figures.pop("loss")
         step += 1
         tokens = sum(int(v.numel()) for s in (batch or [sample]) for v in s.values())
-        metrics = {"step": step, "stage": stage, **figures, "lr": backend.lr(), "resumed_from": resumed_from,
+        metrics = {"step": step, "stage": phase, **figures, "lr": backend.lr(), "resumed_from": resumed_from,
                    "seconds": time.perf_counter() - t0, "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                    "tokens_per_s": tokens / max(time.perf_counter() - t0, 1e-9),
                    "teacher_cached": float(teacher is not None), "row": float(row_index)}
+        if step == cfg.optim.stage1_steps and cfg.optim.stage2_steps:
+            # the network as Stage I left it, beside the run: reconstruction is scored before Stage II too
+            with tempfile.TemporaryDirectory() as tmp:
+                _export_bundle(cfg, memnet, actor, Path(tmp), engine, loop_config["data_dir"])  # every rank (ZeRO-3)
+                tracker.artifacts(tmp, STAGE1_BUNDLE)
         if fault.get("rank") == rank and fault.get("step") == step and not Path(fault["marker"]).exists():
             Path(fault["marker"]).write_text("killed once")  # fault injection for the resume test
             os._exit(1)
@@ -205,6 +218,7 @@ def _export_bundle(cfg: TrainConfig, module, actor, out: Path, engine, data_dir:
     write_bundle(out, state, meta)
 
 
+STAGE1_BUNDLE = "stage1"  # in a tracked run with a Stage II: the bundle at the end of Stage I (runs:/ID/stage1)
 RUN_NETWORK = "network.json"  # in a run's directory: the network its checkpoints hold
 
 
@@ -284,6 +298,12 @@ class _RankZeroTracker:
             mlflow.log_metrics({k: float(v) for k, v in metrics.items() if k not in ("step", "resumed_from")},
                                step=int(metrics["step"]))
 
+    def artifacts(self, local_dir: str, path: str) -> None:
+        if self.on:
+            import mlflow
+
+            mlflow.log_artifacts(local_dir, artifact_path=path)
+
     def finish(self) -> None:
         if self.on:
             import mlflow
@@ -336,7 +356,9 @@ def launch(cfg: TrainConfig, fault: dict | None = None, track: bool = True) -> d
     summary = {"name": cfg.name, "wall_s": round(wall, 1), "metrics": dict(result.metrics or {}),
                "checkpoint": result.checkpoint.path if result.checkpoint else None, "data": prep.data_report["counts"],
                "teachers": prep.data_report.get("teachers"),
-               "mlflow_run_id": run_id, "timings": {**timings, "fit_s": round(wall, 1)}}
+               "mlflow_run_id": run_id, "timings": {**timings, "fit_s": round(wall, 1)},
+               "stage1_bundle": f"runs:/{run_id}/{STAGE1_BUNDLE}" if run_id and cfg.optim.stage1_steps and
+               cfg.optim.stage2_steps else None}
     if track and result.checkpoint is not None:
         t_reg = time.perf_counter()
         summary["registered"] = register(cfg, result.checkpoint, run_id)

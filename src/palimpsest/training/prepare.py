@@ -27,6 +27,13 @@ def curriculum_row(step: int, stage1_steps: int, world: int, rank: int, n_rows: 
     return stage, (local * world + rank) % n_rows
 
 
+def replays(step: int, stage1_steps: int, every: int) -> bool:
+    """Whether global ``step`` (from 0) is a Stage I reconstruction step replayed inside Stage II
+    (``optim.stage2_replay_every``): the ``every``-th, ``2 * every``-th, ... step of Stage II."""
+    local = step - stage1_steps
+    return every > 0 and local >= 0 and local % every == every - 1
+
+
 def stage1_batch_rows(step: int, world: int, rank: int, n_rows: int, batch: int) -> list[int]:
     """The Stage I row indices of a global step on one rank when each takes ``batch`` rows: consecutive rows,
     rank after rank, epoch after epoch (``batch`` 1 is :func:`curriculum_row`'s walk)."""
