@@ -7,6 +7,8 @@
     .venv/bin/python benchmarks/memory_ladder.py --rung 4 --spans 16000 --steps N --batch 8 --autocast bfloat16
                                                                      # spans of files never trained on
     .venv/bin/python benchmarks/memory_ladder.py --rung 5            # needles in filler, 8 slots
+    .venv/bin/python benchmarks/memory_ladder.py --rung 4 --model models:/palimpsest-memory/N --out F.json
+                                                                     # a trained bundle on rung 4's spans
 
 Spans are ``--tokens`` (64) ids of Stage I text: the dev trajectories' actions and observations and the
 interpreter's standard library (``pipelines.remory_data.stage1_rows``), split by file or trajectory (the
@@ -25,6 +27,9 @@ What each rung asks, and its control:
   span's source (a memory that ignores its input reproduces the span from it too).
 - 3: ``--spans`` training spans, scored on themselves: accuracy >= 0.9 and own <= other - 1 nat/token.
 - 4: validation spans (files never trained on): own <= other - 0.3 and own <= none - 0.5 nats/token.
+  With ``--model``, nothing is trained: a bundle ``palimpsest train`` wrote (``runs:/ID/stage1`` is the one Stage I
+  left) is scored on the same validation spans, which lie in files and trajectories of the launcher's validation
+  split too (the split is by name, ``pipelines.remory_data.split_of``).
 - 5: a ``kind=value`` line (a port, an 8-hex id, a log path) at a random place in ``--tokens`` ids of filler
   (Stage I text), ``--slots`` soft tokens; trained on ``--spans`` needles with [memory; "What is the value of
   KIND ...?"; value]; exact greedy recovery of the value >= 50% on training needles, then on held-out ones
@@ -246,7 +251,11 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=20000, help="most standard-library spans read")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--model", default=None, help="rung 4: score this trained bundle (models:/..., runs:/..., a "
+                    "directory) on the validation spans instead of training a network")
     args = ap.parse_args()
+    if args.model and args.rung != 4:
+        ap.error("--model scores a trained bundle at rung 4 only")
 
     import torch
 
@@ -340,6 +349,18 @@ def main() -> None:
             out["control_other_source_matched"] = sum(a == b for a, b in zip(ctrl, target))
             out["other"] = {"nll": score(actor, net, one + other, "other")["nll"]}
         out["passed"] = state["prefix"] == n
+    elif args.model:
+        from palimpsest.models.registry import load_memory, read_bundle
+
+        bundle = read_bundle(args.model)
+        if (bundle.memory.get("block_size"), bundle.memory.get("queries")) != (args.tokens, args.slots):
+            raise SystemExit(f"{args.model}: blocks of {bundle.memory.get('block_size')} ids with "
+                             f"{bundle.memory.get('queries')} soft tokens; rung 4's spans are one block of "
+                             f"--tokens {args.tokens} with --slots {args.slots}")
+        net = load_memory(args.model, actor)
+        final = evaluate(actor, net, as_tensors(val_rows[: args.eval]))
+        out.update(model=args.model, memory=bundle.memory, lrs=None, warmup=None, batch=None, autocast=None,
+                   parameters=net.num_parameters(), final=final, passed=reads_its_input(final, 0.3, 0.5))
     elif args.rung in (3, 4):
         train_t = as_tensors(train_rows[: args.spans])
         net = network()
@@ -378,7 +399,7 @@ def main() -> None:
     variant = (f"_rank{args.lora_rank}" if args.lora_rank is not None else "") + \
         (f"_slots{args.slots}" if args.slots != 8 else "") + (f"_batch{args.batch}" if args.batch != 1 else "") + \
         (f"_{args.autocast}" if args.autocast != "none" else "")  # a variant never overwrites the results of record
-    path = args.out or OUT / f"rung{args.rung}{variant}.json"
+    path = args.out or OUT / (f"rung{args.rung}_model.json" if args.model else f"rung{args.rung}{variant}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2))
     print(json.dumps({k: v for k, v in out.items() if k not in ("curve", "evals")}, indent=2)[:3000])

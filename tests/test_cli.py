@@ -207,6 +207,16 @@ def test_train_prints_its_summary_as_one_json_object_and_nothing_else(tmp_path, 
     assert doc["checkpoint"] == path and doc["registered"].endswith("/3")
 
 
+@pytest.mark.parametrize("args,message", [
+    (("eval-reconstruction", "--model", "m", "--data", "d", "--spans", "1"), "Input should be greater than or equal to 2"),
+    (("eval-reconstruction", "--model", "m", "--data", "d", "--split", "val"), "'val' is not one of held-out, train, all"),
+    (("eval-reconstruction", "--model", "m", "--data", "d", "--split", "train", "--include-train"), "contradicts"),
+])
+def test_a_bad_option_value_is_a_usage_error_naming_the_option_not_a_traceback(tmp_path, args, message):
+    r = cli(*args, cwd=tmp_path)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr[-1500:]
+
+
 def test_eval_memory_refuses_what_is_not_a_model(tmp_path, data):
     r = cli("eval-memory", "--model", "not-a-model", "--data", str(data), cwd=tmp_path)
     assert r.returncode == 2 and "neither a memory bundle directory nor an MLflow model URI" in r.stderr

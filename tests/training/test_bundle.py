@@ -110,3 +110,31 @@ def test_eval_memory_is_eval_actions_on_what_the_memory_did_not_train_on(setup, 
     mem, empty = res["policies"]["pace+memory"], res["policies"]["pace+empty"]
     assert mem["boundaries"] == empty["boundaries"] > 0 and mem["positions"] > empty["positions"]  # the soft span
     assert res["gap_closed"]["pace"] == 0.0 and "pace+memory" in res["gap_closed"]
+
+
+def test_eval_reconstruction_scores_the_split_asked_for(setup, tmp_path):
+    """Held out by default (tr/1, tr/2), the training trajectories with --split train (tr/0: is it overfitting?),
+    every one with --split all; a --split the command does not know is a usage error naming the option."""
+    d, actor, net, bundle, data = setup
+    held = tmp_path / "held"
+    held.mkdir()
+    (held / "memory.pt").write_bytes((bundle / "memory.pt").read_bytes())
+    meta = json.loads((bundle / "memory.json").read_text())
+    meta["data"] = {"train_trajectories": ["tr/0"], "val_trajectories": ["tr/1", "tr/2"], "val_fraction": 0.3}
+    (held / "memory.json").write_text(json.dumps(meta))
+
+    def run(*extra):
+        return subprocess.run([sys.executable, "-m", "palimpsest.cli", "eval-reconstruction", "--model", str(held),
+                               "--data", str(data), "--tokens", "8", "--spans", "40", "--json", *extra],
+                              capture_output=True, text=True, timeout=600)
+
+    seen = {}
+    for split, want in (("held-out", 2), ("train", 1), ("all", 3)):
+        r = run(*(("--split", split) if split != "held-out" else ()))
+        assert r.returncode == 0, r.stderr[-2000:]
+        doc = json.loads(r.stdout)
+        assert doc["split"] == split and doc["trajectories"] == want and doc["held_out_only"] == (split == "held-out")
+        seen[split] = doc["own"]["nll"]
+    assert len(set(seen.values())) == 3  # three samples of spans, not one
+    r = run("--split", "val")
+    assert r.returncode == 2 and "--split" in r.stderr and "'val' is not one of held-out, train, all" in r.stderr

@@ -51,6 +51,10 @@ app.add_typer(models_app, name="models")
 app.add_typer(ab_app, name="ab")
 
 
+# click's, and those of the click that typer vendors (typer >= 0.2x raises its own for a bad option value)
+USAGE_ERRORS = (click.ClickException, getattr(typer, "TyperException", click.ClickException))
+
+
 def main() -> None:
     try:
         rc = app(standalone_mode=False)  # returns the exit code of typer.Exit instead of raising
@@ -60,7 +64,7 @@ def main() -> None:
         sys.exit(e.exit_code)
     except (typer.Abort, KeyboardInterrupt):
         sys.exit(130)
-    except click.ClickException as e:  # click usage errors carry their own message and exit code
+    except USAGE_ERRORS as e:  # usage errors carry their own message (naming the option) and exit code 2
         e.show()
         sys.exit(e.exit_code)
     sys.exit(rc if isinstance(rc, int) else 0)

@@ -277,25 +277,34 @@ def eval_reconstruction(
     spans: int = typer.Option(64, "--spans", min=2, help="spans scored (a seeded sample)"),
     tokens: int = typer.Option(64, "--tokens", min=8, max=4096, help="ids per span"),
     exact_tokens: int = typer.Option(32, "--exact-tokens", min=1, help="exact: the first N tokens come back greedily"),
-    include_train: bool = IncludeTrainOpt,
+    split: str = typer.Option("held-out", "--split", help="held-out: trajectories the memory did not train on; "
+                              "train: only those it trained on (is it overfitting?); all: every one"),
+    include_train: bool = typer.Option(False, "--include-train", help="the same as --split all"),
     seed: int = SeedOpt,
     device: str = DeviceOpt,
     as_json: bool = typer.Option(False, "--json", help="print the result JSON to stdout and nothing else"),
 ) -> None:
-    """Does the memory carry its input? Spans of FILE's trajectories (none the memory trained on, unless
-    --include-train), each scored teacher-forced with no memory, with its own memory, and with another span's:
+    """Does the memory carry its input? Spans of FILE's trajectories (none the memory trained on, unless --split
+    says otherwise), each scored teacher-forced with no memory, with its own memory, and with another span's:
     NLL per token and accuracy, and the share of spans whose first tokens the actor writes back greedily."""
     import json as _json
 
     _check_device(device)
+    if split not in ("held-out", "train", "all"):
+        raise typer.BadParameter(f"{split!r} is not one of held-out, train, all", param_hint="--split")
+    if include_train:
+        if split == "train":
+            raise typer.BadParameter("--include-train (every trajectory) contradicts --split train",
+                                     param_hint="--split")
+        split = "all"
     if not data.is_file():
         raise PalimpsestError(f"trajectory file not found: {data}")
     with _json_stdout(as_json):
         ref, bundle = _memory_model(model)
         trained_on = bundle.train_trajectories
-        if trained_on is None and not include_train:
-            raise PalimpsestError(f"memory model {ref} records no training split, so its held-out trajectories are "
-                                  "unknown: pass --include-train to use every trajectory")
+        if trained_on is None and split != "all":
+            raise PalimpsestError(f"memory model {ref} records no training split, so its {split} trajectories are "
+                                  "unknown: pass --split all to use every trajectory")
         # deferred: loads torch
         from palimpsest.models.actor import FrozenActor
         from palimpsest.training.reconstruction import as_tensors, evaluate, trajectory_spans
@@ -303,16 +312,18 @@ def eval_reconstruction(
         actor_path = resolve_actor_path(bundle.actor.get("path") or "smollm2")
         actor = FrozenActor.from_pretrained(actor_path, device=device, dtype=bundle.actor.get("dtype") or "float32")
         net = load_memory(ref, actor)
-        skip = None if include_train else trained_on
+        every = {t.id for t in read_trajectories(data).trajectories}
+        skip = {"all": None, "held-out": set(trained_on or ()), "train": every - set(trained_on or ())}[split]
         picked = trajectory_spans(data, get_tokenizer(str(actor_path)), tokens, spans, seed, skip=skip)
         if len(picked) < 2:
-            where = "" if include_train else " outside the memory's training data"
+            where = {"all": "", "held-out": " outside the memory's training data",
+                     "train": " in the memory's training data"}[split]
             raise PalimpsestError(f"{data}: fewer than 2 spans of {tokens} ids{where}")
         doc = evaluate(actor, net, as_tensors(picked, actor.device), exact_tokens)
         doc |= {"model": ref, "architecture": bundle.architecture,
                 "data": {"file": str(data), "sha256": file_sha256(data)},
-                "trajectories": len({p["trajectory"] for p in picked}), "held_out_only": not include_train,
-                "seed": seed}
+                "trajectories": len({p["trajectory"] for p in picked}), "split": split,
+                "held_out_only": split == "held-out", "seed": seed}
     if as_json:
         sys.stdout.write(_json.dumps(doc) + "\n")
         return
