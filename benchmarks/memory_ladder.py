@@ -357,8 +357,11 @@ def main() -> None:
             raise SystemExit(f"{args.model}: blocks of {bundle.memory.get('block_size')} ids with "
                              f"{bundle.memory.get('queries')} soft tokens; rung 4's spans are one block of "
                              f"--tokens {args.tokens} with --slots {args.slots}")
+        trained = set(bundle.train_trajectories or ())  # by name, as the launcher split; none may be scored
+        held = [r for r in val_rows if r["trajectory"] not in trained]
         net = load_memory(args.model, actor)
-        final = evaluate(actor, net, as_tensors(val_rows[: args.eval]))
+        final = evaluate(actor, net, as_tensors(held[: args.eval]))
+        out["validation_spans_the_bundle_trained_on"] = len(val_rows) - len(held)
         out.update(model=args.model, memory=bundle.memory, lrs=None, warmup=None, batch=None, autocast=None,
                    parameters=net.num_parameters(), final=final, passed=reads_its_input(final, 0.3, 0.5))
     elif args.rung in (3, 4):

@@ -37,6 +37,7 @@ def main() -> None:
                 "distributed": base.distributed.model_copy(update=dist),
                 "optim": base.optim.model_copy(update={"stage1_steps": args.steps // 2,
                                                        "stage2_steps": args.steps - args.steps // 2,
+                                                       "stage2_replay_every": 0,  # every step's loss a KL
                                                        "checkpoint_every": args.steps})})
             summary = launch(cfg, track=False)
             m = summary["metrics"]

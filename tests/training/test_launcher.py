@@ -265,6 +265,18 @@ def test_stage2_replays_reconstruction_every_nth_step_of_stage2_only():
     assert not any(replays(s, 4, 0) for s in range(12))  # 0: the seed's Stage II
 
 
+@pytest.mark.parametrize("n,world,every", [(24, 2, 3), (13, 2, 3), (4, 2, 2), (6, 1, 2)])
+def test_a_replay_takes_no_stage2_rows_turn_every_row_is_distilled_each_epoch(n, world, every):
+    from palimpsest.training.prepare import curriculum_row, replays
+
+    stage1 = 5
+    distill = [s for s in range(stage1, stage1 + 3 * n * every) if not replays(s, stage1, every)]
+    epoch = distill[: -(-n // world)]  # as many distillation steps as one epoch takes
+    rows = [curriculum_row(s, stage1, world, r, n, every)[1] for s in epoch for r in range(world)]
+    assert sorted(set(rows)) == list(range(n))  # each row once (the last step may wrap into the next epoch)
+    assert rows[:world] == list(range(world))  # from the shortest history
+
+
 def test_a_run_directory_of_another_network_is_moved_aside_and_the_same_one_is_resumed(tmp_path, actor_dir):
     """A rerun of a config resumes its checkpoints; checkpoints of another network (an old architecture wrote no
     record, or the memory config changed) would fail to load, so the directory is moved aside and said."""

@@ -65,6 +65,9 @@ def main() -> None:
     except (typer.Abort, KeyboardInterrupt):
         sys.exit(130)
     except USAGE_ERRORS as e:  # usage errors carry their own message (naming the option) and exit code 2
-        e.show()
-        sys.exit(e.exit_code)
+        if hasattr(e, "show"):
+            e.show()
+        else:
+            _fail(str(e))
+        sys.exit(getattr(e, "exit_code", 2))
     sys.exit(rc if isinstance(rc, int) else 0)

@@ -140,8 +140,9 @@ def train_loop(loop_config: dict) -> None:
         replay = replays(step, cfg.optim.stage1_steps, cfg.optim.stage2_replay_every)
         stage = 1 if replay else phase  # the loss: a replay is a Stage I step on spans Stage I has not read yet
         data = rows[stage]
-        row_index = (stage1_batch_rows(step, world, rank, len(data), 1)[0] if replay
-                     else curriculum_row(step, cfg.optim.stage1_steps, world, rank, len(data))[1])
+        row_index = (stage1_batch_rows(step, world, rank, len(data), cfg.optim.stage1_batch)[0] if replay
+                     else curriculum_row(step, cfg.optim.stage1_steps, world, rank, len(data),
+                                         cfg.optim.stage2_replay_every)[1])
         row = data[row_index]
         sample = sample_tensors(row, stage, device)
         batch = None
@@ -167,7 +168,7 @@ def train_loop(loop_config: dict) -> None:
                    "seconds": time.perf_counter() - t0, "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                    "tokens_per_s": tokens / max(time.perf_counter() - t0, 1e-9),
                    "teacher_cached": float(teacher is not None), "row": float(row_index)}
-        if step == cfg.optim.stage1_steps and cfg.optim.stage2_steps:
+        if step == cfg.optim.stage1_steps and cfg.optim.stage2_steps and loop_config.get("mlflow"):
             # the network as Stage I left it, beside the run: reconstruction is scored before Stage II too
             with tempfile.TemporaryDirectory() as tmp:
                 _export_bundle(cfg, memnet, actor, Path(tmp), engine, loop_config["data_dir"])  # every rank (ZeRO-3)
@@ -357,13 +358,22 @@ def launch(cfg: TrainConfig, fault: dict | None = None, track: bool = True) -> d
                "checkpoint": result.checkpoint.path if result.checkpoint else None, "data": prep.data_report["counts"],
                "teachers": prep.data_report.get("teachers"),
                "mlflow_run_id": run_id, "timings": {**timings, "fit_s": round(wall, 1)},
-               "stage1_bundle": f"runs:/{run_id}/{STAGE1_BUNDLE}" if run_id and cfg.optim.stage1_steps and
-               cfg.optim.stage2_steps else None}
+               "stage1_bundle": _stage1_bundle(run_id)}
     if track and result.checkpoint is not None:
         t_reg = time.perf_counter()
         summary["registered"] = register(cfg, result.checkpoint, run_id)
         summary["timings"]["register_s"] = round(time.perf_counter() - t_reg, 1)
     return summary
+
+
+def _stage1_bundle(run_id: str | None) -> str | None:
+    """The run's Stage I bundle, where this run logged one (a run resumed past Stage I did not)."""
+    if not run_id:
+        return None
+    import mlflow
+
+    logged = mlflow.MlflowClient().list_artifacts(run_id, STAGE1_BUNDLE)
+    return f"runs:/{run_id}/{STAGE1_BUNDLE}" if logged else None
 
 
 def register(cfg: TrainConfig, checkpoint, run_id: str) -> str | None:

@@ -18,12 +18,17 @@ from palimpsest.platform.types import ConfigError
 from palimpsest.training.config import TrainConfig
 
 
-def curriculum_row(step: int, stage1_steps: int, world: int, rank: int, n_rows: int) -> tuple[int, int]:
+def curriculum_row(step: int, stage1_steps: int, world: int, rank: int, n_rows: int,
+                   replay_every: int = 0) -> tuple[int, int]:
     """(stage, row index) of a global step on one rank. Each stage walks its own rows from the start (they
     are sorted shortest history first: the curriculum), the ranks taking consecutive rows, epoch after
-    epoch; Stage II starts at its shortest history, not where the global step count happens to point."""
+    epoch; Stage II starts at its shortest history, not where the global step count happens to point.
+    Stage II counts its distillation steps only: a reconstruction replay (``replay_every``) takes no row's
+    turn, so every row is distilled once an epoch."""
     stage = 1 if step < stage1_steps else 2
     local = step if stage == 1 else step - stage1_steps
+    if stage == 2 and replay_every > 0:
+        local -= (local + 1) // replay_every  # the replays before this step (and this one, if it is one)
     return stage, (local * world + rank) % n_rows
 
 
@@ -119,8 +124,9 @@ def cache_teachers(cfg: TrainConfig, actor_path: str, data_dir: Path, data_sha: 
     cache = TeacherCache(data_dir / TEACHERS)
     rows = _load_rows(str(data_dir), 2)
     o, world = cfg.optim, cfg.distributed.num_workers
-    visited = sorted({curriculum_row(o.stage1_steps + s, o.stage1_steps, world, r, len(rows))[1]
-                      for s in range(o.stage2_steps) for r in range(world)})
+    visited = sorted({curriculum_row(o.stage1_steps + s, o.stage1_steps, world, r, len(rows), o.stage2_replay_every)[1]
+                      for s in range(o.stage2_steps) for r in range(world)
+                      if not replays(o.stage1_steps + s, o.stage1_steps, o.stage2_replay_every)})
     todo = [rows[i] for i in visited if _teacher_key(cfg, actor_path, data_sha, rows[i]) not in cache.rows]
     t0 = time.perf_counter()
     if todo:
