@@ -84,17 +84,23 @@ def test_a_bundle_holds_the_memory_alone_and_loads_back_exactly(setup):
     assert read_bundle(bundle).memory == net.cfg.to_dict()
 
 
-def test_eval_memory_is_eval_actions_on_what_the_memory_did_not_train_on(setup, tmp_path):
-    """eval-memory is a view of eval-actions: the memory's text policy, the same text without the soft span,
-    and with it; by default only on trajectories the bundle records as held out (tr/1 and tr/2 here), and stdout is
-    the JSON alone."""
-    d, actor, net, bundle, data = setup
+def held_bundle(bundle, tmp_path):
+    """The bundle again, its record saying it trained on tr/0 and held tr/1 and tr/2 out."""
     held = tmp_path / "held"
     held.mkdir()
     (held / "memory.pt").write_bytes((bundle / "memory.pt").read_bytes())
     meta = json.loads((bundle / "memory.json").read_text())
     meta["data"] = {"train_trajectories": ["tr/0"], "val_trajectories": ["tr/1", "tr/2"], "val_fraction": 0.3}
     (held / "memory.json").write_text(json.dumps(meta))
+    return held
+
+
+def test_eval_memory_is_eval_actions_on_what_the_memory_did_not_train_on(setup, tmp_path):
+    """eval-memory is a view of eval-actions: the memory's text policy, the same text without the soft span,
+    and with it; by default only on trajectories the bundle records as held out (tr/1 and tr/2 here), and stdout is
+    the JSON alone."""
+    d, actor, net, bundle, data = setup
+    held = held_bundle(bundle, tmp_path)
     r = subprocess.run([sys.executable, "-m", "palimpsest.cli", "eval-memory", "--model", str(held), "--data",
                         str(data), "--budget", "1000", "--window", "2048", "--max-target-tokens", "8",
                         "--tokenizer", str(d / "actor"), "--embedder", "hashing", "--ledger", str(tmp_path / "l.db"),
@@ -116,12 +122,7 @@ def test_eval_reconstruction_scores_the_split_asked_for(setup, tmp_path):
     """Held out by default (tr/1, tr/2), the training trajectories with --split train (tr/0: is it overfitting?),
     every one with --split all; a --split the command does not know is a usage error naming the option."""
     d, actor, net, bundle, data = setup
-    held = tmp_path / "held"
-    held.mkdir()
-    (held / "memory.pt").write_bytes((bundle / "memory.pt").read_bytes())
-    meta = json.loads((bundle / "memory.json").read_text())
-    meta["data"] = {"train_trajectories": ["tr/0"], "val_trajectories": ["tr/1", "tr/2"], "val_fraction": 0.3}
-    (held / "memory.json").write_text(json.dumps(meta))
+    held = held_bundle(bundle, tmp_path)
 
     def run(*extra):
         return subprocess.run([sys.executable, "-m", "palimpsest.cli", "eval-reconstruction", "--model", str(held),
