@@ -312,8 +312,8 @@ def eval_reconstruction(
         actor_path = resolve_actor_path(bundle.actor.get("path") or "smollm2")
         actor = FrozenActor.from_pretrained(actor_path, device=device, dtype=bundle.actor.get("dtype") or "float32")
         net = load_memory(ref, actor)
-        every = {t.id for t in read_trajectories(data).trajectories}
-        skip = {"all": None, "held-out": set(trained_on or ()), "train": every - set(trained_on or ())}[split]
+        skip = (None if split == "all" else set(trained_on) if split == "held-out"  # the file read once more for
+                else {t.id for t in read_trajectories(data).trajectories} - set(trained_on))  # train only
         picked = trajectory_spans(data, get_tokenizer(str(actor_path)), tokens, spans, seed, skip=skip)
         if len(picked) < 2:
             where = {"all": "", "held-out": " outside the memory's training data",
