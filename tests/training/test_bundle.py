@@ -135,6 +135,7 @@ def test_eval_reconstruction_scores_the_split_asked_for(setup, tmp_path):
         assert r.returncode == 0, r.stderr[-2000:]
         doc = json.loads(r.stdout)
         assert doc["split"] == split and doc["trajectories"] == want and doc["held_out_only"] == (split == "held-out")
+        assert len(doc["differences"]["own_minus_none"]["by_trajectory"]) == want  # the spans' own trajectories
         seen[split] = doc["own"]["nll"]
     assert len(set(seen.values())) == 3  # three samples of spans, not one
     r = run("--split", "val")

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from palimpsest.training.reconstruction import evaluate, reads_its_input, score
+from palimpsest.training.reconstruction import evaluate, paired_difference, reads_its_input, score
 from tests.models.tiny import tiny_actor
 
 
@@ -45,14 +45,39 @@ def test_the_document_has_every_field_and_a_constant_memory_scores_own_as_other(
     actor = tiny_actor()
     samples = spans(4, 12)
     const = TextMemory(actor, constant=torch.arange(10, 18))
-    doc = evaluate(actor, const, samples, exact_tokens=8)
-    assert set(doc) == {"spans", "tokens_per_span", "slots_per_span", "none", "own", "other"}
+    doc = evaluate(actor, const, samples, exact_tokens=8, groups=["a", "a", "b", "b"])
+    assert set(doc) == {"spans", "tokens_per_span", "slots_per_span", "none", "own", "other", "differences"}
     assert doc["spans"] == 4 and doc["tokens_per_span"] == 12 and doc["own"]["exact_tokens"] == 8
     assert set(doc["own"]) == {"nll", "acc", "exact", "exact_tokens"} and set(doc["none"]) == {"nll", "acc"}
     assert doc["own"]["nll"] == pytest.approx(doc["other"]["nll"], abs=1e-6)  # it ignores its input
     assert not reads_its_input(doc, 1e-3)
     with pytest.raises(ValueError, match="at least 2 spans"):
         score(actor, const, samples[:1], "other")
+    # the paired differences are the documents' differences; for a memory that ignores its input, own - other
+    # is 0 in every span, so its interval is [0, 0]
+    d = doc["differences"]
+    assert d["own_minus_none"]["value"] == pytest.approx(doc["own"]["nll"] - doc["none"]["nll"], abs=1e-6)
+    assert d["own_minus_other"]["value"] == pytest.approx(0, abs=1e-6)
+    assert d["own_minus_other"]["ci95"] == pytest.approx([0, 0], abs=1e-6)
+    assert set(d["own_minus_none"]["by_trajectory"]) == {"a", "b"}
+    lo, hi = d["own_minus_none"]["ci95"]
+    assert lo <= d["own_minus_none"]["value"] <= hi
+
+
+def test_the_paired_interval_excludes_zero_only_where_the_spans_agree():
+    tokens = [10] * 40
+    base = [30.0 + (i % 7) for i in range(40)]
+    lower = [b - 5.0 + (i % 3) for i, b in enumerate(base)]  # 0.3-0.5 nats per token below in every span
+    d = paired_difference(lower, base, tokens, groups=["x"] * 20 + ["y"] * 20)
+    assert d["value"] == pytest.approx(-0.4, abs=0.01) and d["ci95"][1] < 0
+    assert d["by_trajectory"]["x"] < 0 and d["by_trajectory"]["y"] < 0
+    mixed = [b + (5.0 if i % 2 else -5.0) for i, b in enumerate(base)]  # half above, half below: no direction
+    m = paired_difference(mixed, base, tokens)
+    assert m["ci95"][0] < 0 < m["ci95"][1] and "by_trajectory" not in m
+    with pytest.raises(ValueError, match="same, non-empty"):
+        paired_difference([1.0], [1.0, 2.0], [1, 1])
+    with pytest.raises(ValueError, match="groups"):
+        paired_difference([1.0, 2.0], [1.0, 2.0], [1, 1], groups=["a"])
 
 
 @pytest.mark.slow

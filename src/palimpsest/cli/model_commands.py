@@ -319,7 +319,8 @@ def eval_reconstruction(
             where = {"all": "", "held-out": " outside the memory's training data",
                      "train": " in the memory's training data"}[split]
             raise PalimpsestError(f"{data}: fewer than 2 spans of {tokens} ids{where}")
-        doc = evaluate(actor, net, as_tensors(picked, actor.device), exact_tokens)
+        doc = evaluate(actor, net, as_tensors(picked, actor.device), exact_tokens,
+                       groups=[p["trajectory"] for p in picked])
         doc |= {"model": ref, "architecture": bundle.architecture,
                 "data": {"file": str(data), "sha256": file_sha256(data)},
                 "trajectories": len({p["trajectory"] for p in picked}), "split": split,
@@ -335,6 +336,9 @@ def eval_reconstruction(
     table.add_row("own", f"{doc['own']['nll']:.3f}", f"{doc['own']['acc']:.3f}", f"{doc['own']['exact']:.2f}")
     table.add_row("other span's", f"{doc['other']['nll']:.3f}", f"{doc['other']['acc']:.3f}", "")
     out.print(table)
+    for name, d in doc["differences"].items():
+        out.print(f"{name.replace('_minus_', ' - ')}: {d['value']:+.3f} nats per token, 95% interval "
+                  f"[{d['ci95'][0]:+.3f}, {d['ci95'][1]:+.3f}] ({d['resamples']} resamples of the spans)")
 
 
 def models_prepare() -> None:

@@ -77,20 +77,54 @@ def greedy(actor, net, sample: dict, n: int, source: torch.Tensor | None = None)
 def score(actor, net, samples: list[dict], mode: str) -> dict:
     """NLL per token and token accuracy of ``samples`` (tensors) under ``mode``: none, own or other (the memory
     of the next span in the list: a derangement, so no span is given its own)."""
+    nll, hits, tokens = span_scores(actor, net, samples, mode)
+    total = sum(tokens)
+    return {"nll": sum(nll) / max(total, 1), "acc": sum(hits) / max(total, 1)}
+
+
+@torch.no_grad()
+def span_scores(actor, net, samples: list[dict], mode: str) -> tuple[list[float], list[int], list[int]]:
+    """Per span of ``samples``: the summed NLL, the hits and the tokens under ``mode`` (see :func:`score`)."""
     if mode not in ("none", "own", "other"):
         raise ValueError(f"mode must be none, own or other, got {mode!r}")
     if mode == "other" and len(samples) < 2:
         raise ValueError("the 'other' control needs at least 2 spans")
-    nll = 0.0
-    hits = total = 0
+    nll, hits, tokens = [], [], []
     for i, s in enumerate(samples):
         donor = samples[(i + 1) % len(samples)]
         source = donor.get("source", donor["span"]) if mode == "other" else None
         logits = stage1_logits(None if mode == "none" else net, actor, s, source=source).float()
-        nll += float(F.cross_entropy(logits, s["span"], reduction="sum"))
-        hits += int((logits.argmax(-1) == s["span"]).sum())
-        total += int(s["span"].numel())
-    return {"nll": nll / max(total, 1), "acc": hits / max(total, 1)}
+        nll.append(float(F.cross_entropy(logits, s["span"], reduction="sum")))
+        hits.append(int((logits.argmax(-1) == s["span"]).sum()))
+        tokens.append(int(s["span"].numel()))
+    return nll, hits, tokens
+
+
+def paired_difference(a: list[float], b: list[float], tokens: list[int], groups: list[str] | None = None,
+                      resamples: int = 2000, seed: int = 0) -> dict:
+    """The difference in NLL per token between two scorings of the same spans (``a`` - ``b``, summed NLL per
+    span): its value (equal to the difference of the two documents' ``nll``), a 95% percentile bootstrap
+    interval with spans resampled (spans of one trajectory are not independent, so it is a lower bound on the
+    uncertainty), and, given ``groups`` (each span's trajectory), the difference within each group."""
+    if not (len(a) == len(b) == len(tokens)) or not a:
+        raise ValueError("the paired scores need the same, non-empty spans")
+    n = len(a)
+    rng = random.Random(seed)
+    stats = []
+    for _ in range(resamples):
+        idx = [rng.randrange(n) for _ in range(n)]
+        stats.append(sum(a[i] - b[i] for i in idx) / max(sum(tokens[i] for i in idx), 1))
+    stats.sort()
+    doc = {"value": sum(x - y for x, y in zip(a, b)) / max(sum(tokens), 1),
+           "ci95": [stats[int(0.025 * (resamples - 1))], stats[int(round(0.975 * (resamples - 1)))]],
+           "resampled": "spans", "resamples": resamples}
+    if groups is not None:
+        if len(groups) != n:
+            raise ValueError(f"{len(groups)} groups for {n} spans")
+        doc["by_trajectory"] = {g: sum(a[i] - b[i] for i in range(n) if groups[i] == g)
+                                / max(sum(tokens[i] for i in range(n) if groups[i] == g), 1)
+                                for g in dict.fromkeys(groups)}
+    return doc
 
 
 @torch.no_grad()
@@ -127,24 +161,30 @@ def reads_its_input(doc: dict, below_other: float, below_none: float = 0.0) -> b
             and doc["own"]["nll"] <= doc["none"]["nll"] - below_none)
 
 
-def evaluate(actor, net, samples: list[dict], exact_tokens: int = 32) -> dict:
-    """The reconstruction document of ``samples`` (tensors): spans, tokens and soft tokens per span, and the
-    none / own / other scores; ``own.exact`` is the share of spans whose first ``exact_tokens`` tokens come back
-    greedily."""
+def evaluate(actor, net, samples: list[dict], exact_tokens: int = 32, groups: list[str] | None = None) -> dict:
+    """The reconstruction document of ``samples`` (tensors): spans, tokens and soft tokens per span, the
+    none / own / other scores, and ``differences``: own - other and own - none per token with their bootstrap
+    intervals (:func:`paired_difference`; ``groups``: each span's trajectory, for the difference within each).
+    ``own.exact`` is the share of spans whose first ``exact_tokens`` tokens come back greedily."""
     if not samples:
         raise ValueError("no spans to score")
     was = net.training
     net.eval()
     try:
-        own = score(actor, net, samples, "own")
+        per = {mode: span_scores(actor, net, samples, mode) for mode in ("none", "own", "other")}
+        tokens = per["own"][2]
+        total = max(sum(tokens), 1)
+        scored = {mode: {"nll": sum(nll) / total, "acc": sum(hits) / total} for mode, (nll, hits, _) in per.items()}
         k = min(exact_tokens, min(int(s["span"].numel()) for s in samples))
         exact = sum(greedy(actor, net, s, k) == s["span"][:k].tolist() for s in samples) / len(samples)
         doc = {"spans": len(samples),
                "tokens_per_span": sum(int(s["span"].numel()) for s in samples) / len(samples),
                "slots_per_span": sum(net.slots_for(int(s["span"].numel())) for s in samples) / len(samples),
-               "none": score(actor, net, samples, "none"),
-               "own": {**own, "exact": exact, "exact_tokens": k},
-               "other": score(actor, net, samples, "other")}
+               "none": scored["none"],
+               "own": {**scored["own"], "exact": exact, "exact_tokens": k},
+               "other": scored["other"],
+               "differences": {f"own_minus_{c}": paired_difference(per["own"][0], per[c][0], tokens, groups)
+                               for c in ("other", "none")}}
     finally:
         net.train(was)
     return doc
