@@ -224,8 +224,8 @@ def test_random_plans_never_exceed_the_budget_and_decode_to_the_audited_text(smo
 
 
 class _Fixed:
-    """A policy that returns a given plan as it was first planned (a copy taken before any compile mutates it:
-    the compiler's output plan is not its input, since its estimate of a range line's cost is not exact)."""
+    """A policy that returns a deep copy of the plan as given. Build it before compile_plan, which mutates its
+    plan in place (recompiling that output may degrade further: a range line's cost is an estimate)."""
 
     name = "fixed"
     config_hash = "x"

@@ -70,7 +70,9 @@ def test_the_paired_interval_excludes_zero_only_where_the_spans_agree():
     lower = [b - 5.0 + (i % 3) for i, b in enumerate(base)]  # 0.3-0.5 nats per token below in every span
     d = paired_difference(lower, base, tokens, groups=["x"] * 20 + ["y"] * 20)
     assert d["value"] == pytest.approx(-0.4, abs=0.01) and d["ci95"][1] < 0
-    assert d["by_trajectory"]["x"] < 0 and d["by_trajectory"]["y"] < 0
+    for g, ix in (("x", range(20)), ("y", range(20, 40))):  # each group's own difference over its own tokens
+        assert d["by_trajectory"][g] == pytest.approx(sum(-5.0 + i % 3 for i in ix) / 200)
+    assert d["spans_by_trajectory"] == {"x": 20, "y": 20}
     mixed = [b + (5.0 if i % 2 else -5.0) for i, b in enumerate(base)]  # half above, half below: no direction
     m = paired_difference(mixed, base, tokens)
     assert m["ci95"][0] < 0 < m["ci95"][1] and "by_trajectory" not in m
@@ -78,6 +80,23 @@ def test_the_paired_interval_excludes_zero_only_where_the_spans_agree():
         paired_difference([1.0], [1.0, 2.0], [1, 1])
     with pytest.raises(ValueError, match="groups"):
         paired_difference([1.0, 2.0], [1.0, 2.0], [1, 1], groups=["a"])
+    with pytest.raises(ValueError, match="resamples"):
+        paired_difference([1.0, 2.0], [1.0, 2.0], [1, 1], resamples=0)
+
+
+def test_the_interval_is_as_wide_as_the_spread_of_the_spans_says():
+    """With equal-length spans the bootstrap interval of a mean is about the mean +- 1.96 standard errors: an
+    interval from the wrong percentiles (the extremes, or 25-75%) is far from that width."""
+    import random
+    import statistics
+
+    rng = random.Random(1)
+    diffs = [rng.gauss(-3.0, 8.0) for _ in range(200)]
+    d = paired_difference(diffs, [0.0] * 200, [10] * 200)
+    se = statistics.stdev(diffs) / 200 ** 0.5 / 10
+    lo, hi = d["ci95"]
+    assert hi - lo == pytest.approx(2 * 1.96 * se, rel=0.15)
+    assert lo < d["value"] < hi and (d["value"] - lo) == pytest.approx(hi - d["value"], rel=0.3)
 
 
 @pytest.mark.slow

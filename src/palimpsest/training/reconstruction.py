@@ -104,10 +104,13 @@ def paired_difference(a: list[float], b: list[float], tokens: list[int], groups:
                       resamples: int = 2000, seed: int = 0) -> dict:
     """The difference in NLL per token between two scorings of the same spans (``a`` - ``b``, summed NLL per
     span): its value (equal to the difference of the two documents' ``nll``), a 95% percentile bootstrap
-    interval with spans resampled (spans of one trajectory are not independent, so it is a lower bound on the
-    uncertainty), and, given ``groups`` (each span's trajectory), the difference within each group."""
+    interval with spans resampled (spans of one trajectory are not independent, so it likely understates the
+    uncertainty), and, given ``groups`` (each span's trajectory), the difference within each group and how
+    many spans each holds."""
     if not (len(a) == len(b) == len(tokens)) or not a:
         raise ValueError("the paired scores need the same, non-empty spans")
+    if resamples < 1:
+        raise ValueError(f"resamples must be at least 1, got {resamples}")
     n = len(a)
     rng = random.Random(seed)
     stats = []
@@ -115,15 +118,16 @@ def paired_difference(a: list[float], b: list[float], tokens: list[int], groups:
         idx = [rng.randrange(n) for _ in range(n)]
         stats.append(sum(a[i] - b[i] for i in idx) / max(sum(tokens[i] for i in idx), 1))
     stats.sort()
-    doc = {"value": sum(x - y for x, y in zip(a, b)) / max(sum(tokens), 1),
-           "ci95": [stats[int(0.025 * (resamples - 1))], stats[int(round(0.975 * (resamples - 1)))]],
+    lo, hi = round(0.025 * (resamples - 1)), round(0.975 * (resamples - 1))  # as many resamples beyond each end
+    doc = {"value": sum(x - y for x, y in zip(a, b)) / max(sum(tokens), 1), "ci95": [stats[lo], stats[hi]],
            "resampled": "spans", "resamples": resamples}
     if groups is not None:
         if len(groups) != n:
             raise ValueError(f"{len(groups)} groups for {n} spans")
-        doc["by_trajectory"] = {g: sum(a[i] - b[i] for i in range(n) if groups[i] == g)
-                                / max(sum(tokens[i] for i in range(n) if groups[i] == g), 1)
-                                for g in dict.fromkeys(groups)}
+        members = {g: [i for i in range(n) if groups[i] == g] for g in dict.fromkeys(groups)}
+        doc["by_trajectory"] = {g: sum(a[i] - b[i] for i in ix) / max(sum(tokens[i] for i in ix), 1)
+                                for g, ix in members.items()}
+        doc["spans_by_trajectory"] = {g: len(ix) for g, ix in members.items()}
     return doc
 
 
