@@ -313,7 +313,6 @@ def test_count_tokens_counts_what_a_turn_sends_for_the_whole_history(server, cli
                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "a.py"}]}]
     req = {"model": model, "messages": messages, "tools": TOOLS, "metadata": {"user_id": "count-1"}}
     counted = client.post("/v1/messages/count_tokens", json=req).json()
-    assert counted["input_tokens"] == counted["palimpsest"]["history_tokens"]
     assert counted["input_tokens"] > counted["palimpsest"]["messages_tokens"] > 0  # the prefix costs ids
     assert client.get("/v1/sessions/count-1/steps").status_code == 404  # nothing recorded
     r = client.post("/v1/messages", json={**req, "max_tokens": 2, "temperature": 0.0})

@@ -32,7 +32,9 @@ NOOP_EDITS = {"clear_thinking_20251015"}
 BLOCK_FIELDS = {"text": {"type", "text", "cache_control", "citations"},
                 "tool_use": {"type", "id", "name", "input", "cache_control"},
                 "tool_result": {"type", "tool_use_id", "content", "is_error", "cache_control"}}
-TOOL_FIELDS = {"name", "description", "input_schema", "cache_control", "type"}
+TOOL_FIELDS = {"name", "description", "input_schema", "cache_control", "type", "defer_loading"}
+#: ``thinking`` keys read (``display`` says how thinking would be shown; the actor writes none)
+THINKING_FIELDS = {"type", "budget_tokens", "display"}
 
 
 #: What separates the blocks of a system prompt given as a list (each block is a paragraph of its own; vLLM's
@@ -72,6 +74,8 @@ def _check_blocks(blocks: Any, where: str, allowed: set[str]) -> None:
             raise AnthropicInputError(f"{at}.citations: citations are not served")
         if kind == "tool_result" and isinstance(b.get("content"), list):
             for k, part in enumerate(b["content"]):
+                if isinstance(part, dict) and part.get("citations"):
+                    raise AnthropicInputError(f"{at}.content[{k}].citations: citations are not served")
                 if not (isinstance(part, dict) and part.get("type") == "text" and set(part) <= BLOCK_FIELDS["text"]):
                     ptype = part.get("type") if isinstance(part, dict) else type(part).__name__
                     raise AnthropicInputError(f"{at}.content[{k}]: a {ptype!r} part of a tool result cannot be read "
@@ -88,6 +92,8 @@ def check_request(raw: Any) -> None:
                                   "remove the field)")
     thinking = raw.get("thinking")
     # "adaptive" leaves thinking to the model, and this one never thinks: what it asks for is what happens
+    if isinstance(thinking, dict) and set(thinking) - THINKING_FIELDS:
+        raise AnthropicInputError(f"thinking.{sorted(set(thinking) - THINKING_FIELDS)[0]}: not read by this endpoint")
     if thinking is not None and not (isinstance(thinking, dict) and thinking.get("type") in ("disabled", "adaptive")):
         raise AnthropicInputError("thinking: the actor produces no thinking blocks (send {\"type\": \"disabled\"} "
                                   "or {\"type\": \"adaptive\"}, or leave it out)")
@@ -112,6 +118,8 @@ def check_request(raw: Any) -> None:
     if metadata is not None:
         if not isinstance(metadata, dict):
             raise AnthropicInputError("metadata: an object is needed")
+        if metadata.get("user_id") is not None and not isinstance(metadata["user_id"], str):
+            raise AnthropicInputError("metadata.user_id: a string is needed (it names the session)")
         extra = set(metadata) - METADATA_FIELDS
         if extra:
             raise AnthropicInputError(f"metadata.{sorted(extra)[0]}: not read by this endpoint (metadata.user_id "
@@ -125,12 +133,12 @@ def check_request(raw: Any) -> None:
     if not isinstance(messages, list) or not messages:
         raise AnthropicInputError("messages: a non-empty list is needed")
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-            raise AnthropicInputError(f"messages[{i}].role: user or assistant")
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system"):
+            raise AnthropicInputError(f"messages[{i}].role: user, assistant or system")
         if set(m) - {"role", "content"}:
             raise AnthropicInputError(f"messages[{i}].{sorted(set(m) - {'role', 'content'})[0]}: not read by this "
                                       "endpoint")
-        allowed = {"text", "tool_use"} if m["role"] == "assistant" else {"text", "tool_result"}
+        allowed = {"assistant": {"text", "tool_use"}, "user": {"text", "tool_result"}, "system": {"text"}}[m["role"]]
         if m.get("content") in ("", []) or (isinstance(m.get("content"), str) and not m["content"].strip()):
             raise AnthropicInputError(f"messages[{i}].content: a message must have non-empty content")
         _check_blocks(m.get("content"), f"messages[{i}].content", allowed)
@@ -194,29 +202,84 @@ def served_models() -> list[str]:
     return list(_served)
 
 
-def read_request(raw: Any) -> MessagesRequest:
-    """Check ``raw``, read it with vLLM's protocol model and convert it with vLLM's conversion."""
-    check_request(raw)
-    if isinstance(raw.get("system"), list):  # one paragraph per block (SYSTEM_JOIN), as a string for vLLM
-        raw = {**raw, "system": SYSTEM_JOIN.join(b["text"] for b in raw["system"])}
+def _cache_hints(raw: dict) -> list[str]:
+    """Where the request carries ``cache_control`` (Anthropic's cache hints; this server's cache is the compaction
+    epoch, so they change nothing): recorded with the turn."""
+    out = [f"system[{j}]" for j, b in enumerate(raw["system"]) if isinstance(b, dict) and b.get("cache_control")] \
+        if isinstance(raw.get("system"), list) else []
+    for i, m in enumerate(raw["messages"]):
+        if isinstance(m.get("content"), list):
+            out += [f"messages[{i}].content[{j}]" for j, b in enumerate(m["content"]) if b.get("cache_control")]
+    return out + [f"tools[{k}]" for k, t in enumerate(raw.get("tools") or []) if t.get("cache_control")]
+
+
+def _converted(raw: dict, messages: list[dict]):
+    """vLLM's model of a request whose messages are ``messages``, and its chat-completions conversion."""
     from pydantic import ValidationError
     from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
     from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
 
     try:
-        req = AnthropicMessagesRequest.model_validate(raw)
+        req = AnthropicMessagesRequest.model_validate({**raw, "messages": messages})
     except ValidationError as e:
         err = e.errors()[0]
         raise AnthropicInputError(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}") from None
-    chat = AnthropicServingMessages.to_chat_completion_request(req)
+    return req, AnthropicServingMessages.to_chat_completion_request(req)
+
+
+def _with_system_messages(raw: dict, first: list[dict]) -> list[dict]:
+    """The chat messages of a request whose ``messages`` hold ``system`` messages: each run of user and
+    assistant messages is converted by vLLM's conversion, and each system message stays a system message at its
+    position (Anthropic applies it from there on; the recorder keeps it as a step of its own authority)."""
+    out = first
+    segment: list[dict] = []
+    bare = {k: v for k, v in raw.items() if k not in ("system", "tools", "tool_choice")}
+    for m in raw["messages"][len(_leading(raw["messages"])):] + [None]:
+        if m is not None and m["role"] != "system":
+            segment.append(m)
+            continue
+        if segment:
+            out += [dict(x) for x in _converted(bare, segment)[1].messages]
+            segment = []
+        if m is not None:
+            content = m["content"]
+            out.append({"role": "system", "content": content if isinstance(content, str) else
+                        SYSTEM_JOIN.join(b["text"] for b in content)})
+    return out
+
+
+def _leading(messages: list[dict]) -> list[dict]:
+    """The messages before the first system message inside ``messages``."""
+    k = next((i for i, m in enumerate(messages) if m["role"] == "system"), len(messages))
+    return messages[:k]
+
+
+def read_request(raw: Any) -> MessagesRequest:
+    """Check ``raw``, read it with vLLM's protocol model and convert it with vLLM's conversion."""
+    check_request(raw)
+    hints = _cache_hints(raw)
+    if isinstance(raw.get("system"), list):  # one paragraph per block (SYSTEM_JOIN), as a string for vLLM
+        raw = {**raw, "system": SYSTEM_JOIN.join(b["text"] for b in raw["system"])}
+    # a deferred tool (tool search) is not in the model's context until a search loads it: not declared
+    deferred = [t["name"] for t in raw.get("tools") or [] if t.get("defer_loading")]
+    if deferred:
+        raw = {**raw, "tools": [t for t in raw["tools"] if not t.get("defer_loading")] or None}
+        if not raw["tools"]:
+            raw.pop("tool_choice", None)
+    leading = _leading(raw["messages"])
+    if not leading:
+        raise AnthropicInputError("messages[0].role: the first message is the user's (system messages follow it)")
+    req, chat = _converted(raw, leading)
     tools = [t.model_dump(exclude_none=True) for t in (chat.tools or [])] or None
     choice = chat.tool_choice
     if choice is not None and not isinstance(choice, str):
         choice = choice.model_dump(exclude_none=True)
     # vLLM's conversion drops a tool result's is_error: it is written into the result's text instead
-    failed = {b.tool_use_id for m in req.messages if not isinstance(m.content, str) for b in m.content
-              if b.type == "tool_result" and b.is_error}
+    failed = {b.get("tool_use_id") for m in raw["messages"] if isinstance(m["content"], list) for b in m["content"]
+              if b.get("type") == "tool_result" and b.get("is_error")}
     messages = [dict(m) for m in chat.messages]
+    if len(leading) < len(raw["messages"]):
+        messages = _with_system_messages(raw, messages)
     for m in messages:
         if m.get("role") == "tool" and m.get("tool_call_id") in failed and isinstance(m.get("content"), str):
             m["content"] = "(the tool reported an error)\n" + m["content"]
@@ -236,6 +299,10 @@ def read_request(raw: Any) -> MessagesRequest:
     for field in ("thinking", "output_config", "context_management"):
         if raw.get(field) is not None:
             noted[field] = json.dumps(raw[field], sort_keys=True, ensure_ascii=False)
+    if deferred:
+        noted["deferred_tools"] = json.dumps(deferred, ensure_ascii=False)
+    if hints:
+        noted["cache_control"] = json.dumps(hints)
     return MessagesRequest(model=req.model, stream=bool(req.stream), max_tokens=req.max_tokens,
                            user_id=user, chat=body, noted=noted)
 

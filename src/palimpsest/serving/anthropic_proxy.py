@@ -202,9 +202,13 @@ def _narrow(schema: dict, fields: set[str]) -> None:
 
 
 def models(replica) -> dict:
-    """``GET /v1/models`` as the Models API answers an Anthropic client: the served actor, one page."""
-    model = replica.actor_info["model"]
-    return {"data": [{"type": "model", "id": model, "display_name": model, "created_at": "1970-01-01T00:00:00Z"}],
+    """``GET /v1/models`` as the Models API answers an Anthropic client: the served actor, one page, with the
+    window (``max_input_tokens``: the actor's window less the reply's default cap; ``max_tokens``: that cap) and
+    Palimpsest's budget and compaction watermarks beside it (``openai_proxy.window``)."""
+    model, info = replica.actor_info["model"], openai_proxy.window(replica)
+    return {"data": [{"type": "model", "id": model, "display_name": model, "created_at": "1970-01-01T00:00:00Z",
+                      "max_input_tokens": info["max_model_len"] - info["max_output_tokens"],
+                      "max_tokens": info["max_output_tokens"], "palimpsest": info}],
             "has_more": False, "first_id": model, "last_id": model}
 
 
@@ -222,6 +226,10 @@ async def read(replica, request: Request, counting: bool = False) -> tuple[Any, 
     except anthropic_protocol.AnthropicInputError as e:
         raise HTTPProblem(400, str(e)) from None
     replica.check_model(req.model)
+    for name, value in request.query_params.items():  # Claude Code sends ?beta=true: recorded with the turn
+        if name != "beta":
+            raise HTTPProblem(400, f"{name}: the query parameter is not read by this endpoint (only beta is)")
+        req.noted["beta"] = value
     try:
         chat = ChatIn.model_validate(req.chat)
     except ValidationError as e:
@@ -284,5 +292,5 @@ async def count_tokens(replica, request: Request) -> dict:
         arm = replica.router.choose(sid, request.headers.get(ARM_HEADER))
     arm = replica.cfg.arm(arm)
     return {"input_tokens": len(served.all),
-            "palimpsest": {"history_tokens": len(served.all), "messages_tokens": len(bare.all),
+            "palimpsest": {"messages_tokens": len(bare.all),
                            "budget": arm.budget or replica.cfg.budget}}

@@ -6,7 +6,8 @@ chat and completion routes reads OpenAI's, and Palimpsest's own routes keep thei
   ``permission_error``, 404 ``not_found_error``, 413 ``request_too_large``, 429 ``rate_limit_error``, 500
   ``api_error``, 503/529 ``overloaded_error``). The API has no 409 or 422: a history conflict or an
   unservable size is its 400 ``invalid_request_error``. In a stream the same object is the ``error`` event.
-- OpenAI (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``): ``{"error": {"message", "type",
+- OpenAI (``/v1/chat/completions``, ``/v1/completions``, ``/v1/responses``, ``/v1/models`` and any unknown
+  ``/v1`` route): ``{"error": {"message", "type",
   "param", "code"}}`` as the OpenAI API sends it: ``invalid_request_error`` for the caller's mistakes,
   ``server_error`` for ours; ``param`` is the field the message names, ``code`` a short reason or null.
 - Palimpsest (sessions, steps, turns, operations): ``{"error": "<message>"}``.
@@ -24,7 +25,9 @@ ANTHROPIC, OPENAI, PALIMPSEST = "anthropic", "openai", "palimpsest"
 class HistoryConflict(PalimpsestError):
     """A message list rewrites history the ledger already holds (a 409; the Messages API's 400)."""
 
-_OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
+_OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+#: Palimpsest's own routes under /v1 (sessions, the A/B lane, the models' time)
+_PALIMPSEST_PREFIXES = ("/v1/sessions", "/v1/ab/", "/v1/busy")
 
 #: Anthropic's error type per status (the Messages API's "Errors" page)
 ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -42,15 +45,18 @@ _FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")
 
 
 def protocol_of(path: str, anthropic_client: bool = False) -> str:
-    """The protocol a route speaks, by its path. ``/v1/models`` belongs to both APIs: an Anthropic client (its
-    requests carry ``anthropic-version``) is answered in Anthropic's shape."""
+    """The protocol a route speaks, by its path. The OpenAI routes (chat, completions, responses) and the
+    Messages routes have one each; Palimpsest's own routes (sessions, ``/v1/ab/*``, ``/v1/busy``, health,
+    metrics) theirs. Any other path under ``/v1`` (``/v1/models``, which both APIs define, and an unknown
+    route) answers an Anthropic client (its requests carry ``anthropic-version``) in Anthropic's shape and
+    any other client in OpenAI's."""
     if path == "/v1/messages" or path.startswith("/v1/messages/"):
         return ANTHROPIC
-    if anthropic_client and (path == "/v1/models" or path.startswith("/v1/models/")):
-        return ANTHROPIC
-    if path in _OPENAI_PATHS or path.startswith("/v1/models/"):
+    if path in _OPENAI_PATHS or any(path.startswith(p + "/") for p in _OPENAI_PATHS):
         return OPENAI
-    return PALIMPSEST
+    if path.startswith(_PALIMPSEST_PREFIXES) or not path.startswith("/v1/"):
+        return PALIMPSEST
+    return ANTHROPIC if anthropic_client else OPENAI
 
 
 def anthropic_error(status: int, message: str) -> tuple[int, dict]:

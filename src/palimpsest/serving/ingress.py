@@ -2,7 +2,8 @@
 
 Each route checks that the replica is composed (``replica.py``: ledger, runtime, arms, the served turn,
 enrichment, shadow lane, tenants) and hands the request to the module of its protocol: Palimpsest's own
-sessions (``sessions.py``), OpenAI's chat and completions (``openai_proxy.py``), Anthropic's Messages
+sessions (``sessions.py``), OpenAI's chat and completions (``openai_proxy.py``) and Responses
+(``responses_proxy.py``), Anthropic's Messages
 (``anthropic_proxy.py``). The shapes every route shares (the app, errors per protocol, the body limit,
 tenants, streaming) are ``http.py``'s. A turn: the session's arm (the router) -> the served turn
 (``turn.py:TurnService``) -> its wire format. Appends return once the step is durable; summaries and key
@@ -18,7 +19,7 @@ from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from ray import serve
 
-from palimpsest.serving import anthropic_protocol, anthropic_proxy, openai_proxy, sessions
+from palimpsest.serving import anthropic_protocol, anthropic_proxy, openai_proxy, responses_proxy, sessions
 from palimpsest.serving.http import HTTPProblem, app
 from palimpsest.serving.replica import Replica
 from palimpsest.serving.schemas import (
@@ -124,6 +125,12 @@ class Ingress:
     @app.post("/v1/completions", summary="Raw completion from a prompt or from prompt_embeds (base64 of torch.save)")
     async def completions(self, body: CompletionIn, request: Request) -> dict:
         return await openai_proxy.completions(await self._ready(), body, request)
+
+    @app.post("/v1/responses", summary="OpenAI Responses API (Codex CLI, client.responses): the conversation is "
+                                       "recorded and the context compiled; stored responses resolve "
+                                       "previous_response_id")
+    async def responses(self, request: Request):
+        return await responses_proxy.responses(await self._ready(), request)
 
     # -- Anthropic Messages (anthropic_proxy.py) -----------------------------------------------------
 

@@ -38,6 +38,10 @@ def _text(content, where: str = "content") -> str:
     parts = []
     for j, p in enumerate(content):  # OpenAI content parts: text is read, anything else is refused
         if isinstance(p, dict) and p.get("type") in ("text", "input_text") and isinstance(p.get("text"), str):
+            extra = sorted(k for k in set(p) - {"type", "text"} if p[k] not in (None, "", [], {}))
+            if extra:
+                raise PalimpsestError(f"{where}[{j}].{extra[0]}: not read by this endpoint (nothing is ignored "
+                                      "silently; remove the field)")
             parts.append(p["text"])
             continue
         kind = p.get("type") if isinstance(p, dict) else type(p).__name__

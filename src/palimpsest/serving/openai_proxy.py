@@ -18,7 +18,7 @@ from palimpsest.serving import sessions
 from palimpsest.serving.embeds import decode_embeds
 from palimpsest.serving.errors import openai_error
 from palimpsest.serving.http import SESSION_HEADER, HTTPProblem, _retriable_error, stream_turn, unsent
-from palimpsest.serving.schemas import ChatIn, CompletionIn, TurnIn
+from palimpsest.serving.schemas import RECORDED, ChatIn, CompletionIn, TurnIn
 
 # -- the OpenAI wire format of a served turn  ------------------------------
 
@@ -100,9 +100,27 @@ class ChunkWriter:
 # -- the routes' logic ------------------------------------------------------------------------------------
 
 
+def window(replica) -> dict:
+    """What a client needs to know of the served window: the actor's (``max_model_len``), the per-turn context
+    budget a turn is compiled to, the reply's default cap, and the watermarks of the default arm's compaction
+    epochs in tokens (a prompt that would pass ``high_tokens`` is compacted to ``low_tokens``). The ledger keeps
+    every step, so a client's history may grow past all of them: the gateway compacts, the client need not."""
+    cfg = replica.cfg
+    arm = max(cfg.arms, key=lambda a: a.weight)  # the arm most sessions get
+    budget = arm.budget or cfg.budget
+    compaction = arm.policy_config().compaction
+    return {"max_model_len": int(replica.actor_info["max_model_len"]), "budget": int(budget),
+            "max_output_tokens": int(cfg.actor.max_tokens), "arm": arm.name,
+            "compaction": {"mode": compaction.mode, "high_tokens": int(compaction.high * budget),
+                           "low_tokens": int(compaction.low * budget)}}
+
+
 def models(replica) -> dict:
+    """OpenAI's model list, with vLLM's ``max_model_len`` and Palimpsest's window beside it (``palimpsest``)."""
+    info = window(replica)
     return {"object": "list", "data": [{"id": replica.actor_info["model"], "object": "model", "created": 0,
-                                        "owned_by": "palimpsest"}]}
+                                        "owned_by": "palimpsest", "max_model_len": info["max_model_len"],
+                                        "palimpsest": info}]}
 
 
 async def chat_completions(replica, body: ChatIn, request: Request):
@@ -113,6 +131,11 @@ async def chat_completions(replica, body: ChatIn, request: Request):
     if not ext:
         raise HTTPProblem(400, f"user: name the session (the {SESSION_HEADER!r} header or the 'user' field)")
     sid = await sessions.record_chat(replica, body, tenant, ext, request)
+    # bookkeeping fields change nothing the actor does: recorded with the turn, as is a user the header overrode
+    noted = {k: json.dumps(v, sort_keys=True, ensure_ascii=False) for k, v in (body.model_extra or {}).items()
+             if k in RECORDED and v is not None}
+    if body.user and body.user != ext:
+        noted["user_named"] = body.user
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
     turn_in = TurnIn(max_tokens=body.max_completion_tokens or body.max_tokens, seed=body.seed, top_p=body.top_p,
                      stop=stop, temperature=1.0 if body.temperature is None else body.temperature)
@@ -123,11 +146,11 @@ async def chat_completions(replica, body: ChatIn, request: Request):
         writer = ChunkWriter(head, ext, bool((body.stream_options or {}).get("include_usage")))
 
         def run(emit, started):
-            return replica.turn(sid, turn_in, choice, body.parallel_tool_calls, emit=emit)
+            return replica.turn(sid, turn_in, choice, body.parallel_tool_calls, emit=emit, noted=noted)
 
         return StreamingResponse(stream_turn(run, writer, replica.gone), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
-    turn = await replica.turn(sid, turn_in, choice, body.parallel_tool_calls)
+    turn = await replica.turn(sid, turn_in, choice, body.parallel_tool_calls, noted=noted)
     return completion(turn, head, ext)
 
 

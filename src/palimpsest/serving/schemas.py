@@ -200,17 +200,21 @@ class ChatIn(_Text):
             wanted = fn.get("name") if choice.get("type") == "function" and isinstance(fn, dict) else None
             if wanted not in names:
                 raise ValueError(f"tool_choice: names {wanted!r}, which tools do not declare")
+        if self.max_tokens is not None and self.max_completion_tokens is not None and \
+                self.max_tokens != self.max_completion_tokens:
+            raise ValueError("max_tokens: differs from max_completion_tokens (send one of them, or the same value)")
         if self.stream_options is not None and set(self.stream_options) - {"include_usage"}:
             raise ValueError("stream_options: only include_usage is served")
         for name, value in (self.model_extra or {}).items():
-            if name in _IGNORABLE or (name in _UNSET_ONLY and value in (None, False, 0, [], {}, "none", "auto")):
+            if name in RECORDED or (name in _UNSET_ONLY and value in (None, False, 0, [], {}, "none", "auto")):
                 continue
             raise ValueError(f"{name}: not served by this endpoint (nothing is ignored silently; remove the field)")
         return self
 
 
-# Fields an OpenAI client may send that change nothing here (bookkeeping, or options of what is not served
-# when they are unset), and fields accepted only unset: anything else is refused by name.
-_IGNORABLE = frozenset({"metadata", "store", "service_tier"})
+# Fields an OpenAI client may send that change nothing here (bookkeeping: recorded with the served turn as
+# ``requested_<name>``), and fields accepted only unset (options of what is not served): anything else is
+# refused by name.
+RECORDED = frozenset({"metadata", "store", "service_tier"})
 _UNSET_ONLY = frozenset({"functions", "function_call", "logprobs", "top_logprobs",
                          "logit_bias", "presence_penalty", "frequency_penalty", "modalities", "audio", "prediction"})

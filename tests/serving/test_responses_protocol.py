@@ -1,0 +1,202 @@
+"""Requests as the current coding agents send them, read without a server: the Responses API body of Codex CLI
+0.171 and the Messages body of Claude Code 2.1.332 (both recorded from the CLIs, texts shortened), each field
+carried into the turn or recorded, and what would be lost refused by name. Also the error shape of unknown
+routes, and the chat fields that used to be dropped silently."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from palimpsest.serving import errors
+from palimpsest.serving.openai_protocol import parse_messages
+from palimpsest.serving.responses_protocol import ResponsesInputError, input_messages, read_request
+from palimpsest.serving.schemas import ChatIn
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+
+
+def recorded(name: str) -> dict:
+    return json.loads((FIXTURES / name).read_text())
+
+
+# -- the Responses API -----------------------------------------------------------------------------------
+
+
+def test_codex_request_is_read_whole_into_the_chat_form_the_recorder_takes():
+    rec = recorded("codex_0.171.0_responses.json")
+    req = read_request(rec["body"])
+    assert req.stream and not req.store and req.session == rec["body"]["prompt_cache_key"]
+    roles = [m["role"] for m in req.input_messages]
+    assert roles == [m["role"] for m in rec["body"]["input"]]  # developer, developer, user, user
+    names = [t["function"]["name"] for t in req.chat["tools"]]
+    assert names[:2] == ["exec_command", "view_image"]
+    assert names[2:] == ["multi_agent_v1__close_agent", "multi_agent_v1__resume_agent"]  # a namespace, flattened
+    assert req.namespaces["multi_agent_v1__close_agent"] == ("multi_agent_v1", "close_agent")
+    # the hosted web_search tool is recorded, not declared: nothing here would run it
+    assert json.loads(req.noted["hosted_tools"]) == [{"type": "web_search", "external_web_access": False}]
+    for name in ("include", "reasoning", "client_metadata", "prompt_cache_key", "store"):
+        assert json.loads(req.noted[name]) == rec["body"][name], name
+    chat = ChatIn.model_validate({"messages": req.input_messages, **{k: v for k, v in req.chat.items()
+                                                                    if v is not None}})
+    parsed = parse_messages(chat.messages)
+    assert parsed.system.startswith("You are a coding agent") and "<skills_instructions>" in parsed.system
+    assert parsed.task.startswith("<environment_context>")
+    assert [s.observation for s in parsed.steps] == ["Say hello"]  # the user's words, a step of their own
+
+
+def test_function_calls_and_their_outputs_become_one_assistant_message_and_tool_messages():
+    items = [{"role": "user", "content": "fix it"},
+             {"type": "function_call", "call_id": "c1", "name": "exec_command", "arguments": "{\"cmd\": \"ls\"}"},
+             {"type": "function_call", "call_id": "c2", "name": "close_agent", "namespace": "multi_agent_v1",
+              "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "c1", "output": "a.py"},
+             {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "ok"}]},
+             {"type": "reasoning", "id": "rs_1", "summary": []},  # an empty echo: nothing to record
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "done"}]},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "thanks"}]}]
+    out = input_messages(items)
+    assert [m["role"] for m in out] == ["user", "assistant", "tool", "tool", "assistant", "user"]
+    assert [c["function"]["name"] for c in out[1]["tool_calls"]] == ["exec_command", "multi_agent_v1__close_agent"]
+    assert out[2] == {"role": "tool", "content": "a.py", "tool_call_id": "c1"}
+    assert out[3]["content"] == "ok" and out[4]["content"] == "done"
+    parsed = parse_messages(ChatIn.model_validate({"messages": out}).messages)
+    assert parsed.steps[0].action and "a.py" in parsed.steps[0].observation and "ok" in parsed.steps[0].observation
+
+
+def test_a_custom_tool_is_declared_as_one_string_and_its_call_read_back():
+    body = {"model": "m", "input": [
+        {"role": "user", "content": "patch"},
+        {"type": "custom_tool_call", "call_id": "c9", "name": "apply_patch", "input": "*** Begin Patch"},
+        {"type": "custom_tool_call_output", "call_id": "c9", "output": "applied"}],
+        "tools": [{"type": "custom", "name": "apply_patch", "description": "Edit files",
+                   "format": {"type": "grammar", "syntax": "lark", "definition": "start: x"}}]}
+    req = read_request(body)
+    fn = req.chat["tools"][0]["function"]
+    assert fn["name"] == "apply_patch" and fn["parameters"]["required"] == ["input"] and "lark" in fn["description"]
+    assert json.loads(req.input_messages[1]["tool_calls"][0]["function"]["arguments"]) == {"input": "*** Begin Patch"}
+    assert req.custom_tools == {"apply_patch"}
+
+
+@pytest.mark.parametrize("patch, field", [
+    ({"frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"background": True}, "background"),
+    ({"include": ["message.output_text.logprobs"]}, "include"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text.format"),
+    ({"tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
+    ({"tools": [{"type": "computer_use", "display_width": 1}]}, "tools[0].type"),
+    ({"tools": [{"type": "function", "name": "f", "extra": 1}]}, "tools[0].extra"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "x", "note": "y"}]}]},
+     "input[0].content[0].note"),
+    ({"input": [{"type": "local_shell_call", "call_id": "c"}]}, "input[0].type"),
+    ({"input": [{"type": "reasoning", "summary": [{"type": "summary_text", "text": "t"}]}]}, "input[0]"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x", "extra": 1}]}, "input[0].extra"),
+    ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
+    ({"input": ""}, "input"),
+    ({"metadata": "x"}, "metadata"),
+])
+def test_what_would_be_lost_is_refused_by_name(patch, field):
+    body = {"model": "m", "input": "hello", "tools": [{"type": "function", "name": "f"}], **patch}
+    with pytest.raises(ResponsesInputError) as e:
+        read_request(body)
+    assert str(e.value).startswith(field), str(e.value)
+
+
+def test_session_names_that_are_not_ids_are_hashed_and_the_text_format_text_is_accepted():
+    req = read_request({"input": "hi", "user": "a user with spaces", "text": {"format": {"type": "text"},
+                                                                              "verbosity": "low"}})
+    assert req.session.startswith("user-") and json.loads(req.noted["text"])["verbosity"] == "low"
+    assert read_request({"input": "hi", "prompt_cache_key": "thread-1"}).session == "thread-1"
+    assert read_request({"input": "hi", "user": "u1", "prompt_cache_key": "thread-1"}).session == "u1"
+
+
+# -- Claude Code's Messages body -------------------------------------------------------------------------
+
+
+def test_claude_code_request_with_a_system_message_inside_messages_is_read_at_its_position():
+    pytest.importorskip("vllm")
+    from palimpsest.serving import anthropic_protocol
+
+    rec = recorded("claude_code_2.1.332_messages.json")
+    req = anthropic_protocol.read_request(rec["body"])
+    roles = [m["role"] for m in req.chat["messages"]]
+    assert roles == ["system", "user", "system"]  # the top-level system, the user, the system message after it
+    assert req.chat["messages"][2]["content"].startswith("# Environment")
+    # the deferred tool is not declared to the actor until a search loads it; its name is recorded
+    assert [t["function"]["name"] for t in req.chat["tools"]] == ["Bash", "Read"]
+    assert json.loads(req.noted["deferred_tools"]) == ["DeferredToolPlaceholder"]
+    assert json.loads(req.noted["thinking"]) == rec["body"]["thinking"]  # adaptive, display omitted
+    assert json.loads(req.noted["output_config"]) == {"effort": "high"}
+    assert "messages[1].content[0]" in json.loads(req.noted["cache_control"])
+    assert req.user_id.startswith("user-") and req.noted["user_id"] == rec["body"]["metadata"]["user_id"]
+    assert req.max_tokens == 32000  # the CLI's default cap, refused by the turn unless the budget holds it
+    parsed = parse_messages(ChatIn.model_validate({**req.chat, "max_tokens": 64}).messages)
+    assert parsed.task.endswith("Say hello")
+    assert parsed.steps[-1].authority.value == "system" and parsed.steps[-1].observation.startswith("# Environment")
+
+
+def test_a_system_message_between_turns_keeps_its_place_among_tool_results():
+    pytest.importorskip("vllm")
+    from palimpsest.serving import anthropic_protocol
+
+    body = {"model": "m", "max_tokens": 8, "messages": [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "Bash", "input": {"c": 1}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "out",
+                                      "is_error": True}]},
+        {"role": "system", "content": "Be brief from here on."},
+        {"role": "user", "content": "next"}],
+        "tools": [{"name": "Bash", "input_schema": {"type": "object"}}]}
+    chat = anthropic_protocol.read_request(body).chat["messages"]
+    assert [m["role"] for m in chat] == ["user", "assistant", "tool", "system", "user"]
+    assert chat[2]["content"].startswith("(the tool reported an error)") and chat[3]["content"] == "Be brief from here on."
+
+
+@pytest.mark.parametrize("patch, field", [
+    ({"metadata": {"user_id": 42}}, "metadata.user_id"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+    ({"thinking": {"type": "adaptive", "shape": 1}}, "thinking.shape"),
+    ({"messages": [{"role": "system", "content": "first"}, {"role": "user", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
+        {"type": "text", "text": "x", "citations": [{"type": "char_location"}]}]}]}]},
+     "messages[0].content[0].content[0].citations"),
+])
+def test_claude_code_fields_that_would_be_lost_are_refused_by_name(patch, field):
+    pytest.importorskip("vllm")
+    from palimpsest.serving import anthropic_protocol
+
+    body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "x"}], **patch}
+    with pytest.raises(anthropic_protocol.AnthropicInputError) as e:
+        anthropic_protocol.read_request(body)
+    assert str(e.value).startswith(field), str(e.value)
+
+
+# -- errors and the chat fields once dropped ---------------------------------------------------------------
+
+
+def test_unknown_v1_routes_answer_in_the_clients_protocol():
+    assert errors.protocol_of("/v1/nope") == errors.OPENAI
+    assert errors.protocol_of("/v1/nope", anthropic_client=True) == errors.ANTHROPIC
+    assert errors.protocol_of("/v1/responses") == errors.OPENAI
+    assert errors.protocol_of("/v1/responses", anthropic_client=True) == errors.OPENAI  # a known OpenAI route
+    assert errors.protocol_of("/v1/sessions/s/turn") == errors.PALIMPSEST
+    assert errors.protocol_of("/v1/ab/shadow") == errors.PALIMPSEST
+    assert errors.protocol_of("/nope") == errors.PALIMPSEST
+    status, body = errors.body(errors.protocol_of("/v1/nope"), 404, "Not Found")
+    assert status == 404 and body["error"]["type"] == "invalid_request_error" and body["error"]["code"] == "not_found"
+
+
+def test_chat_refuses_two_different_reply_caps_and_unread_keys_of_text_parts():
+    base = {"messages": [{"role": "user", "content": "x"}]}
+    with pytest.raises(ValidationError, match="max_tokens: differs"):
+        ChatIn.model_validate({**base, "max_tokens": 5, "max_completion_tokens": 6})
+    assert ChatIn.model_validate({**base, "max_tokens": 5, "max_completion_tokens": 5}).max_tokens == 5
+    chat = ChatIn.model_validate({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "x", "cache_control": {"type": "ephemeral"}}]}]})
+    with pytest.raises(Exception, match=r"messages\[0\]\.content\[0\]\.cache_control"):
+        parse_messages(copy.deepcopy(chat.messages))
