@@ -189,7 +189,7 @@ def test_what_claude_code_sends_is_read_and_what_would_change_the_actor_is_refus
     assert anthropic_protocol.read_request({**base, "metadata": {"user_id": "my-session-1"}}).user_id == "my-session-1"
     for patch, field in (({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
                          ({"output_config": {"format": {"type": "json_schema", "schema": {}}}}, "output_config"),
-                         ({"context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}},
+                         ({"context_management": {"edits": [{"type": "compact_20260112"}]}},
                           "context_management.edits[0]"),
                          ({"context_management": []}, "context_management")):
         with pytest.raises(anthropic_protocol.AnthropicInputError, match=re.escape(field)):

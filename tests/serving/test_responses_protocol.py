@@ -200,3 +200,66 @@ def test_chat_refuses_two_different_reply_caps_and_unread_keys_of_text_parts():
         {"type": "text", "text": "x", "cache_control": {"type": "ephemeral"}}]}]})
     with pytest.raises(Exception, match=r"messages\[0\]\.content\[0\]\.cache_control"):
         parse_messages(copy.deepcopy(chat.messages))
+
+
+# -- context-management requests ---------------------------------------------------------------------------
+
+
+def test_clear_tool_uses_maps_onto_the_compaction_and_what_cannot_be_honoured_is_refused():
+    pytest.importorskip("vllm")
+    from palimpsest.serving import anthropic_protocol
+
+    base = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "x"}]}
+    edit = {"type": "clear_tool_uses_20250919", "trigger": {"type": "input_tokens", "value": 3000},
+            "keep": {"type": "tool_uses", "value": 2}, "clear_at_least": {"type": "input_tokens", "value": 500},
+            "exclude_tools": ["Read"], "clear_tool_inputs": True}
+    req = anthropic_protocol.read_request({**base, "context_management": {"edits": [edit]}})
+    assert (req.edits.trigger_tokens, req.edits.keep_tool_uses, req.edits.clear_at_least_tokens,
+            req.edits.exclude_tools) == (3000, 2, 500, ("Read",))
+    defaults = anthropic_protocol.read_request({**base, "context_management": {"edits": [
+        {"type": "clear_tool_uses_20250919"}]}}).edits
+    assert (defaults.trigger_tokens, defaults.keep_tool_uses) == (100_000, 3)  # Anthropic's published defaults
+    for bad, field in (({**edit, "clear_tool_inputs": False}, "context_management.edits[0].clear_tool_inputs"),
+                       ({**edit, "trigger": {"type": "tool_uses", "value": 3}}, "context_management.edits[0].trigger"),
+                       ({"type": "compact_20260112"}, "context_management.edits[0]")):
+        with pytest.raises(anthropic_protocol.AnthropicInputError) as e:
+            anthropic_protocol.read_request({**base, "context_management": {"edits": [bad]}})
+        assert str(e.value).startswith(field), str(e.value)
+
+
+def test_the_responses_compaction_entry_sets_the_boundary():
+    req = read_request({"input": "x", "context_management": [{"type": "compaction", "compact_threshold": 2000}]})
+    assert req.edits.kind == "compaction" and req.edits.trigger_tokens == 2000
+    for bad in ([{"type": "compaction", "compact_threshold": 0}], [{"type": "other"}], {"type": "compaction"}):
+        with pytest.raises(ResponsesInputError, match="context_management"):
+            read_request({"input": "x", "context_management": bad})
+
+
+def test_the_event_writer_streams_a_function_call_as_its_items_and_argument_events():
+    from types import SimpleNamespace
+
+    from palimpsest.serving.responses_proxy import EventWriter, Ids
+
+    req = read_request({"input": "x", "tools": [{"type": "namespace", "name": "ns", "tools": [
+        {"type": "function", "name": "go"}]}]})
+    turn = SimpleNamespace(content="ok", tool_calls=[{"id": "c1", "type": "function", "function": {
+        "name": "ns__go", "arguments": "{\"a\": 1}"}}], finish_reason="tool_calls", stop_sequence=None, arm="pace",
+        t=0, plan={}, latency_ms={}, glimpses=[], context_edit=None,
+        tokens={"prompt_total": 10, "completion": 3, "cached": 4, "cached_total": 4})
+    w = EventWriter(req, Ids(), "m", "s")
+    frames = w.opening() + w.text("o") + w.closing(turn)
+    evs = [json.loads(f.split("data: ", 1)[1]) for f in frames]
+    assert [e["type"] for e in evs] == [
+        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.delta", "response.output_text.done",
+        "response.content_part.done", "response.output_item.done", "response.output_item.added",
+        "response.function_call_arguments.delta", "response.function_call_arguments.done",
+        "response.output_item.done", "response.completed"]
+    assert [e["sequence_number"] for e in evs] == list(range(len(evs)))
+    call = evs[-2]["item"]
+    assert (call["namespace"], call["name"], call["call_id"], call["arguments"]) == ("ns", "go", "c1", "{\"a\": 1}")
+    final = evs[-1]["response"]
+    assert final["usage"]["input_tokens_details"] == {"cached_tokens": 4, "cache_write_tokens": 6}
+    from openai.types.responses import Response
+
+    assert Response.model_validate({**final, "tools": []}).output[1].type == "function_call"

@@ -23,6 +23,7 @@ from palimpsest.platform.abstraction import RuleSummarizer, Summaries
 from palimpsest.platform.budget import Budget
 from palimpsest.platform.chat import prefix_tokens
 from palimpsest.platform.compiler import ELIDE_SHARE, compile_plan
+from palimpsest.platform.context_edits import retained
 from palimpsest.platform.embedding import Embedder, HashingEmbedder
 from palimpsest.platform.epoch_compile import compile_epoch
 from palimpsest.platform.epochs import Boundary, compaction_of, epoch_key, recent_of, turn_cost
@@ -181,13 +182,18 @@ class Runtime:
         the high watermark; the turn then carries the new boundary (``compacted``)."""
         limit = Budget.of(budget, reserve)
         epochs = compaction_of(policy)
+        retain = getattr(getattr(policy, "cfg", None), "retain", None)  # a client's context edit (context_edits)
+
+        def plan_at(b: int):
+            return retained(policy.plan(_as_planned(snap, b), b), snap, retain)
+
         if epochs is None:
-            plan = policy.plan(_as_planned(snap, limit.prompt), limit.prompt)
+            plan = plan_at(limit.prompt)
             prompt = compile_plan(snap, plan, limit, self.ledger.tokenizer)
             return CompiledTurn(session_id=snap.session.id, t=snap.t, budget=limit.total, plan=plan, prompt=prompt,
                                 snapshot=snap)
         plan, prompt, now, compacted = compile_epoch(
-            snap, lambda b: policy.plan(_as_planned(snap, b), b), limit, self.ledger.tokenizer, boundary,
+            snap, plan_at, limit, self.ledger.tokenizer, boundary,
             epochs, (policy.name, policy.config_hash), recent_of(policy))
         return CompiledTurn(session_id=snap.session.id, t=snap.t, budget=limit.total, plan=plan, prompt=prompt,
                             snapshot=snap, boundary=now, compacted=compacted,

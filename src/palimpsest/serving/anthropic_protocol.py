@@ -20,6 +20,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from palimpsest.platform.context_edits import ContextEdits
 from palimpsest.platform.types import PalimpsestError
 
 #: The request fields read (what the Messages API defines and the text actor can honour)
@@ -106,11 +107,14 @@ def check_request(raw: Any) -> None:
         if not (isinstance(edits, dict) and set(edits) <= {"edits"} and isinstance(edits.get("edits", []), list)):
             raise AnthropicInputError("context_management: {\"edits\": [...]} is read")
         for k, e in enumerate(edits.get("edits", [])):
-            if not (isinstance(e, dict) and e.get("type") in NOOP_EDITS):
-                kind = e.get("type") if isinstance(e, dict) else None
-                raise AnthropicInputError(f"context_management.edits[{k}]: a {kind!r} edit is not served (this gateway "
-                                          "compiles the context itself; clearing thinking blocks, which the actor "
-                                          "never writes, is accepted)")
+            kind = e.get("type") if isinstance(e, dict) else None
+            if kind == CLEAR_TOOL_USES:
+                context_edit(e, f"context_management.edits[{k}]")
+            elif kind not in NOOP_EDITS:
+                raise AnthropicInputError(f"context_management.edits[{k}]: a {kind!r} edit is not served (served: "
+                                          f"{CLEAR_TOOL_USES}, mapped onto the gateway's compaction, and clearing "
+                                          "thinking blocks, which the actor never writes; compact_20260112's "
+                                          "compaction blocks are not)")
     temperature = raw.get("temperature")
     if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and not 0 <= temperature <= 1:
         raise AnthropicInputError("temperature: between 0 and 1 (the Messages API's range)")
@@ -151,6 +155,40 @@ def check_request(raw: Any) -> None:
                                       "(server tools such as web search are not)")
 
 
+CLEAR_TOOL_USES = "clear_tool_uses_20250919"
+
+
+def _amount(value: Any, where: str, unit: str) -> int:
+    if not (isinstance(value, dict) and value.get("type") == unit and set(value) <= {"type", "value"}
+            and isinstance(value.get("value"), int) and not isinstance(value["value"], bool) and value["value"] >= 0):
+        raise AnthropicInputError(f"{where}: {{\"type\": \"{unit}\", \"value\": N}} is served")
+    return value["value"]
+
+
+def context_edit(edit: dict, where: str) -> ContextEdits:
+    """A ``clear_tool_uses_20250919`` edit as the gateway's compaction honours it (``platform.context_edits``):
+    ``trigger`` (input tokens) sets the epoch boundary, ``clear_at_least`` how far it compacts, ``keep`` the
+    latest tool uses kept raw, ``exclude_tools`` tools never degraded. ``clear_tool_inputs: true`` is what the
+    gateway does anyway (a degraded step's call is abstracted with its result, its identifiers kept); keeping
+    inputs verbatim while clearing results (``false``, or a list) is not served."""
+    extra = set(edit) - {"type", "trigger", "keep", "clear_at_least", "exclude_tools", "clear_tool_inputs"}
+    if extra:
+        raise AnthropicInputError(f"{where}.{sorted(extra)[0]}: not read by this endpoint")
+    if "clear_tool_inputs" in edit and edit["clear_tool_inputs"] is not True:
+        raise AnthropicInputError(f"{where}.clear_tool_inputs: only true is served (the gateway's compaction "
+                                  "abstracts a degraded step's call with its result; inputs kept verbatim are not)")
+    tools = edit.get("exclude_tools") or []
+    if not (isinstance(tools, list) and all(isinstance(t, str) and t for t in tools)):
+        raise AnthropicInputError(f"{where}.exclude_tools: a list of tool names is needed")
+    return ContextEdits(
+        kind=CLEAR_TOOL_USES,
+        trigger_tokens=_amount(edit["trigger"], f"{where}.trigger", "input_tokens") if "trigger" in edit else 100_000,
+        keep_tool_uses=_amount(edit["keep"], f"{where}.keep", "tool_uses") if "keep" in edit else 3,
+        clear_at_least_tokens=_amount(edit["clear_at_least"], f"{where}.clear_at_least", "input_tokens")
+        if "clear_at_least" in edit else None,
+        exclude_tools=tuple(tools))
+
+
 @dataclass(frozen=True)
 class MessagesRequest:
     """A checked Messages request and the chat-completions form the proxy records."""
@@ -160,6 +198,7 @@ class MessagesRequest:
     user_id: str | None
     chat: dict  # the fields of a ChatIn: messages, tools, tool_choice, parallel_tool_calls, sampling
     noted: dict  # fields read that change nothing for this actor, recorded whole with the served turn (JSON)
+    edits: ContextEdits | None = None  # a clear_tool_uses edit, honoured by the turn's compaction
 
 
 def load() -> None:
@@ -303,8 +342,11 @@ def read_request(raw: Any) -> MessagesRequest:
         noted["deferred_tools"] = json.dumps(deferred, ensure_ascii=False)
     if hints:
         noted["cache_control"] = json.dumps(hints)
+    edit = next((e for e in (raw.get("context_management") or {}).get("edits", []) if e["type"] == CLEAR_TOOL_USES),
+                None)
     return MessagesRequest(model=req.model, stream=bool(req.stream), max_tokens=req.max_tokens,
-                           user_id=user, chat=body, noted=noted)
+                           user_id=user, chat=body, noted=noted,
+                           edits=context_edit(edit, "context_management") if edit else None)
 
 
 def history_session(messages: list[dict]) -> str:

@@ -70,10 +70,21 @@ def usage(turn) -> dict:
             "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
 
 
+def applied(turn) -> dict:
+    """``context_management`` as the Messages API reports it: the edit the turn's compaction applied, with the
+    tool uses it left out of full view and the input tokens that saved (none: no edit was asked for)."""
+    e = getattr(turn, "context_edit", None)
+    if not e:
+        return {}
+    return {"context_management": {"applied_edits": [
+        {"type": e["type"], "cleared_tool_uses": e["cleared_tool_uses"],
+         "cleared_input_tokens": e["cleared_input_tokens"]}]}}
+
+
 def message(turn, model: str, extension: dict) -> dict:
     return {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": model,
             "content": content_blocks(turn), "stop_reason": stop_reason(turn), "stop_sequence": stop_sequence(turn),
-            "usage": usage(turn), "palimpsest": extension}
+            "usage": usage(turn), **applied(turn), "palimpsest": extension}
 
 
 def event(name: str, data: dict) -> str:
@@ -108,7 +119,7 @@ def closing_events(turn, text_open: bool, index: int, extension: dict) -> list[s
         out.append(event("content_block_stop", {"index": index}))
         index += 1
     out.append(event("message_delta", {"delta": {"stop_reason": stop_reason(turn), "stop_sequence": stop_sequence(turn)},
-                                       "usage": usage(turn), "palimpsest": extension}))
+                                       "usage": usage(turn), **applied(turn), "palimpsest": extension}))
     out.append(event("message_stop", {}))
     return out
 
@@ -245,7 +256,7 @@ async def messages(replica, request: Request):
     req, chat = await read(replica, request)
     ext = request.headers.get(SESSION_HEADER) or req.user_id or anthropic_protocol.history_session(req.chat["messages"])
     sid = await sessions.record_chat(replica, chat, tenant, ext, request)
-    turn_in = TurnIn(max_tokens=req.max_tokens, top_p=chat.top_p, stop=chat.stop,
+    turn_in = TurnIn(max_tokens=req.max_tokens, top_p=chat.top_p, stop=chat.stop, edits=req.edits,
                      temperature=1.0 if chat.temperature is None else chat.temperature)
     choice = chat.tool_choice if chat.tools else None
     model = replica.actor_info["model"]

@@ -32,6 +32,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from palimpsest.platform.context_edits import ContextEdits
 from palimpsest.platform.types import PalimpsestError
 
 #: The request fields read (every other is a 400 naming it)
@@ -80,7 +81,7 @@ class ResponsesRequest:
     echo: dict = field(default_factory=dict)  # request fields a response object repeats
     namespaces: dict = field(default_factory=dict)  # flat tool name -> (namespace, name)
     custom_tools: set = field(default_factory=set)  # names of freeform tools
-    context_management: list | None = None
+    edits: ContextEdits | None = None  # a compaction entry, honoured by the turn's compaction
 
 
 def _text_of(content: Any, where: str, parts: set[str]) -> str:
@@ -292,6 +293,7 @@ def read_request(raw: Any) -> ResponsesRequest:
     choice = chat_tool_choice(raw.get("tool_choice"), names)
     if choice not in (None, "auto", "none") and not tools:
         raise ResponsesInputError("tool_choice: forcing a tool call needs function tools")
+    edits = _compaction(raw.get("context_management"))
     messages = input_messages(raw["input"])
     instructions = raw.get("instructions")
     chat: dict[str, Any] = {"max_tokens": raw.get("max_output_tokens"), "temperature": raw.get("temperature"),
@@ -316,7 +318,27 @@ def read_request(raw: Any) -> ResponsesRequest:
                             previous_response_id=raw.get("previous_response_id"),
                             store=raw.get("store", True) is not False, session=session, noted=noted, echo=echo,
                             namespaces=namespaces, custom_tools=custom,
-                            context_management=raw.get("context_management"))
+                            edits=edits)
+
+
+def _compaction(entries: Any) -> ContextEdits | None:
+    """``context_management: [{"type": "compaction", "compact_threshold": N}]`` as the gateway's compaction
+    honours it: the epoch boundary falls at N tokens (``platform.context_edits``)."""
+    if entries is None:
+        return None
+    if not isinstance(entries, list) or len(entries) > 1:
+        raise ResponsesInputError("context_management: a list of one {\"type\": \"compaction\", "
+                                  "\"compact_threshold\": N} is served")
+    out = None
+    for k, e in enumerate(entries):
+        if not isinstance(e, dict) or e.get("type") != "compaction" or set(e) - {"type", "compact_threshold"}:
+            raise ResponsesInputError(f"context_management[{k}]: only {{\"type\": \"compaction\", "
+                                      "\"compact_threshold\": N} is served")
+        n = e.get("compact_threshold")
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise ResponsesInputError(f"context_management[{k}].compact_threshold: a positive integer is needed")
+        out = ContextEdits(kind="compaction", trigger_tokens=n)
+    return out
 
 
 def history_session(messages: list[dict]) -> str:

@@ -45,7 +45,9 @@ def usage(turn) -> dict:
     """The Responses API's usage: every generation of the turn; ``cached_tokens`` what the prefix cache held."""
     prompt, completion = int(turn.tokens["prompt_total"]), int(turn.tokens["completion"])
     cached = int(turn.tokens.get("cached_total", turn.tokens["cached"]))
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
+    # the ids the cache did not hold are computed anew and written to it (vLLM's prefix cache keeps them)
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached,
+                                                             "cache_write_tokens": max(prompt - cached, 0)},
             "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": prompt + completion}
 
@@ -113,6 +115,8 @@ def response_object(req: ResponsesRequest, ids: Ids, model: str, created: int, s
         body["status"], body["incomplete_details"] = status_of(turn)
         body.update(output=output(turn, req, ids), usage=usage(turn), completed_at=int(time.time()))
         body["palimpsest"] = extension(ext, turn)
+        if turn.context_edit:  # what the request's compaction entry did (the API has no field for it)
+            body["palimpsest"]["context_management"] = turn.context_edit
     return body
 
 
@@ -241,7 +245,7 @@ async def responses(replica, request: Request):
         err = e.errors()[0]
         raise HTTPProblem(400, f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}") from None
     sid = await sessions.record_chat(replica, chat, tenant, ext, request)
-    turn_in = TurnIn(max_tokens=chat.max_tokens, top_p=chat.top_p,
+    turn_in = TurnIn(max_tokens=chat.max_tokens, top_p=chat.top_p, edits=req.edits,
                      temperature=1.0 if chat.temperature is None else chat.temperature)
     choice = chat.tool_choice if chat.tools else None
     model, ids = replica.actor_info["model"], Ids()

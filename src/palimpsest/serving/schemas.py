@@ -6,6 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from palimpsest.platform.context_edits import ContextEdits
 from palimpsest.platform.types import Authority
 
 
@@ -77,6 +78,9 @@ class TurnIn(_In):
     seed: int | None = Field(None, ge=0, le=2**32 - 1)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stop: list[Annotated[str, Field(min_length=1)]] | None = Field(None, max_length=4)
+    edits: ContextEdits | None = Field(None, description="a context-management edit honoured by this turn's "
+                                       "compaction (platform.context_edits): trigger, clear_at_least, keep, "
+                                       "exclude_tools")
 
 
 class TurnOut(BaseModel):
@@ -95,6 +99,9 @@ class TurnOut(BaseModel):
     content: str | None = Field(None, description="the reply without tool-call markup")
     tool_calls: list[dict[str, Any]] = Field(default_factory=list, description="tool calls read from the reply "
                                              "(OpenAI's shape), when the session declares tools")
+    context_edit: dict[str, Any] | None = Field(None, description="what the request's context edit did to this "
+                                                "turn: tool uses not shown in full, the ids that saved, whether "
+                                                "the turn compacted, the watermarks it ran under")
 
 
 class GlimpseIn(_In):

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Callable, ClassVar, Literal, Protocol
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from palimpsest.platform.context_edits import Retain
+
 from palimpsest.platform.embedding import Embedder, HashingEmbedder
 from palimpsest.platform.epochs import Compaction
 from palimpsest.platform.folding import HistoryBound
@@ -55,9 +57,14 @@ class PolicyConfigBase(BaseModel):
                                   "than the recent window may take before the compiler folds it (platform.folding)")
     compaction: Compaction = Field(default_factory=Compaction, description="when the session's prompt is rebuilt: "
                                    "at compaction boundaries, append-only between (platform.epochs), or per turn")
+    retain: Retain = Field(default_factory=Retain, description="steps no plan degrades (a client's context edit: "
+                           "platform.context_edits)")
 
     def config_hash(self) -> str:
-        blob = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        data = self.model_dump(mode="json")
+        if self.retain.empty:  # what every config had before retain existed: the same hash
+            data.pop("retain")
+        blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     @abc.abstractmethod

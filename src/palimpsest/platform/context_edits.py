@@ -1,0 +1,117 @@
+"""A client's context-management request, honoured by the gateway's own compaction for that request.
+
+Clients now ask the server to manage context: Anthropic's ``clear_tool_uses_20250919`` edit (``trigger``,
+``keep``, ``clear_at_least``, ``exclude_tools``) and the Responses API's ``compaction`` entry
+(``compact_threshold``). The gateway does not apply a second, fixed rule on top of its own: it maps each
+request onto the policy's compaction epochs (``platform.epochs``) for that turn:
+
+- the trigger sets where an epoch boundary falls (the high watermark, ``trigger / budget``, at most 1: the
+  budget stays a hard bound);
+- ``clear_at_least`` says how far a boundary compacts (the low watermark: ``(trigger - clear_at_least) / budget``);
+- ``keep`` says how many of the latest tool uses stay raw, and ``exclude_tools`` which tools' steps are never
+  degraded: both are :class:`Retain`, which pins those steps at full resolution in every plan.
+
+The policy config that results has its own hash, so its boundaries form their own epoch chain: a client that
+sends the same edit every turn (as clients do) keeps one chain, and a turn that sends none is the arm's own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from palimpsest.platform import toolcalls
+from palimpsest.platform.types import Resolution
+
+if TYPE_CHECKING:
+    from palimpsest.platform.ledger.snapshot import SessionSnapshot
+    from palimpsest.platform.types import RenderPlan
+
+#: The reason a retained step carries in its plan
+RETAINED = "retained: the client's context edit keeps it raw"
+
+
+class Retain(BaseModel):
+    """Steps no plan degrades: those that call one of ``tools`` (or answer for one), and the latest
+    ``tool_uses`` tool-calling steps."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    tools: tuple[str, ...] = Field((), description="steps that call these tools are always shown in full")
+    tool_uses: int = Field(0, ge=0, le=1_000_000, description="the latest K tool-calling steps are shown in full")
+
+    @property
+    def empty(self) -> bool:
+        return not self.tools and not self.tool_uses
+
+
+class ContextEdits(BaseModel):
+    """One request's context-management edit, read from its protocol (``kind``: the edit's own name)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    kind: str
+    trigger_tokens: int | None = Field(None, ge=1)
+    clear_at_least_tokens: int | None = Field(None, ge=0)
+    keep_tool_uses: int | None = Field(None, ge=0)
+    exclude_tools: tuple[str, ...] = ()
+
+
+def edited_config(cfg: Any, edits: ContextEdits, budget: int) -> Any:
+    """The policy config ``cfg`` with ``edits`` applied at ``budget`` (a new config, its own hash)."""
+    comp = cfg.compaction
+    high = min(1.0, edits.trigger_tokens / budget) if edits.trigger_tokens else comp.high
+    low = min(comp.low, high)
+    if edits.clear_at_least_tokens is not None:
+        low = max(0.05, min(high, (high * budget - edits.clear_at_least_tokens) / budget))
+    compaction = comp.model_copy(update={"mode": "epochs", "high": high, "low": low})
+    retain = Retain(tools=tuple(sorted(set(edits.exclude_tools))), tool_uses=edits.keep_tool_uses or 0)
+    return cfg.model_copy(update={"compaction": compaction, "retain": retain})
+
+
+def tool_names(step) -> set[str]:
+    """The tools a step calls or answers for."""
+    sc = toolcalls.decode(step)
+    names = {c.get("name") for c in sc.tool_calls} | {r.name for r in sc.results} if sc else set()
+    if getattr(step, "tool", None):
+        names.add(step.tool)
+    return {n for n in names if n}
+
+
+def retained(plan: "RenderPlan", snap: "SessionSnapshot", retain: Retain | None) -> "RenderPlan":
+    """``plan`` with the steps ``retain`` names planned full and pinned (the compiler never degrades them)."""
+    if retain is None or retain.empty or not len(plan.resolution):
+        return plan
+    keep = np.zeros(len(plan.resolution), dtype=bool)
+    uses = [i for i, s in enumerate(snap.steps[: len(keep)]) if tool_names(s) or s.kind == "tool_call"]
+    if retain.tool_uses:
+        keep[uses[-retain.tool_uses:]] = True
+    if retain.tools:
+        wanted = set(retain.tools)
+        keep[[i for i in uses if tool_names(snap.steps[i]) & wanted]] = True
+    if not keep.any():
+        return plan
+    reasons = list(plan.reasons) + [RETAINED]
+    code = plan.reason_code.copy()
+    code[keep & (plan.resolution != Resolution.FULL)] = len(reasons) - 1
+    resolution = plan.resolution.copy()
+    resolution[keep] = Resolution.FULL
+    return dataclasses.replace(plan, resolution=resolution, reason_code=code, reasons=reasons,
+                               pinned=plan.pinned | keep)
+
+
+def cleared(plan: "RenderPlan", snap: "SessionSnapshot") -> dict:
+    """What a turn's plan left out of the tool uses, as the clients' fields report it: tool-calling steps not
+    shown in full (``cleared_tool_uses``) and the ids that saved (``cleared_input_tokens``)."""
+    n, saved = 0, 0
+    for i, s in enumerate(snap.steps[: len(plan.resolution)]):
+        if not (tool_names(s) or s.kind == "tool_call"):
+            continue
+        level = int(plan.resolution[i])
+        if level != Resolution.FULL:
+            n += 1
+            full = int(snap.tokens[i, Resolution.FULL])
+            shown = int(snap.tokens[i, level]) if level < snap.tokens.shape[1] else 0  # DROP: nothing shown
+            saved += max(full - max(shown, 0), 0)
+    return {"cleared_tool_uses": n, "cleared_input_tokens": saved}

@@ -1,0 +1,52 @@
+"""A client's context edit honoured by the gateway's compaction: the trigger and ``clear_at_least`` become the
+epoch's watermarks, and the steps ``keep`` and ``exclude_tools`` name are never degraded, in every policy."""
+
+from __future__ import annotations
+
+import pytest
+
+from palimpsest.platform.context_edits import ContextEdits, Retain, cleared, edited_config
+from palimpsest.platform.policies import parse_policy_config
+from palimpsest.platform.types import Resolution
+from tests.helpers import per_turn
+
+
+def _levels(turn) -> dict[str, list[int]]:
+    """The resolution of each step, by the tool it ran (the helpers name a step's tool by its command)."""
+    out: dict[str, list[int]] = {}
+    for s, r in zip(turn.snapshot.steps, turn.plan.resolution.tolist()):
+        out.setdefault(s.tool, []).append(r)
+    return out
+
+
+@pytest.mark.parametrize("policy", ["pace", "window", "pace_plus", "ace"])
+def test_excluded_tools_and_the_kept_tool_uses_are_never_degraded(runtime, session, policy):
+    base = parse_policy_config(per_turn(policy))
+    tight = 700  # the session's twelve steps do not fit: most history is degraded
+    plain = runtime.turn(session, base, tight, record=False)
+    degraded = {tool for tool, levels in _levels(plain).items() if any(r != Resolution.FULL for r in levels)}
+    assert degraded, "the budget must force degradation, or the test shows nothing"
+    victim = sorted(degraded)[0]
+    cfg = base.model_copy(update={"retain": Retain(tools=(victim,), tool_uses=2)})
+    edited = runtime.turn(session, cfg, tight, record=False)
+    assert edited.prompt.tokens <= tight
+    assert all(r == Resolution.FULL for r in _levels(edited)[victim]), _levels(edited)
+    assert all(r == Resolution.FULL for r in edited.plan.resolution[-2:].tolist())
+    assert edited.plan.config_hash != plain.plan.config_hash  # its own epoch chain
+    report = cleared(edited.plan, edited.snapshot)  # what the response reports: every step not shown in full
+    assert report["cleared_tool_uses"] == sum(r != Resolution.FULL for r in edited.plan.resolution.tolist())
+    assert report["cleared_input_tokens"] > 0
+
+
+def test_trigger_and_clear_at_least_become_the_watermarks():
+    cfg = parse_policy_config({"type": "pace"})
+    out = edited_config(cfg, ContextEdits(kind="clear_tool_uses_20250919", trigger_tokens=3000,
+                                          clear_at_least_tokens=1000, keep_tool_uses=2, exclude_tools=("Read",)),
+                        budget=6000)
+    assert out.compaction.high == 0.5 and out.compaction.low == pytest.approx(2000 / 6000)
+    assert out.retain == Retain(tools=("Read",), tool_uses=2) and out.compaction.mode == "epochs"
+    # a trigger past the budget cannot raise it: the budget is a hard bound
+    assert edited_config(cfg, ContextEdits(kind="compaction", trigger_tokens=10**6), 6000).compaction.high == 1.0
+    # an empty retain keeps every config's hash as it was before retain existed
+    assert cfg.config_hash() == parse_policy_config({"type": "pace", "retain": {}}).config_hash()
+    assert out.config_hash() != cfg.config_hash()
