@@ -142,27 +142,45 @@ def test_outcomes_are_recorded_append_only(ledger_url):
         db.execute("DELETE FROM outcomes")
 
 
-def test_the_paired_test_keeps_its_level_on_noise_at_the_sample_sizes_of_a_rollout():
-    """No real difference, normal or heavy-tailed (Cauchy) per-trajectory differences, 3-12 trajectories: the
-    sign-flip test comes out significant at most 5% of the time (the bootstrap it replaces: 10-25%)."""
+def test_the_paired_test_keeps_its_level_exactly_at_the_sample_sizes_of_a_rollout():
+    """No real difference: given the sizes of the differences (normal or Cauchy), each of the 2^n sign patterns
+    is equally likely, so the share of patterns the test calls significant IS its level, computed exactly
+    here over all of them: 2 floor(0.05 2^(n-1)) / 2^n, at most 5% (0 at 5 pairs or fewer: 2/2^5 > 0.05). A test
+    that is not exact (Student's t, a bootstrap, an interval: 10-25% here) gives another share."""
+    import itertools
+
     import numpy as np
 
     from palimpsest.pipelines.ab_stats import sign_flip_p
 
     rng = np.random.default_rng(7)
-    for n in (3, 4, 5, 6, 8, 12):
+    for n in (3, 4, 5, 6, 8, 10):
         for draw in (rng.standard_normal, rng.standard_cauchy):
-            rate = np.mean([sign_flip_p(list(draw(n))) <= 0.05 for _ in range(400)])
-            assert rate <= 0.05 + 3 * (0.05 * 0.95 / 400) ** 0.5, (n, draw.__name__, rate)
-            if n <= 5:  # 2/2^n > 0.05: nothing can come out significant
-                assert rate == 0
+            size = np.abs(draw(n))
+            level = np.mean([sign_flip_p(list(size * np.array(s))) <= 0.05
+                             for s in itertools.product((1.0, -1.0), repeat=n)])
+            assert level == 2 * math.floor(0.05 * 2 ** (n - 1)) / 2 ** n <= 0.05, (n, draw.__name__, level)
+    # beyond 16 pairs, Monte Carlo: at its level on noise up to simulation error
+    rate = np.mean([sign_flip_p(list(rng.standard_t(2, 24)), seed=k) <= 0.05 for k in range(300)])
+    assert rate <= 0.05 + 2.5 * (0.05 * 0.95 / 300) ** 0.5
 
 
 def test_the_paired_test_finds_a_real_difference_and_its_interval_matches_it():
-    from palimpsest.pipelines.ab_stats import paired_test
+    """The interval is the set of mean shifts the test does not reject: just inside either end the shifted
+    differences' p is above 5%, just outside it is at most 5% (a t or bootstrap interval fails this)."""
+    from palimpsest.pipelines.ab_stats import paired_test, sign_flip_p
 
-    shifted = paired_test([0.9, 1.1, 1.3, 0.7, 1.0, 1.2, 0.8, 1.05])
+    d = [0.9, 1.1, 1.3, 0.7, 1.0, 1.2, 0.8, 1.05]
+    shifted = paired_test(d)
     assert shifted["significant"] and shifted["p"] == 2 / 2 ** 8 and 0 < shifted["lo"] < 1 < shifted["hi"]
+    for end, out in ((shifted["lo"], -1), (shifted["hi"], +1)):
+        eps = 1e-6
+        assert sign_flip_p([x - (end - out * eps) for x in d]) > 0.05, end
+        assert sign_flip_p([x - (end + out * eps) for x in d]) <= 0.05, end
+    # an end is a shift where an assignment's |mean| ties the observed one: the mean of a subset of the pairs
+    # (here of three), not the mean +- a t quantile x se (0.838, 1.174)
+    assert shifted["lo"] == pytest.approx((0.7 + 1.0 + 0.8) / 3, abs=1e-9)
+    assert shifted["hi"] == pytest.approx((1.3 + 1.2 + 1.05) / 3, abs=1e-9)
     assert shifted["mde"] < 1.0  # detectable: it was detected
     few = paired_test([1.0, 1.1, 0.9])
     assert not few["significant"] and few["lo"] == float("-inf") and few["mde"] == float("inf")
@@ -170,6 +188,41 @@ def test_the_paired_test_finds_a_real_difference_and_its_interval_matches_it():
     assert not noise["significant"] and noise["lo"] < 0 < noise["hi"]
     big = paired_test([1.0 + 0.1 * k for k in range(20)])  # beyond 16 pairs: Monte Carlo, seeded
     assert big["significant"] and not big["exact"] and big == paired_test([1.0 + 0.1 * k for k in range(20)])
+
+
+def test_the_paired_test_counts_the_differences_it_leaves_out():
+    """A NaN difference (a trajectory without a score) is left out of the test and counted, never silently."""
+    from palimpsest.pipelines.ab_stats import paired_test
+
+    d = [0.9, 1.1, 1.3, 0.7, 1.0, 1.2, 0.8, 1.05]
+    r = paired_test(d + [float("nan"), float("inf")])
+    assert r["dropped_nan"] == 2 and r["n"] == 8 and r["p"] == paired_test(d)["p"]
+    assert paired_test(d)["dropped_nan"] == 0 and paired_test([float("nan")])["dropped_nan"] == 1
+
+
+def test_the_detectable_difference_uses_the_tests_own_assignments_up_to_sixteen_pairs():
+    """The mde is the smallest shift the test rejects on 80% of 400 seeded normal samples; up to 16 pairs the
+    test enumerates every assignment, and so must the mde: the exact test's rate at the mde is 80% or more,
+    and just below it under 80%."""
+    import numpy as np
+
+    from palimpsest.pipelines.ab_stats import _sign_flips, paired_test
+
+    n, sd = 14, 1.0
+    d = list(np.random.default_rng(4).standard_normal(n))
+    d = [x * sd / float(np.std(d, ddof=1)) for x in d]  # sample sd exactly 1
+    r = paired_test(d)
+    assert r["exact"]
+    noise = np.random.default_rng(1).standard_normal((400, n)) * sd  # _detectable's draws (seed 0 + 1)
+    signs = _sign_flips(n, 0)
+
+    def exact_rate(shift):
+        x = noise + shift
+        observed = np.abs(x.mean(1))
+        hits = (np.abs(x @ signs.T / n) >= observed[:, None] - 1e-12 * np.maximum(1.0, observed)[:, None]).sum(1)
+        return float((hits / len(signs) <= 0.05).mean())
+
+    assert exact_rate(r["mde"]) >= 0.8 > exact_rate(r["mde"] * 0.999), r["mde"]
 
 
 def test_an_arms_billed_cost_counts_its_summary_calls_with_the_split_shown(tmp_path):

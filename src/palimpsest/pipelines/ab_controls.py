@@ -54,33 +54,53 @@ def verdict(summary: dict, arm: str, metric: str = "kl:full") -> dict[str, Any]:
             "direction": f"`{arm}` is {closer} the full-history actor than `{control}`"}
 
 
-def differing_prompts(served: list[dict], arms: tuple[str, str] = AA) -> tuple[int, int]:
-    """(pairs, pairs whose served prompts differ in size) of the two arms' turns on the same (trajectory, t):
-    two arms of one configuration serve the same prompt on a deterministic platform, so any differing pair is
-    a defect whatever the fidelity test says."""
-    by: dict[tuple[str, int], dict[str, int]] = {}
+def differing_prompts(served: list[dict], arms: tuple[str, str] = AA,
+                      audit: list[dict] | None = None) -> dict[str, int]:
+    """The two arms' turns on the same (trajectory, t), compared by what they served: ``pairs``, and ``differ``
+    of them. Two arms of one configuration serve the same prompt on a deterministic platform, so any differing
+    pair is a defect whatever the fidelity test says.
+
+    A turn is compared by its prompt's hash (the audit's ``prompt_hash``: the same ids, not only as many), taken
+    from the row itself or from ``audit`` (rows with ``session_id``, ``t`` and ``prompt_hash``, as
+    :func:`audit_rows` gives them); a pair with a side that has none is compared by size (``tokens_context``)
+    and counted in ``by_size``: equal sizes there do not show equal prompts."""
+    hashes = {(r["session_id"], int(r["t"])): r["prompt_hash"] for r in audit or [] if r.get("prompt_hash")}
+    by: dict[tuple[str, int], dict[str, tuple]] = {}
     for r in served:
         for arm in arms:
             if r["session_id"].endswith("@" + arm):
-                by.setdefault((r["session_id"][: -len(arm) - 1], int(r["t"])), {})[arm] = r.get("tokens_context")
+                key = (r["session_id"], int(r["t"]))
+                h = r.get("prompt_hash") or hashes.get(key)
+                by.setdefault((r["session_id"][: -len(arm) - 1], int(r["t"])), {})[arm] = \
+                    (h, r.get("tokens_context"))
     pairs = [v for v in by.values() if len(v) == 2]
-    return len(pairs), sum(v[arms[0]] != v[arms[1]] for v in pairs)
+    hashed = [v[arms[0]][0] is not None and v[arms[1]][0] is not None for v in pairs]
+    differ = sum(v[arms[0]][0 if h else 1] != v[arms[1]][0 if h else 1] for v, h in zip(pairs, hashed))
+    return {"pairs": len(pairs), "differ": differ, "by_size": hashed.count(False)}
 
 
-def control_verdicts(positive: dict, aa: dict, served: list[dict] | None = None) -> dict[str, Any]:
+def audit_rows(ledger: Any, session_ids: set[str] | list[str]) -> list[dict]:
+    """Each session's audited turns as rows for :func:`differing_prompts` (``session_id``, ``t``,
+    ``prompt_hash``), read from a ledger (``Ledger.audit``)."""
+    return [{"session_id": sid, "t": int(r["t"]), "prompt_hash": r["prompt_hash"]}
+            for sid in sorted(set(session_ids)) for r in ledger.audit(sid)]
+
+
+def control_verdicts(positive: dict, aa: dict, served: list[dict] | None = None,
+                     audit: list[dict] | None = None) -> dict[str, Any]:
     """The positive controls (each PACE arm against ``last2``) and the A/A control, with their verdicts.
 
     The A/A verdict (``aa_status``) is ``failed`` when the test finds a difference, or when two arms of one
-    configuration served prompts of different sizes (``served``: the run's served turns); ``inconclusive``
-    when the test could not have found one at this many trajectories (5 or fewer: the smallest p a sign-flip
-    test reaches is 2/2^n > 0.05), and ``ok`` otherwise."""
+    configuration served different prompts (``served``: the run's served turns; ``audit``: their prompts'
+    hashes, :func:`differing_prompts`); ``inconclusive`` when the test could not have found one at this many
+    trajectories (5 or fewer: the smallest p a sign-flip test reaches is 2/2^n > 0.05), and ``ok``
+    otherwise."""
     out: dict[str, Any] = {"positive": [verdict(positive, arm) for arm in POSITIVE[1:]], "aa": verdict(aa, AA[1])}
     a = out["aa"]
-    pairs, differ = differing_prompts(served or [])
-    out["aa_prompts"] = {"pairs": pairs, "differ": differ}
+    out["aa_prompts"] = prompts = differing_prompts(served or [], AA, audit)
     if not a["n"]:
         out["aa_status"] = "inconclusive"
-    elif a.get("significant") or differ:
+    elif a.get("significant") or prompts["differ"]:
         out["aa_status"] = "failed"
     else:
         out["aa_status"] = "ok" if 2.0 / 2 ** a["n"] <= 0.05 else "inconclusive"
@@ -100,15 +120,16 @@ def verdicts_markdown(v: dict) -> str:
         lines.append(f"- `{r['arm']}` − `{r['control']}`: {r['difference']:+.4f} [{r['lo']:+.4f}, {r['hi']:+.4f}], "
                      f"p = {r['p']:.3f} over {r['n']} trajectories ({r['pairs']} turn pairs; the arm's turns: "
                      f"{kinds}): {sig}; {r['direction']}")
-    a, prompts = v["aa"], v.get("aa_prompts") or {"pairs": 0, "differ": 0}
+    a, prompts = v["aa"], {"pairs": 0, "differ": 0, "by_size": 0, **(v.get("aa_prompts") or {})}
     said = {"ok": "no difference found, and the test could have found one",
             "inconclusive": f"no difference found, but at {a['n']} trajectories the test cannot find one (the "
                             "smallest p it reaches is above 0.05): read the prompts' agreement instead",
             "failed": "FAILED: two arms of one configuration differ (a finding, not a setting to change)"}
-    lines.append(f"- A/A: {said[v['aa_status']]}; served prompts that differ in size: {prompts['differ']} of "
-                 f"{prompts['pairs']} pairs")
+    size = f" ({prompts['by_size']} compared by size only: no prompt hash)" if prompts["by_size"] else ""
+    lines.append(f"- A/A: {said[v['aa_status']]}; served prompts that differ: {prompts['differ']} of "
+                 f"{prompts['pairs']} pairs{size}")
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["AA", "CONTROL_ARMS", "CONTROL_SHAPE", "POSITIVE", "control_verdicts", "differing_prompts", "verdict",
-           "verdicts_markdown"]
+__all__ = ["AA", "CONTROL_ARMS", "CONTROL_SHAPE", "POSITIVE", "audit_rows", "control_verdicts", "differing_prompts",
+           "verdict", "verdicts_markdown"]
