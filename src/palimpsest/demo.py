@@ -10,8 +10,9 @@ machine it runs on (2 CPU cores: about ten minutes after the install, BENCHMARKS
    budget, plus `pace+memory` when the registered memory was trained at that budget; every served turn is
    scored for shadow fidelity (the exact KL against the full-history reference) off the turn path;
 5. print the per-arm comparison (fidelity over the turns each arm changed, identical turns counted apart,
-   bounded intervals, the paired comparison and what it could detect), where the models' time went, and the
-   MLflow run that holds it;
+   bounded intervals, the paired comparison and what it could detect), what the rollout gate would decide on
+   `pace+memory` as a candidate of `pace` (as `palimpsest serve` runs a registered memory: dark until promoted),
+   where the models' time went, and the MLflow run that holds it;
 6. shut everything down.
 
 ``--control`` runs the controls instead (pipelines/ab_controls.py): the weak `last2` against `pace` as users run
@@ -42,6 +43,7 @@ from palimpsest.pipelines.ab_controls import (
     verdicts_markdown,
 )
 from palimpsest.pipelines.live_ab import drive
+from palimpsest.pipelines.rollouts import gate_on_paired_arms
 from palimpsest.pipelines.trajectories import read_trajectories
 from palimpsest.platform import Ledger
 from palimpsest.platform.chat import chat_ids
@@ -211,6 +213,20 @@ def identical_note(summary: dict) -> str:
             "turns where an arm changed something.\n\n")
 
 
+def gate_note(shadows: list[dict], served: list[dict], arms: list[str]) -> str:
+    """What the rollout gate would decide on the memory arm as a candidate of `pace` (what `palimpsest serve` makes
+    of a registered memory), read on this run's paired turns."""
+    if MEMORY_ARM not in arms or "pace" not in arms:
+        return ""
+    try:
+        g = gate_on_paired_arms(shadows, served, "pace", MEMORY_ARM)
+    except PalimpsestError as e:  # no gate in this checkout's statistics
+        return f"\nThe rollout gate was not read: {e}.\n"
+    return (f"\n**The rollout gate** on `{MEMORY_ARM}` as a candidate of `pace`, read on these {g['sessions']} paired "
+            f"trajectories: **{g['decision']}** ({g['reason']}). Served by default it would stay dark until the gate "
+            "promotes it (docs/serving.md, \"Candidates and rollouts\").\n")
+
+
 def show_markdown(out: Console, md: str) -> None:
     """Markdown rendered on a terminal; in a log (output not a terminal) as its own text, lines whole: rich would
     wrap every table at 80 columns into fragments."""
@@ -319,7 +335,7 @@ def run_main_demo(out: Console, data: Path, serve_config: Path = DEMO_SERVE, tra
               + verdicts_markdown(verdicts))
     else:
         summary = ab_summary(served, outcomes, arms, shadows, calls)
-        md = identical_note(summary) + summary_markdown(summary)
+        md = identical_note(summary) + summary_markdown(summary) + gate_note(shadows, served, arms)
     show_markdown(out, md)
     progress.close()
     stages = {f"{k} (stage)": v for k, v in progress.seconds.items()}

@@ -8,6 +8,7 @@
     palimpsest view                             PACE and ACE side by side on a real trajectory
     palimpsest serve [--config F]               the composed HTTP app (Ray Serve + vLLM) on this machine
     palimpsest ab report                        per-arm A/B comparison with confidence intervals
+    palimpsest ab status                        candidate arms: stage, decisions and their evidence
     palimpsest demo                             the main job: memory, serving, live A/B traffic, report
 
 The ledger is ``--ledger PATH``, else ``$PALIMPSEST_LEDGER``, else ``.palimpsest/ledger.db``.
@@ -47,6 +48,7 @@ app.command()(ledger_commands.view)
 app.command()(serve_commands.demo)
 app.command()(serve_commands.serve)
 ab_app.command("report")(serve_commands.ab_report)
+ab_app.command("status")(serve_commands.ab_status)
 app.add_typer(models_app, name="models")
 app.add_typer(ab_app, name="ab")
 

@@ -1,4 +1,4 @@
-"""The served app: the demo, `palimpsest serve`, and the A/B report."""
+"""The served app: the demo, `palimpsest serve`, the A/B report and the candidates' rollout status."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ from palimpsest.cli.common import (
 from palimpsest.demo import run_main_demo
 from palimpsest.pipelines.ab import ab_summary, log_ab
 from palimpsest.pipelines.ab import summary_markdown as ab_markdown
+from palimpsest.pipelines.rollouts import markdown as rollout_markdown
+from palimpsest.pipelines.rollouts import status as rollout_status
 from palimpsest.platform import Ledger
 from palimpsest.serving.config import load_serve_config
 from palimpsest.serving.local import LocalServer
@@ -105,3 +107,17 @@ def ab_report(
     out.print(md, markup=False, highlight=False, soft_wrap=True)
     if track:
         out.print(f"MLflow run {summary['mlflow']['run_id']} at {summary['mlflow']['tracking_uri']}")
+
+
+def ab_status(
+    ledger: str = typer.Option(".palimpsest/serve-ledger.db", "--ledger", help="the serving ledger (file or URL)"),
+    as_json: bool = typer.Option(False, "--json", help="print the status as JSON only"),
+) -> None:
+    """Each candidate arm's rollout: the stage in force (dark, canary, promoted, withdrawn), every decision with its
+    evidence, and the paired shadow records since its stage began, as the serving replicas read them."""
+    with Ledger(_existing(ledger)) as led:
+        state = rollout_status(led)
+    if as_json:
+        print(json.dumps(state, default=float))
+        return
+    out.print(rollout_markdown(state), markup=False, highlight=False, soft_wrap=True)

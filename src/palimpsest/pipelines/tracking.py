@@ -19,7 +19,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from palimpsest.models.registry import mlflow_experiment, tracking_uri
+from palimpsest.models.registry import mlflow_experiment, read_bundle, tracking_errors, tracking_uri
 from palimpsest.platform.types import PalimpsestError
 
 EXPERIMENT_REPLAY = "palimpsest-replay"
@@ -98,4 +98,31 @@ def log_actions(result: dict, configs: dict[str, dict]) -> str:
         mlflow.log_dict(result, "eval_actions.json")
         for label, cfg in configs.items():
             mlflow.log_dict(cfg, f"policies/{label}.json")
+        return run.info.run_id
+
+
+def log_rollout(candidate: str, control: str, subject: str, decision: dict, policy: dict, memory: str | None,
+                experiment: str) -> str:
+    """One run per rollout decision, beside what it concerns: the candidate's policy config and its memory bundle's
+    record as artifacts, the evidence's figures as metrics; a registered memory version is tagged with its stage."""
+    mlflow, exp = mlflow_experiment(experiment)
+    with tracking_errors(), mlflow.start_run(experiment_id=exp, run_name=f"rollout-{candidate}-{decision.get('to')}") as run:
+        mlflow.log_params({"candidate": candidate, "control": control, "subject": subject[:500],
+                           "decision": decision.get("decision"), "from": decision.get("from"),
+                           "stage": decision.get("to"), "memory.model": memory or "none"})
+        metrics: dict[str, float] = {}
+        _flat("", {k: v for k, v in decision.items() if k not in ("policy",)}, metrics)
+        mlflow.log_metrics(metrics)
+        mlflow.log_dict(decision, "rollout_decision.json")
+        mlflow.log_dict(policy, "policy.json")
+        if memory:
+            name, _, version = memory.removeprefix("models:/").partition("/")
+            try:  # an unreadable bundle or an unknown version still gets its decision logged
+                mlflow.log_dict(read_bundle(memory).to_json(), "memory_bundle.json")
+                if memory.startswith("models:/") and version.isdigit():
+                    client = mlflow.MlflowClient()
+                    client.set_model_version_tag(name, version, "palimpsest.rollout.stage", str(decision.get("to")))
+                    client.set_model_version_tag(name, version, "palimpsest.rollout.run", run.info.run_id)
+            except Exception as e:
+                mlflow.set_tag("memory_bundle.error", str(e)[:500])
         return run.info.run_id

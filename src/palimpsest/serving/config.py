@@ -2,8 +2,8 @@
 ``args`` by `serve run` / `serve deploy` to :func:`palimpsest.serving.app.app_builder`.
 
 Every field has a default, so an empty config is the embedded one-machine setup: the SmolLM2 actor,
-all-MiniLM-L6-v2, a SQLite ledger under ``.palimpsest/``, two arms (``pace`` and ``pace`` + memory when a
-memory model is registered). No torch, Ray or vLLM import here: a bad config fails before anything starts.
+all-MiniLM-L6-v2, a SQLite ledger under ``.palimpsest/``, ``pace`` serving every session and ``pace`` + memory
+as its dark candidate (judged on pace's turns, served only once the rollout gate promotes it). No torch, Ray or vLLM import here: a bad config fails before anything starts.
 """
 
 from __future__ import annotations
@@ -104,13 +104,21 @@ class MemoryConfigServe(_Strict):
 
 class ArmConfig(_Strict):
     name: str
-    weight: float = Field(1.0, ge=0)
+    weight: float = Field(1.0, ge=0, description="share of new sessions (relative); a candidate's is not read")
     policy: dict[str, Any] | str = Field(default_factory=lambda: {"type": "pace"},
                                          description="an inline policy config, a policy name, or a YAML path")
     memory: bool = Field(False, description="inject the soft-memory span (needs a memory model)")
     memory_model: str | None = Field(None, description="this arm's memory model (MLflow URI or bundle directory); "
                                                        "the server's memory.model when unset")
     budget: int | None = Field(None, ge=1, description="token budget of this arm; the server default when unset")
+    candidate_of: str | None = Field(None, description="a candidate of this control arm: judged on the control's live "
+                                     "turns (ab.candidate_rate) and served only as its rollout stage allows; its "
+                                     "traffic is a share of the control's (its weight is not used)")
+    stage: Literal["dark", "canary", "promoted", "withdrawn"] | None = Field(
+        None, description="a candidate's stage until the ledger records a decision: dark (never served, the "
+                          "default), canary (canary_share of the control's new sessions), promoted (all of them), "
+                          "withdrawn (none)")
+    canary_share: float = Field(0.1, gt=0, le=1, description="a canary candidate's share of its control's new sessions")
 
     @field_validator("name")
     @classmethod
@@ -229,6 +237,16 @@ class ABConfig(_Strict):
     shadow_threads: int | None = Field(None, ge=1, le=256, description="torch threads of the memory encoder while "
                                        "it scores a sample with no turn in flight (it may then take every core of a "
                                        "small machine); unset: the replica's own")
+    candidate_rate: float = Field(0.05, ge=0.0, le=1.0, description="share of a control arm's served turns on which "
+                                  "the shadow lane also compiles and scores each dark or canary candidate's prompt "
+                                  "for that turn (the paired record the rollout gate reads)")
+    refresh_s: float = Field(30.0, gt=0, le=3600, description="how often a replica reads the candidates' stages from "
+                             "the ledger (a withdrawn candidate gets no new session after one refresh) and runs the gate")
+    gate_alpha: float = Field(0.05, gt=0, lt=1, description="the rollout gate's test level (over all candidates)")
+    gate_margin: float = Field(0.0, ge=0, description="the rollout gate's non-inferiority margin on the paired "
+                               "quality difference (KL nats per reply token)")
+    gate_min_pairs: int = Field(10, ge=2, description="sessions with a scored pair a stage needs before the gate is "
+                                "read (its sequential test is valid whenever read: this only saves the work)")
 
 
 class ServeConfig(_Strict):
@@ -247,7 +265,8 @@ class ServeConfig(_Strict):
     memory: MemoryConfigServe = MemoryConfigServe()
     arms: list[ArmConfig] = Field(default_factory=lambda: [
         ArmConfig(name="pace", policy={"type": "pace"}, memory=False, weight=1.0),
-        ArmConfig(name="pace+memory", policy={"type": "pace"}, memory=True, weight=1.0),
+        # a registered memory is judged first: never served until the rollout gate promotes it
+        ArmConfig(name="pace+memory", policy={"type": "pace"}, memory=True, candidate_of="pace", stage="dark"),
     ])
     limits: LimitsConfig = LimitsConfig()
     auth: AuthConfig = AuthConfig()
@@ -267,8 +286,18 @@ class ServeConfig(_Strict):
         if self.replicas.ingress > 1 and not self.ledger.startswith(("postgresql://", "postgres://")):
             raise ValueError(f"replicas.ingress={self.replicas.ingress} needs a ledger every replica reaches: "
                              "set ledger to a postgresql:// URL (a SQLite file serves one replica)")
-        if sum(a.weight for a in self.arms) <= 0:
-            raise ValueError("at least one arm needs a positive weight")
+        by_name = {a.name: a for a in self.arms}
+        for a in self.arms:  # (a candidate's weight, and a canary_share without candidate_of, are not read)
+            if a.candidate_of is None and a.stage is not None:
+                raise ValueError(f"arm {a.name!r}: a stage is a candidate's (set candidate_of)")
+            if a.candidate_of is not None and (a.candidate_of == a.name
+                                               or by_name.get(a.candidate_of, a).candidate_of is not None):
+                raise ValueError(f"arm {a.name!r}: candidate_of must name another arm that is no candidate itself")
+        for control in {a.candidate_of for a in self.arms if a.candidate_of}:
+            if sum(a.canary_share for a in self.arms if a.candidate_of == control) > 1:
+                raise ValueError(f"the canary shares of {control!r}'s candidates sum above 1")
+        if sum(a.weight for a in self.arms if a.candidate_of is None) <= 0:
+            raise ValueError("at least one arm that is no candidate needs a positive weight")
         for a in self.arms:
             try:
                 a.policy_config()

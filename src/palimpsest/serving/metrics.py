@@ -1,9 +1,10 @@
 """Prometheus metrics of the ingress, per arm: turns, context tokens, latency by stage, glimpses,
-errors, outcomes. One registry per replica (Prometheus scrapes each replica's /metrics)."""
+errors, outcomes; per candidate arm: its rollout stage, the decisions taken and its paired shadow records. One
+registry per replica (Prometheus scrapes each replica's /metrics)."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _MS_BUCKETS = (5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000)
 _TOKEN_BUCKETS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
@@ -30,6 +31,12 @@ class Metrics:
                               "identical, skipped)", ["arm", "status"], registry=r)
         self.outcomes = Histogram("palimpsest_outcome", "outcome values posted by clients", ["arm"],
                                   buckets=(0.0, 0.25, 0.5, 0.75, 1.0), registry=r)
+        self.pairs = Counter("palimpsest_shadow_pairs", "a candidate judged on its control's live turns, by status "
+                             "(scored, skipped)", ["candidate", "status"], registry=r)
+        self.stage = Gauge("palimpsest_rollout_stage", "a candidate arm's rollout stage (1 on the stage in force)",
+                           ["candidate", "control", "stage"], registry=r)
+        self.decisions = Counter("palimpsest_rollout_decisions", "rollout decisions this replica took, by the "
+                                 "stage they moved a candidate to", ["candidate", "stage"], registry=r)
         for a in arms:  # every arm shows up (with zeros) before its first turn
             self.turns.labels(arm=a)
             self.glimpses.labels(arm=a)
@@ -43,6 +50,12 @@ class Metrics:
         self.cached.labels(arm=arm).inc(tokens["cached"])
         self.prompt.labels(arm=arm).inc(tokens["prompt"])
         self.glimpses.labels(arm=arm).inc(glimpses)
+
+    def observe_stages(self, stages: dict[str, tuple[str, str]]) -> None:
+        """Each candidate's stage in force (name -> (control, stage)): 1 on it, 0 on the others."""
+        for name, (control, stage) in stages.items():
+            for s in ("dark", "canary", "promoted", "withdrawn"):
+                self.stage.labels(candidate=name, control=control, stage=s).set(1.0 if s == stage else 0.0)
 
     def render(self) -> str:
         return generate_latest(self.registry).decode()

@@ -1,5 +1,6 @@
 """One ingress replica's services, composed once its deployments answer: the ledger and runtime, the arms'
-policies, the served turn (``turn.py``), background enrichment, the shadow lane, tenants and the router.
+policies, the served turn (``turn.py``), background enrichment, the shadow lane, tenants, the router and the
+candidates' rollout (``candidates.py``: stages read from the ledger at each refresh).
 
 ``build_app`` binds the four child deployments into the ingress, whose routes (``ingress.py``) hold a
 :class:`Replica` and call into it and into each protocol's module. The composition is lazy: the first request
@@ -9,6 +10,7 @@ policies, the served turn (``turn.py``), background enrichment, the shadow lane,
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import hmac
 import logging
@@ -25,6 +27,7 @@ from palimpsest.platform.tokens import get_tokenizer
 from palimpsest.platform.types import ConfigError
 from palimpsest.serving import anthropic_protocol, http
 from palimpsest.serving.ab import Router
+from palimpsest.serving.candidates import CandidateService, judge, judged_candidates
 from palimpsest.serving.config import parse_serve_config
 from palimpsest.serving.enrichment import Enrichment, HandleEmbedder
 from palimpsest.serving.http import HTTPProblem, Tenant, _retriable_error
@@ -110,6 +113,7 @@ class Replica:
         self.runtime: Runtime | None = None
         self.shadow: ShadowLane | None = None
         self.turns: TurnService | None = None
+        self.rollouts: CandidateService | None = None
         # vLLM's Anthropic protocol takes ~8 s to import on 2 cores: imported while the other deployments start,
         # and waited for before this replica is ready (the Messages routes and the served document need it)
         self._messages_loaded = threading.Thread(target=anthropic_protocol.load, name="messages-import", daemon=True)
@@ -121,12 +125,15 @@ class Replica:
         info = await self.actor.info.remote()
         self.actor_info = info
         anthropic_protocol.serve_models([info["model"], self.cfg.actor.model])  # the served document's names
-        if not info.get("prompt_embeds", True) and any(a.memory for a in self.cfg.arms):
-            raise ConfigError(f"arms {[a.name for a in self.cfg.arms if a.memory]} need soft memory, and the upstream "
+        served_memory = [a.name for a in self.cfg.arms if a.memory and not a.candidate_of]
+        if not info.get("prompt_embeds", True) and served_memory:
+            raise ConfigError(f"arms {served_memory} need soft memory, and the upstream "
                               f"actor at {info.get('remote')} does not take prompt embeds (vLLM --enable-prompt-embeds)")
         emb = await self.embedder_h.info.remote()
         self.memory_info = await self.memory.info.remote()
         self.warnings = memory_warnings(self.cfg, self.memory_info)
+        judged, notes = judged_candidates(self.cfg, self.memory_info, info.get("prompt_embeds", True))
+        self.warnings += notes
         for w in self.warnings:
             log.warning(w)
         self.summarizer_info = await self.summarizer.info.remote()
@@ -144,6 +151,11 @@ class Replica:
                                  busy=lambda: self.turns.inflight > 0, metrics=self.metrics)
         self.turns = TurnService(self.runtime, self.cfg, self.policies, self.actor, self.memory, info,
                                  self.memory_info, self.metrics, self.shadow, self.enqueue)
+        # the candidates' stages in force before the first session is routed, then every ab.refresh_s
+        self.rollouts = CandidateService(ledger, self.cfg, judged, self._stages, self.metrics, self.runtime.owner)
+        await asyncio.to_thread(self.rollouts.refresh)
+        self.shadow.candidates, self.shadow.judge = self.rollouts.active, functools.partial(judge, self.turns)
+        self._rollout_task = asyncio.get_running_loop().create_task(self.rollouts.run())
         await asyncio.to_thread(self._messages_loaded.join)
         if anthropic_protocol.load_error() is not None:
             raise anthropic_protocol.load_error()
@@ -164,7 +176,8 @@ class Replica:
                 "actor": self.actor_info["model"], "remote": self.actor_info.get("remote"),
                 "prompt_embeds": self.actor_info.get("prompt_embeds", True), "memory": self.memory_info,
                 "summarizer": self.summarizer_info, "embedder": self.runtime.embedder.name, "warnings": self.warnings,
-                "shadow": self.shadow.state() if self.shadow is not None else None}
+                "shadow": self.shadow.state() if self.shadow is not None else None,
+                "rollouts": self.rollouts.state() if self.rollouts is not None else {}}
 
     def reconfigure(self, user_config: dict) -> None:
         """`serve deploy` with new arm weights shifts traffic live (existing sessions keep their arm)."""
@@ -172,8 +185,11 @@ class Replica:
         unknown = set(weights) - set(self.router.names)
         if unknown:
             raise ConfigError(f"weights for unknown arms {sorted(unknown)}")
-        self.router = Router(self.router.names, tuple(float(weights.get(n, w)) for n, w in
-                                                      zip(self.router.names, self.router.weights)))
+        self.router = self.router.with_weights(weights)
+
+    def _stages(self, stages: dict[str, str]) -> None:
+        """The candidates' stages read from the ledger (``CandidateService.refresh``): routing follows them."""
+        self.router = self.router.with_stages(stages)
 
     # -- callers, sessions and arms ---------------------------------------------------------
 
@@ -211,8 +227,10 @@ class Replica:
         self.enqueue(session_id)
 
     def arm_of(self, session) -> str:
+        """The arm that serves a session: the one recorded at its creation (its control once that is a withdrawn
+        candidate), else the router's."""
         arm = session.meta.get("arm")
-        return arm if arm in self.router.names else self.router.assign(session.id)
+        return self.router.serving(arm) if arm in self.router.names else self.router.assign(session.id)
 
     def gone(self) -> None:
         """A streaming client went away before its turn ended."""

@@ -27,6 +27,11 @@ and whether the two top-1 tokens agree (``models.scorer.fidelity``).
   ``ab.shadow_threads`` only while no turn is in flight. A sample that finds the queue
   full, waits past ``ab.shadow_max_age_s``, answered a glimpse (several generations) or has no reply token ids
   (a remote upstream) is recorded as skipped with its reason, so the report counts what it left out.
+- A control arm's dark or canary **candidates** (``candidate_of``) are judged on its live turns: on a share
+  ``ab.candidate_rate`` of them (the same hash), the lane also compiles what each candidate would have served
+  for that same turn (its policy over the same snapshot, its soft memory; ``Runtime.compile``, which audits and
+  stores nothing) and scores it against the same reference over the same reply. The pair is recorded in
+  ``shadow_pairs`` (``serving/candidates.py:judge``); nothing of the candidate is recorded as served.
 """
 
 from __future__ import annotations
@@ -84,10 +89,18 @@ class Sample:
     arm: str
     turn: CompiledTurn
     reply: list[int]
-    soft: bool  # the served prompt carried a soft span (it can then never equal a token-only reference)
+    soft: int  # soft positions of the served prompt (with a span it can never equal a token-only reference)
     policy: Any  # the arm's policy (the reference when the whole history does not fit)
     scorer: Any  # async (reference ids, reply, threads) -> (kl, top1): the memory encoder's actor
     queued: float
+    budget: Any = None  # the turn's Budget (a candidate is compiled at its total and reply)
+    regular: bool = True  # sampled at ab.shadow_rate (else only for its candidates: no `shadow` row of its own)
+    candidates: tuple = ()  # the arm's candidates judged on this turn (serving.candidates.Judged)
+
+    @property
+    def tokens(self) -> int:
+        p = self.turn.prompt
+        return len(p.context_ids) + len(p.bridge_ids) + int(self.soft)
 
 
 class ShadowLane:
@@ -97,44 +110,67 @@ class ShadowLane:
         self.runtime, self.cfg, self.window, self.busy = runtime, cfg, window, busy
         self.metrics = metrics
         self.queue: asyncio.Queue[Sample] = asyncio.Queue()
-        self.counts = {"sampled": 0, "scored": 0, "identical": 0, "skipped": 0}
-        self._task = asyncio.get_running_loop().create_task(self._worker()) if cfg.shadow_rate > 0 else None
+        self.counts = {"sampled": 0, "scored": 0, "identical": 0, "skipped": 0, "paired": 0, "pairs_skipped": 0}
+        # a control's candidates (arm -> Judged list) and their judge (async (judged, sample, reference ids,
+        # threads) -> {kl, top1, tokens}); the replica sets both once its rollouts are known
+        self.candidates: Callable[[str], list] = lambda arm: []
+        self.judge: Callable | None = None
+        lane = cfg.shadow_rate > 0 or cfg.candidate_rate > 0
+        self._task = asyncio.get_running_loop().create_task(self._worker()) if lane else None
 
     def state(self) -> dict:
         return {"rate": self.cfg.shadow_rate, "queued": self.queue.qsize(), **self.counts}
 
-    def offer(self, session_id: str, arm: str, ct: CompiledTurn, reply: list[int], generations: int, soft: bool,
-              policy, scorer) -> None:
-        """Called after a turn is served and recorded; returns at once. ``soft``: the turn carried a soft span."""
+    def offer(self, session_id: str, arm: str, ct: CompiledTurn, reply: list[int], generations: int, soft: int,
+              policy, scorer, budget=None) -> None:
+        """Called after a turn is served and recorded; returns at once. ``soft``: the soft positions the turn
+        carried (a bool says whether it carried any)."""
         key = session_id[: -len(arm) - 1] if session_id.endswith("@" + arm) else session_id
-        if self._task is None or not sampled(key, ct.t, self.cfg.shadow_rate):
+        cands = tuple(self.candidates(arm)) if self._task is not None and self.judge is not None else ()
+        rate = max(self.cfg.shadow_rate, self.cfg.candidate_rate if cands else 0.0)
+        if self._task is None or not sampled(key, ct.t, rate):
             return
-        self.counts["sampled"] += 1
+        s = Sample(session_id, arm, ct, list(reply), int(soft), policy, scorer, time.monotonic(), budget,
+                   sampled(key, ct.t, self.cfg.shadow_rate), cands)
+        self.counts["sampled"] += int(s.regular)
         if generations != 1 or not reply:
             reason = "glimpse (several generations)" if generations != 1 else "no reply token ids (remote upstream)"
-            self._skip_later(session_id, ct.t, arm, reason, len(reply))
+            self._skip_later(s, reason)
         elif self.queue.qsize() >= self.cfg.shadow_queue:
-            self._skip_later(session_id, ct.t, arm, "load: queue full", len(reply))
+            self._skip_later(s, "load: queue full")
         else:
-            self.queue.put_nowait(Sample(session_id, arm, ct, list(reply), soft, policy, scorer, time.monotonic()))
+            self.queue.put_nowait(s)
 
-    def _skip_later(self, sid: str, t: int, arm: str, reason: str, tokens: int) -> None:
+    def _skip_later(self, s: Sample, reason: str) -> None:
         """Count a skip now and record it off the event loop (the turn's reply is not held up by the write)."""
-        self._count_skip(arm)
-        asyncio.get_running_loop().run_in_executor(None, self._record_skip, sid, t, arm, reason, tokens)
+        self._count_skip(s)
+        asyncio.get_running_loop().run_in_executor(None, self._record_skip, s, reason)
 
-    def _count_skip(self, arm: str) -> None:
-        self.counts["skipped"] += 1
+    def _count_skip(self, s: Sample) -> None:
+        if s.regular:
+            self.counts["skipped"] += 1
+            if self.metrics is not None:
+                self.metrics.shadow.labels(arm=s.arm, status="skipped").inc()
+        for c in s.candidates:
+            self._count_pair(c, "skipped")
+
+    def _count_pair(self, c, status: str) -> None:
+        self.counts["paired" if status == "scored" else "pairs_skipped"] += 1
         if self.metrics is not None:
-            self.metrics.shadow.labels(arm=arm, status="skipped").inc()
+            self.metrics.pairs.labels(candidate=c.name, status=status).inc()
 
-    def _skip(self, sid: str, t: int, arm: str, reason: str, tokens: int) -> None:
-        self._count_skip(arm)
-        self._record_skip(sid, t, arm, reason, tokens)
+    def _skip(self, s: Sample, reason: str) -> None:
+        self._count_skip(s)
+        self._record_skip(s, reason)
 
-    def _record_skip(self, sid: str, t: int, arm: str, reason: str, tokens: int) -> None:
+    def _record_skip(self, s: Sample, reason: str) -> None:
+        ledger = self.runtime.ledger
         try:
-            self.runtime.ledger.record_shadow(sid, t, arm, "skipped", reason=reason, tokens=tokens)
+            if s.regular:
+                ledger.record_shadow(s.session_id, s.turn.t, s.arm, "skipped", reason=reason, tokens=len(s.reply))
+            for c in s.candidates:
+                ledger.record_shadow_pair(s.session_id, s.turn.t, s.arm, c.name, c.subject, "skipped", reason=reason,
+                                          tokens=len(s.reply))
         except Exception as e:  # the record is best effort; the counter above still counts it
             log.warning("could not record a skipped shadow sample: %s", e)
 
@@ -159,13 +195,12 @@ class ShadowLane:
                         break
                     await asyncio.sleep(0.05)
                 if time.monotonic() - s.queued > self.cfg.shadow_max_age_s:
-                    await asyncio.to_thread(self._skip, s.session_id, s.turn.t, s.arm, "load: stale", len(s.reply))
+                    await asyncio.to_thread(self._skip, s, "load: stale")
                     continue
                 await self._score(s)
             except Exception as e:
                 log.warning("shadow scoring of %s t=%s failed: %s", s.session_id, s.turn.t, e)
-                await asyncio.to_thread(self._skip, s.session_id, s.turn.t, s.arm, f"error: {type(e).__name__}",
-                                        len(s.reply))
+                await asyncio.to_thread(self._skip, s, f"error: {type(e).__name__}")
             finally:
                 self._working = False
 
@@ -177,20 +212,43 @@ class ShadowLane:
         note = smaller_note(len(ref_ids), len(served))
         if not s.soft and served == ref_ids:
             # the arm served the reference itself: KL 0 by construction, counted apart and never averaged in
-            self.counts["identical"] += 1
-            if self.metrics is not None:
-                self.metrics.shadow.labels(arm=s.arm, status="identical").inc()
-            await asyncio.to_thread(self.runtime.ledger.record_shadow, s.session_id, s.turn.t, s.arm, "identical",
-                                    reference=reference_label, tokens=len(s.reply))
+            kl, top1 = 0.0, 1.0
+            if s.regular:
+                self.counts["identical"] += 1
+                if self.metrics is not None:
+                    self.metrics.shadow.labels(arm=s.arm, status="identical").inc()
+                await asyncio.to_thread(self.runtime.ledger.record_shadow, s.session_id, s.turn.t, s.arm,
+                                        "identical", reference=reference_label, tokens=len(s.reply))
+        else:
+            # the soft span (a handle response, as on the turn) goes from the memory encoder to the actor directly;
+            # ab.shadow_threads only while no turn is in flight (a lane that does not yield scores beside the turns)
+            kl, top1 = await s.scorer(ref_ids, s.reply, None if self.busy() else self.cfg.shadow_threads)
+            if s.regular:
+                self.counts["scored"] += 1
+                if self.metrics is not None:
+                    self.metrics.shadow.labels(arm=s.arm, status="scored").inc()
+                await asyncio.to_thread(self.runtime.ledger.record_shadow, s.session_id, s.turn.t, s.arm, "scored",
+                                        reference=reference_label, kl=kl, top1=top1, tokens=len(s.reply), reason=note)
+        for c in s.candidates:  # each candidate on the same turn, against the same reference and reply
+            await self._pair(s, c, reference_label, ref_ids, kl, top1)
+
+    async def _pair(self, s: Sample, c, reference_label: str, ref_ids: list[int], kl: float, top1: float) -> None:
+        ledger = self.runtime.ledger
+        try:
+            got = await self.judge(c, s, ref_ids, None if self.busy() else self.cfg.shadow_threads)
+        except Exception as e:
+            log.warning("judging candidate %s on %s t=%s failed: %s", c.name, s.session_id, s.turn.t, e)
+            self._count_pair(c, "skipped")
+            await asyncio.to_thread(ledger.record_shadow_pair, s.session_id, s.turn.t, s.arm, c.name, c.subject,
+                                    "skipped", reason=f"error: {type(e).__name__}", reference=reference_label,
+                                    control_kl=kl, control_top1=top1, control_tokens=s.tokens, tokens=len(s.reply))
             return
-        # the soft span (a handle response, as on the turn) goes from the memory encoder to the actor directly;
-        # ab.shadow_threads only while no turn is in flight (a lane that does not yield scores beside the turns)
-        kl, top1 = await s.scorer(ref_ids, s.reply, None if self.busy() else self.cfg.shadow_threads)
-        self.counts["scored"] += 1
-        if self.metrics is not None:
-            self.metrics.shadow.labels(arm=s.arm, status="scored").inc()
-        await asyncio.to_thread(self.runtime.ledger.record_shadow, s.session_id, s.turn.t, s.arm, "scored",
-                                reference=reference_label, kl=kl, top1=top1, tokens=len(s.reply), reason=note)
+        self._count_pair(c, "scored")
+        await asyncio.to_thread(ledger.record_shadow_pair, s.session_id, s.turn.t, s.arm, c.name, c.subject, "scored",
+                                reference=reference_label, control_kl=kl, control_top1=top1,
+                                candidate_kl=got["kl"], candidate_top1=got["top1"], control_tokens=s.tokens,
+                                candidate_tokens=got["tokens"], tokens=len(s.reply),
+                                reason=smaller_note(len(ref_ids), got["ids"]))
 
 
 __all__ = ["ShadowLane", "reference", "sampled", "smaller_note"]

@@ -355,7 +355,7 @@ class TurnService:
         await asyncio.to_thread(self._record, sid, arm, ct, res, tokens, emit is not None, noted, tool_choice)
         self.metrics.observe_turn(arm, tokens, res.latency, len(res.glimpses))
         if self.shadow is not None:
-            self._offer(sid, arm, mem, ct, res)
+            self._offer(sid, arm, mem, ct, res, budget)
         return TurnOut(session_id=sid, t=ct.t, arm=arm, action=res.text, finish_reason=res.finish_reason,
                        stop_sequence=res.stop_sequence,
                        plan=ct.plan.counts(), tokens=tokens, latency_ms=res.latency, glimpses=res.glimpses,
@@ -378,7 +378,7 @@ class TurnService:
             **({"fallback": res.fallback} if res.fallback else {}),
             **{f"requested_{k}": v for k, v in noted.items()}})
 
-    def _offer(self, sid: str, arm: str, mem: str | None, ct: CompiledTurn, res: TurnResult) -> None:
+    def _offer(self, sid: str, arm: str, mem: str | None, ct: CompiledTurn, res: TurnResult, budget=None) -> None:
         async def score(reference: list[int], reply: list[int], threads: int | None = None) -> tuple[float, float]:
             """Both prompts of the turn scored by the memory encoder's actor (a memory arm's span is cached)."""
             read = await asyncio.to_thread(turn_memory, self.runtime, ct, self.cfg.memory) if mem else None
@@ -386,5 +386,5 @@ class TurnService:
             return await self.memory.score.remote(mem if read else None, sid, *(read or ([], [])),
                                                   list(p.context_ids), list(p.bridge_ids), reply, reference, threads)
 
-        self.shadow.offer(sid, arm, ct, res.out.get("token_ids") or [], res.generations, res.soft_tokens > 0,
-                          self.policies[arm], score)
+        self.shadow.offer(sid, arm, ct, res.out.get("token_ids") or [], res.generations, res.soft_tokens,
+                          self.policies[arm], score, budget)

@@ -15,7 +15,8 @@ One module per concern, one class over them:
 - ``store``: sessions, steps, summaries, keys, folds;
 - ``boundaries``: compaction boundaries, work leases;
 - ``audit``: each compiled turn's plan, and the glimpses a turn used;
-- ``experiments``: served turns, outcomes and shadow fidelity (the A/B record);
+- ``experiments``: served turns, outcomes, shadow fidelity and candidates' paired shadow records (the A/B record);
+- ``rollouts``: each decision on a candidate arm's stage, with its evidence;
 - ``snapshot``: the snapshot a policy plans on, and the delta a cached snapshot catches up with.
 
 The ledger does not know the prompt: what a session's fixed prefix costs is handed to it
@@ -27,11 +28,12 @@ from __future__ import annotations
 from palimpsest.platform.ledger.audit import Audit
 from palimpsest.platform.ledger.boundaries import Boundaries
 from palimpsest.platform.ledger.experiments import Experiments
+from palimpsest.platform.ledger.rollouts import Rollouts
 from palimpsest.platform.ledger.snapshot import SalientIndex, SessionSnapshot, SnapshotDelta, SnapshotReads
 from palimpsest.platform.ledger.store import PrefixCost, Store
 
 
-class Ledger(Store, Boundaries, Audit, Experiments, SnapshotReads):
+class Ledger(Store, Boundaries, Audit, Experiments, Rollouts, SnapshotReads):
     """Append-only step ledger. Thread-safe; several processes (SQLite) or machines (PostgreSQL) may
     share one.
 

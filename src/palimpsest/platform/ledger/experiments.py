@@ -66,3 +66,35 @@ class Experiments:
         return [{"session_id": r[0], "arm": r[1], "value": r[2], "note": r[3], "created": r[4]}
                 for r in self._read("SELECT session_id, arm, value, note, created FROM outcomes WHERE created>=?"
                                     " ORDER BY id", (since,))]
+
+    def record_shadow_pair(self, session_id: str, t: int, control: str, candidate: str, subject: str, status: str,
+                           reason: str = "", reference: str = "", control_kl: float | None = None,
+                           control_top1: float | None = None, candidate_kl: float | None = None,
+                           candidate_top1: float | None = None, control_tokens: int = 0, candidate_tokens: int = 0,
+                           tokens: int = 0) -> None:
+        """A candidate arm judged on a live turn of its control: both prompts of that same turn (``session_id``,
+        ``t``) scored against the same reference over the same reply (``scored``), or why not (``skipped``).
+        ``*_tokens``: each prompt's positions (ids and soft). The candidate served nothing: no ``served`` row."""
+        if status not in ("scored", "skipped"):
+            raise LedgerError(f"shadow pair status must be 'scored' or 'skipped', got {status!r}")
+        with self._tx() as db:
+            db.execute("INSERT INTO shadow_pairs (session_id, t, control, candidate, subject, status, reason, "
+                       "reference, control_kl, control_top1, candidate_kl, candidate_top1, control_tokens, "
+                       "candidate_tokens, tokens, created) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                       (session_id, int(t), control, candidate, subject, status, reason, reference, control_kl,
+                        control_top1, candidate_kl, candidate_top1, int(control_tokens), int(candidate_tokens),
+                        int(tokens), time.time()))
+
+    def shadow_pairs(self, candidate: str | None = None, subject: str | None = None, after: int = 0) -> list[dict]:
+        """The paired shadow records (of ``candidate`` judged as ``subject``) with an id above ``after``, oldest
+        first."""
+        cols = ("id", "session_id", "t", "control", "candidate", "subject", "status", "reason", "reference",
+                "control_kl", "control_top1", "candidate_kl", "candidate_top1", "control_tokens", "candidate_tokens",
+                "tokens", "created")
+        where, params = ["id>?"], [int(after)]
+        for name, value in (("candidate", candidate), ("subject", subject)):
+            if value is not None:
+                where.append(f"{name}=?")
+                params.append(value)
+        return [dict(zip(cols, r)) for r in self._read(
+            f"SELECT {', '.join(cols)} FROM shadow_pairs WHERE {' AND '.join(where)} ORDER BY id", params)]
