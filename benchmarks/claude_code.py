@@ -9,7 +9,7 @@ non-essential traffic off, in a scratch HOME and working directory, with only th
 prompt: its default system prompt and tool set are ~20K tokens, past the actor's 8K window, and are refused
 with a 422 naming the budget (the run with ``--cli-defaults`` shows it).
 
-    npm install --prefix .cache/npm @anthropic-ai/claude-code@2.1.197     # the CLI (~235 MB), once
+    npm install --prefix .cache/npm @anthropic-ai/claude-code@2.1.332     # the CLI (~400 MB), once
     .venv/bin/python benchmarks/claude_code.py [--cli-defaults] [--out benchmarks/results/claude_code.json]
 """
 
@@ -31,7 +31,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = ROOT / ".cache" / "npm" / "node_modules" / ".bin" / "claude"
-CLI_VERSION = "2.1.197"
+CLI_VERSION = "2.1.332"  # the release installed; what ran is read from the CLI itself (cli_version)
 
 
 class Recorder(http.server.ThreadingHTTPServer):
@@ -137,7 +137,9 @@ def main() -> None:
     cfg = {"ledger": str(ledger), "summarizer": {"mode": "rule"}, "memory": {"model": None},
            "arms": [{"name": "pace", "policy": {"type": "pace"}}]}
     out: dict = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, no GPU",
-                 "cli": CLI_VERSION, "cli_defaults": args.cli_defaults, "task": args.task}
+                 "cli": CLI_VERSION, "cli_defaults": args.cli_defaults, "task": args.task,
+                 "cli_version": subprocess.run([str(CLI), "--version"], capture_output=True, text=True,
+                                               timeout=60).stdout.strip()}
     with LocalServer(cfg, port=args.port) as srv:
         model = httpx.get(f"{srv.url}/v1/models", timeout=60).json()["data"][0]["id"]
         out["openai_client"] = openai_checks(srv.url, model)

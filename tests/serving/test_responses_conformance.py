@@ -118,11 +118,10 @@ def test_the_openai_client_with_tools_and_a_function_call_output_history(server,
         assert [c.name for c in calls] == ["run_shell"] and calls[0].call_id
     else:
         assert forced.status == "incomplete" and forced.output_text.startswith('<tool_call>{"name": "run_shell"')
-    with oc.responses.stream(model=model, input="Fix the failing test in settings", tools=TOOLS, user="resp-5",
-                             max_output_tokens=400, temperature=0.0,
-                             tool_choice={"type": "function", "name": "run_shell"}) as stream:
-        kinds = [e.type for e in stream]
-        final = stream.get_final_response()
+    streamed = list(oc.responses.create(model=model, input="Fix the failing test in settings", tools=TOOLS,
+                                        user="resp-5", max_output_tokens=400, temperature=0.0, stream=True,
+                                        tool_choice={"type": "function", "name": "run_shell"}))
+    kinds, final = [e.type for e in streamed], streamed[-1].response
     assert kinds[0] == "response.created" and kinds[-1] in ("response.completed", "response.incomplete")
     assert [o.name for o in final.output if o.type == "function_call"] == [c.name for c in calls]
     assert ("response.function_call_arguments.done" in kinds) == bool(calls)

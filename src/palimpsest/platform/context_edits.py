@@ -115,3 +115,10 @@ def cleared(plan: "RenderPlan", snap: "SessionSnapshot") -> dict:
             shown = int(snap.tokens[i, level]) if level < snap.tokens.shape[1] else 0  # DROP: nothing shown
             saved += max(full - max(shown, 0), 0)
     return {"cleared_tool_uses": n, "cleared_input_tokens": saved}
+
+
+def applied(edits: ContextEdits, plan: "RenderPlan", snap: "SessionSnapshot", cfg: Any, total: int) -> dict:
+    """What ``edits`` did to a turn (the edited policy's ``cfg`` at budget ``total``): what it cleared, whether
+    the turn compacted, and the watermarks it ran under, in tokens."""
+    return {"type": edits.kind, **cleared(plan, snap), "high_tokens": int(cfg.compaction.high * total),
+            "low_tokens": int(cfg.compaction.low * total)}

@@ -21,6 +21,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
 from palimpsest.platform.budget import Budget
 from palimpsest.platform.chat import declared_tools, glimpse_call, memory_read, with_glimpse
+from palimpsest.platform.context_edits import applied, edited_config
 from palimpsest.platform.embedding import EmbedderUnavailable
 from palimpsest.platform.epochs import with_soft
 from palimpsest.platform.runtime import Runtime
@@ -263,6 +264,12 @@ class TurnService:
         self.actor, self.memory, self.actor_info, self.memory_info = actor, memory, actor_info, memory_info
         self.metrics, self.shadow, self.enqueue = metrics, shadow, enqueue
         self.inflight = 0  # turns being served on this replica (the shadow lane waits for none)
+        self._edited: dict[str, Any] = {}  # policies under a client's context edit, by config hash
+
+    def edited(self, arm: str, edits, total: int):
+        """The arm's policy under a client's context edit at this budget, built once per edit."""
+        cfg = edited_config(self.cfg.arm(arm).policy_config(), edits, total)
+        return self._edited.setdefault(cfg.config_hash(), self.runtime.policy(cfg))
 
     def memory_of(self, armcfg) -> str | None:
         """The memory encoder's key for this arm (its own model, else the default), or None: no soft memory."""
@@ -311,7 +318,8 @@ class TurnService:
     async def _serve(self, session, arm: str, body, tool_choice, parallel_tool_calls, emit, noted: dict, started=None):
         sid = session.id
         budget, mem = self.size(self.cfg.arm(arm), body.budget, body.max_tokens)
-        req = TurnRequest(session_id=sid, policy=self.policies[arm], budget=budget, temperature=body.temperature,
+        policy = self.policies[arm] if body.edits is None else self.edited(arm, body.edits, budget.total)
+        req = TurnRequest(session_id=sid, policy=policy, budget=budget, temperature=body.temperature,
                           seed=body.seed,
                           sampling={k: v for k, v in (("top_p", body.top_p), ("stop", body.stop)) if v is not None},
                           tools=declared_tools(session.tools) if self.actor_info.get("tool_parser") else None,
@@ -356,8 +364,10 @@ class TurnService:
         self.metrics.observe_turn(arm, tokens, res.latency, len(res.glimpses))
         if self.shadow is not None:
             self._offer(sid, arm, mem, ct, res, budget)
+        edit = None if body.edits is None else {**applied(body.edits, ct.plan, ct.snapshot, policy.cfg, budget.total),
+                                                "compacted": bool(ct.compacted)}
         return TurnOut(session_id=sid, t=ct.t, arm=arm, action=res.text, finish_reason=res.finish_reason,
-                       stop_sequence=res.stop_sequence,
+                       stop_sequence=res.stop_sequence, context_edit=edit,
                        plan=ct.plan.counts(), tokens=tokens, latency_ms=res.latency, glimpses=res.glimpses,
                        prompt_hash=ct.prompt.prompt_hash, content=res.content, tool_calls=res.tool_calls)
 

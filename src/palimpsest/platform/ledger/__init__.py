@@ -17,6 +17,7 @@ One module per concern, one class over them:
 - ``audit``: each compiled turn's plan, and the glimpses a turn used;
 - ``experiments``: served turns, outcomes, shadow fidelity and candidates' paired shadow records (the A/B record);
 - ``rollouts``: each decision on a candidate arm's stage, with its evidence;
+- ``responses``: the Responses API's stored responses (what ``previous_response_id`` resolves to);
 - ``snapshot``: the snapshot a policy plans on, and the delta a cached snapshot catches up with.
 
 The ledger does not know the prompt: what a session's fixed prefix costs is handed to it
@@ -28,12 +29,13 @@ from __future__ import annotations
 from palimpsest.platform.ledger.audit import Audit
 from palimpsest.platform.ledger.boundaries import Boundaries
 from palimpsest.platform.ledger.experiments import Experiments
+from palimpsest.platform.ledger.responses import Responses
 from palimpsest.platform.ledger.rollouts import Rollouts
 from palimpsest.platform.ledger.snapshot import SalientIndex, SessionSnapshot, SnapshotDelta, SnapshotReads
 from palimpsest.platform.ledger.store import PrefixCost, Store
 
 
-class Ledger(Store, Boundaries, Audit, Experiments, Rollouts, SnapshotReads):
+class Ledger(Store, Boundaries, Audit, Experiments, Rollouts, Responses, SnapshotReads):
     """Append-only step ledger. Thread-safe; several processes (SQLite) or machines (PostgreSQL) may
     share one.
 
