@@ -21,6 +21,20 @@ TOOLS = [{"type": "function", "name": "run_shell", "description": "Run a shell c
           "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}}]
 
 
+CAROL = "carol-secret-key"  # a tenant whose sessions are pinned: compaction off, its own budget
+
+
+@pytest.fixture(scope="module")
+def serve_overrides() -> dict:
+    import hashlib
+
+    from tests.serving.conftest import tiny_config
+
+    tenants = tiny_config("x", "x", "x")["auth"]["tenants"]
+    carol = {"key_sha256": hashlib.sha256(CAROL.encode()).hexdigest(), "compaction": "off", "budget": 1500}
+    return {"auth": {"tenants": {**tenants, "carol": carol}}}
+
+
 @pytest.fixture(scope="module")
 def client(server):
     headers = {"Authorization": f"Bearer {KEYS['alice']}", ARM_HEADER: "wide"}
@@ -213,3 +227,23 @@ def test_a_clear_tool_uses_edit_is_honoured_by_the_compaction_and_reported(serve
                           "context_management": {"edits": [{"type": "compact_20260112"}]}})
     assert r.status_code == 400 and error_message(r).startswith("context_management.edits[0]")
     assert client.get("/v1/sessions/edit-2/steps").status_code == 404
+
+
+def test_a_tenants_pin_serves_its_sessions_and_is_recorded_per_turn(server, client, model):
+    from palimpsest.platform.policies import parse_policy_config
+    from palimpsest.serving.tenancy import OFF
+
+    r = client.post("/v1/responses", headers={"Authorization": f"Bearer {CAROL}"},
+                    json={"model": model, "input": "Fix the failing test", "user": "pin-1", "max_output_tokens": 2})
+    assert r.status_code == 200, r.text
+    (row,) = [x for x in Ledger(server.cfg.ledger).served() if x["session_id"] == "carol::pin-1"]
+    assert row["policy_hash"] == parse_policy_config(OFF).config_hash() and row["budget"] == 1500
+    assert json.loads(row["tenant_pin"]) == {"tenant": "carol", "budget": 1500, "compaction": "off",
+                                             "policy": parse_policy_config(OFF).config_hash()}
+    (turn,) = Ledger(server.cfg.ledger).audit("carol::pin-1")
+    assert turn["policy"] == "full"
+    # alice's sessions keep their arm's policy
+    assert client.post("/v1/responses", json={"model": model, "input": "Fix the failing test", "user": "pin-2",
+                                              "max_output_tokens": 2}).status_code == 200
+    alice = served(server, "pin-2")[0]
+    assert "tenant_pin" not in alice and alice["policy_hash"] != row["policy_hash"]

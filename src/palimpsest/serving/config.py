@@ -151,6 +151,22 @@ class ProxyConfig(_Strict):
 class TenantConfig(_Strict):
     key_sha256: str = Field(..., pattern=r"^[0-9a-f]{64}$", description="SHA-256 (hex) of the tenant's API key; the key itself is never stored")
     allow_prompt_embeds: bool = Field(False, description="may this tenant send raw prompt_embeds to /v1/completions")
+    policy: dict[str, Any] | str | None = Field(None, description="pins the policy of the tenant's sessions (an "
+                                                "inline policy config or a policy name); the arm's when unset")
+    budget: int | None = Field(None, ge=64, description="pins the tenant's per-turn context budget (tokens)")
+    compaction: Literal["epochs", "per_turn", "off"] | None = Field(
+        None, description="pins the compaction mode: epochs, per_turn, or off (every step raw, the `full` policy "
+        "planned per turn; the budget stays a hard bound)")
+
+    @field_validator("policy")
+    @classmethod
+    def _policy(cls, v):
+        if v is not None:
+            try:  # a bad pin fails with the config, before anything starts
+                parse_policy_config(v)
+            except Exception as e:
+                raise ValueError(f"policy: {e}") from None
+        return v
 
 
 class AuthConfig(_Strict):

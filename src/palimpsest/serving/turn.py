@@ -21,7 +21,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
 from palimpsest.platform.budget import Budget
 from palimpsest.platform.chat import declared_tools, glimpse_call, memory_read, with_glimpse
-from palimpsest.platform.context_edits import applied, edited_config
+from palimpsest.platform.context_edits import applied
 from palimpsest.platform.embedding import EmbedderUnavailable
 from palimpsest.platform.epochs import with_soft
 from palimpsest.platform.runtime import Runtime
@@ -34,6 +34,7 @@ from palimpsest.platform.types import (
     UnknownStepError,
 )
 from palimpsest.serving.schemas import TurnOut
+from palimpsest.serving.tenancy import TurnPolicies
 
 
 class Generate(Protocol):
@@ -264,12 +265,7 @@ class TurnService:
         self.actor, self.memory, self.actor_info, self.memory_info = actor, memory, actor_info, memory_info
         self.metrics, self.shadow, self.enqueue = metrics, shadow, enqueue
         self.inflight = 0  # turns being served on this replica (the shadow lane waits for none)
-        self._edited: dict[str, Any] = {}  # policies under a client's context edit, by config hash
-
-    def edited(self, arm: str, edits, total: int):
-        """The arm's policy under a client's context edit at this budget, built once per edit."""
-        cfg = edited_config(self.cfg.arm(arm).policy_config(), edits, total)
-        return self._edited.setdefault(cfg.config_hash(), self.runtime.policy(cfg))
+        self.resolve = TurnPolicies(cfg, runtime, policies)  # the arm's, a tenant's pin, a request's edit
 
     def memory_of(self, armcfg) -> str | None:
         """The memory encoder's key for this arm (its own model, else the default), or None: no soft memory."""
@@ -317,8 +313,9 @@ class TurnService:
 
     async def _serve(self, session, arm: str, body, tool_choice, parallel_tool_calls, emit, noted: dict, started=None):
         sid = session.id
-        budget, mem = self.size(self.cfg.arm(arm), body.budget, body.max_tokens)
-        policy = self.policies[arm] if body.edits is None else self.edited(arm, body.edits, budget.total)
+        pin = self.resolve.pin(sid)  # the tenant's pinned policy, budget and compaction mode, if any
+        budget, mem = self.size(self.cfg.arm(arm), body.budget or (pin.budget if pin else None), body.max_tokens)
+        policy = self.resolve.policy(arm, pin, body.edits, budget.total)
         req = TurnRequest(session_id=sid, policy=policy, budget=budget, temperature=body.temperature,
                           seed=body.seed,
                           sampling={k: v for k, v in (("top_p", body.top_p), ("stop", body.stop)) if v is not None},
@@ -360,7 +357,8 @@ class TurnService:
                   "reserve": ct.prompt.reserve, "generations": res.generations, "prompt_total": res.prompt_tokens_total,
                   "full_history_estimate": ct.plan.info.get("full_tokens_estimate", ct.prompt.tokens),
                   "cached_total": res.cached_tokens_total}
-        await asyncio.to_thread(self._record, sid, arm, ct, res, tokens, emit is not None, noted, tool_choice)
+        await asyncio.to_thread(self._record, sid, arm, ct, res, tokens, emit is not None, noted, tool_choice,
+                                TurnPolicies.recorded(pin, policy))
         self.metrics.observe_turn(arm, tokens, res.latency, len(res.glimpses))
         if self.shadow is not None:
             self._offer(sid, arm, mem, ct, res, budget)
@@ -372,7 +370,7 @@ class TurnService:
                        prompt_hash=ct.prompt.prompt_hash, content=res.content, tool_calls=res.tool_calls)
 
     def _record(self, sid: str, arm: str, ct: CompiledTurn, res: TurnResult, tokens: dict, streamed: bool,
-                noted: dict, tool_choice: Any = None) -> None:
+                noted: dict, tool_choice: Any = None, policy: dict | None = None) -> None:
         """The turn under its arm: tokens, latency by stage, and what its ids should cost against the session's
         previous turn (``platform.epochs.turn_cost``) beside what the actor's cache really held (tokens_cached)."""
         cost = with_soft(ct.cost, len(ct.prompt.ids), res.soft_tokens) if ct.cost else {}
@@ -386,7 +384,7 @@ class TurnService:
             **({"expected_cached": cost["cached"], "uncached": cost["uncached"], "billed": cost["billed"],
                 "prefix_reuse": cost["prefix_reuse"]} if cost else {}),
             **({"fallback": res.fallback} if res.fallback else {}),
-            **{f"requested_{k}": v for k, v in noted.items()}})
+            **(policy or {}), **{f"requested_{k}": v for k, v in noted.items()}})
 
     def _offer(self, sid: str, arm: str, mem: str | None, ct: CompiledTurn, res: TurnResult, budget=None) -> None:
         async def score(reference: list[int], reply: list[int], threads: int | None = None) -> tuple[float, float]:

@@ -1,0 +1,56 @@
+"""A tenant's pinned policy, budget and compaction mode, and a request's context edit on top: which policy
+config serves a turn (``serving.tenancy``), without a server."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from palimpsest.platform import Ledger, Runtime
+from palimpsest.platform.context_edits import ContextEdits
+from palimpsest.platform.policies import parse_policy_config
+from palimpsest.platform.types import ConfigError
+from palimpsest.serving.config import parse_serve_config
+from palimpsest.serving.tenancy import OFF, TurnPolicies
+
+KEY = hashlib.sha256(b"k").hexdigest()
+
+
+def config(**tenants) -> object:
+    return parse_serve_config({"embedder": "hashing", "memory": {"model": None},
+                               "auth": {"tenants": {name: {"key_sha256": KEY, **pin} for name, pin in tenants.items()}}})
+
+
+@pytest.fixture
+def runtime(tmp_path):
+    return Runtime(Ledger(str(tmp_path / "l.db")))
+
+
+def test_a_pinned_policy_budget_and_compaction_mode_serve_the_tenants_sessions_only(runtime):
+    cfg = config(a={"policy": {"type": "window", "k": 3}, "budget": 3000, "compaction": "per_turn"},
+                 b={"compaction": "off"}, c={})
+    arms = {a.name: runtime.policy(a.policy_config()) for a in cfg.arms}
+    tp = TurnPolicies(cfg, runtime, arms)
+    assert tp.pin("c::s1") is None and tp.pin("s1") is None  # no pin, and the single-tenant server
+    assert tp.policy("pace", None, None, 6000) is arms["pace"]
+    pin = tp.pin("a::s1")
+    assert pin.budget == 3000
+    pol = tp.policy("pace", pin, None, 3000)
+    want = parse_policy_config({"type": "window", "k": 3, "compaction": {"mode": "per_turn"}})
+    assert pol.name == "window" and pol.config_hash == want.config_hash()
+    assert tp.policy("pace", pin, None, 3000) is pol  # built once
+    off = tp.policy("pace", tp.pin("b::s"), None, 6000)
+    assert off.config_hash == parse_policy_config(OFF).config_hash()
+    # a request's edit applies on top of the pin
+    edited = tp.policy("pace", pin, ContextEdits(kind="compaction", trigger_tokens=1500), 3000)
+    assert edited.name == "window" and edited.cfg.compaction.mode == "epochs" and edited.cfg.compaction.high == 0.5
+    rec = TurnPolicies.recorded(pin, pol)
+    assert rec["policy_hash"] == pol.config_hash and '"compaction": "per_turn"' in rec["tenant_pin"]
+
+
+def test_a_bad_pin_is_refused_with_the_config():
+    with pytest.raises(ConfigError, match="policy"):
+        config(a={"policy": {"type": "nope"}})
+    with pytest.raises(ConfigError, match="compaction"):
+        config(a={"compaction": "sometimes"})
