@@ -56,7 +56,7 @@ def test_a_boundary_happens_exactly_when_the_high_watermark_is_crossed(runtime):
     seen = 0
     for t in range(40):
         _grow(runtime, sid, t)
-        prev = runtime.boundary(sid, f"{pol.config_hash}@{BUDGET}")
+        prev = runtime.boundary(sid, f"{pol.config_hash}@{BUDGET}/{RESERVE}")
         snap = runtime.snapshot(sid)
         # what the append-only turn would send: the last boundary's messages plus every step since, raw
         from palimpsest.platform.compiler import prefix_segments
@@ -380,3 +380,96 @@ def test_a_sessions_first_turn_is_billed_in_full_and_an_unknown_previous_turn_is
     assert other.turn(sid, {"type": "pace"}, BUDGET, reserve=RESERVE).cost is None
     for rt in (a, other):
         rt.ledger.close()
+
+
+def test_a_requests_reserve_never_moves_the_boundaries_another_reserve_is_served_from(tmp_path):
+    """Requests of one session may reserve different room (a client's max_tokens, an arm's soft positions).
+    Each reserve's turns are served exactly as if it were alone: a larger reserve compacting earlier never
+    stores a boundary that a smaller one's later turns extend, on this replica or another."""
+    alone_rt = Runtime(Ledger(str(tmp_path / "alone.db")))
+    url = str(tmp_path / "mixed.db")
+    mixed, other = Runtime(Ledger(url)), Runtime(Ledger(url))
+    for rt in (alone_rt, mixed):
+        _session(rt)
+    large, differed = RESERVE * 5, 0
+    for t in range(40):
+        for rt in (alone_rt, mixed):
+            _grow(rt, "e1", t)
+        alone = alone_rt.turn("e1", "pace", BUDGET, reserve=RESERVE)
+        big = mixed.turn("e1", "pace", BUDGET, reserve=large)  # the larger reply, served first
+        small = (mixed if t % 2 else other).turn("e1", "pace", BUDGET, reserve=RESERVE)
+        assert small.prompt.ids == alone.prompt.ids and small.compacted == alone.compacted, f"t={t}"
+        assert big.prompt.tokens + large <= BUDGET and small.prompt.tokens + RESERVE <= BUDGET
+        differed += big.compacted != small.compacted
+    assert differed, "the premise: the two reserves compact at different turns"
+    keys = {r["key"] for r in mixed.ledger.boundaries("e1")}
+    assert len(keys) == 2, keys  # one epoch chain per reserve
+    for rt in (alone_rt, mixed, other):
+        rt.ledger.close()
+
+
+def _crowded_session(rt, sid="crowded"):
+    """A session whose prefix leaves so little of the budget that every boundary compacts to the whole budget,
+    past the high watermark."""
+    rt.ledger.create_session(sid, TASK, system="You are careful. " + " ".join(f"rule{i}" for i in range(600)))
+    return sid
+
+
+def test_the_replica_that_loses_a_compaction_race_serves_the_winners_boundary_as_stored(tmp_path):
+    """Replica b read the ledger before a stored its boundary at this step, and compacts the same turn (without
+    keys, so differently). b serves a's boundary exactly, never a compaction of its own that is not stored,
+    even where that boundary is past the high watermark; so does a retry of the turn at the same step."""
+    url = str(tmp_path / "ledger.db")
+    a, b = Runtime(Ledger(url)), Runtime(Ledger(url))
+    sid = _crowded_session(a)
+    for t in range(4):
+        _grow(a, sid, t)
+        won = a.turn(sid, "pace", BUDGET, reserve=RESERVE)
+    assert won.compacted and won.prompt.tokens + RESERVE > int(0.9 * BUDGET)  # the premise: past the watermark
+    _grow(a, sid, 4)
+    won = a.turn(sid, "pace", BUDGET, reserve=RESERVE)
+    read_late, b.boundary = b.boundary, lambda *args, **kwargs: None  # b's read predates a's boundary at t=4
+    lost = b.turn(sid, "pace", BUDGET, reserve=RESERVE, keys=False)
+    b.boundary = read_late
+    stored = [r for r in a.ledger.boundaries(sid) if r["t"] == 5]
+    assert len(stored) == 1
+    in_effect = Boundary.decode(a.ledger.boundary_blob(sid, stored[0]["id"]), stored[0]["id"])
+    assert tuple(won.prompt.messages) == in_effect.messages
+    assert lost.prompt.ids == won.prompt.ids and lost.prompt.messages == won.prompt.messages
+    assert not lost.compacted and lost.boundary.id == stored[0]["id"]
+    again = b.turn(sid, "pace", BUDGET, reserve=RESERVE, keys=False)  # a retry at the same step
+    assert again.prompt.ids == won.prompt.ids and not again.compacted
+    assert len([r for r in a.ledger.boundaries(sid) if r["t"] == 5]) == 1
+    for rt in (a, b):
+        rt.ledger.close()
+
+
+def test_on_a_ledger_holding_duplicate_boundaries_the_stored_row_and_the_row_in_effect_agree(tmp_path):
+    """A ledger written before migration 0006 may hold two boundaries at one (session, key, t). The row that
+    add_boundary answers a losing writer with is the row last_boundary puts in effect, and what is served."""
+    from palimpsest.platform.stores import migrations
+
+    url = str(tmp_path / "ledger.db")
+    rt = Runtime(Ledger(url))
+    sid = _session(rt)
+    for t in range(24):
+        _grow(rt, sid, t)
+    first = rt.turn(sid, "pace", BUDGET, reserve=RESERVE)
+    (row,) = rt.ledger.boundaries(sid)
+    other = Boundary.decode(rt.ledger.boundary_blob(sid, row["id"]))
+    other = Boundary(**{**other.__dict__, "messages": other.messages[:-1] + (
+        {**other.messages[-1], "content": other.messages[-1]["content"] + " (the other replica's)"},), "id": None})
+    (trigger,) = [sql for v, name, sql in migrations("sqlite") if v == 6]
+    with rt.ledger._tx() as db:  # the duplicate as an older ledger could hold it: written before the trigger
+        db.execute("DROP TRIGGER boundaries_unique")
+        db.execute("INSERT INTO boundaries (session_id, key, t, digest, body, created) VALUES (?,?,?,?,?,?)",
+                   (sid, row["key"], row["t"], other.digest, other.encode(), 0.0))
+    with rt.ledger._tx() as db:
+        db.execute(trigger)
+    rows = [r["id"] for r in rt.ledger.boundaries(sid)]
+    assert len(rows) == 2
+    answered, stored = rt.ledger.add_boundary(sid, row["key"], first.boundary)
+    assert not stored and answered == rt.ledger.last_boundary(sid, row["key"])
+    served = Runtime(Ledger(url)).turn(sid, "pace", BUDGET, reserve=RESERVE, record=False)
+    assert served.boundary.id == answered
+    rt.ledger.close()

@@ -63,6 +63,15 @@ def compile_epoch(snap: "SessionSnapshot", plan_at: Callable[[int], RenderPlan],
     base = prev if prev is not None and prev.t <= snap.t else empty_boundary(prefix, prefix_segments(prefix))
     high = int(compaction.high * budget)
     base_tokens = int(base.info.get("tokens", prefix_tokens))
+    if prev is not None and base is prev and prev.t == snap.t:
+        # A boundary stored at this very step is this step's prompt, as stored, whatever the watermark (it may
+        # sit past it where only the whole budget held the prefix): a retry of the turn and the replica that
+        # lost the race to compact it serve it byte for byte, and never compact again
+        msgs, segments = extend(base, snap, overhead)
+        ids = chat_ids(tokenizer, msgs, base.split)
+        if len(ids) + reserve <= budget:
+            plan = extended_plan(base, snap, *policy)
+            return plan, assemble_prompt(tokenizer, prefix, msgs, ids, segments, prefix_tokens, reserve), base, False
     estimate = estimate_extension(base, snap, base_tokens, overhead, messages_per_step(snap))
     before = estimate
     # An extension far past the watermark (a long history met for the first time) is not counted exactly.

@@ -37,6 +37,7 @@ from palimpsest.platform.render import step_messages
 from palimpsest.platform.types import Fold, RenderPlan, Resolution, Segment
 
 if TYPE_CHECKING:
+    from palimpsest.platform.budget import Budget
     from palimpsest.platform.ledger import SessionSnapshot
 
 #: vLLM's KV-cache block: the prefix cache serves whole blocks only.
@@ -83,9 +84,13 @@ def recent_of(policy) -> int:
     return n if isinstance(n, int) and n >= 1 else 1
 
 
-def epoch_key(config_hash: str, budget: int) -> str:
-    """What a session's boundaries are kept under: one epoch chain per policy config and budget."""
-    return f"{config_hash}@{int(budget)}"
+def epoch_key(config_hash: str, limit: "Budget") -> str:
+    """What a session's boundaries are kept under: one epoch chain per policy config, budget and reserve. Whether
+    a turn extends or compacts, and what a boundary keeps, depend on the reserve (the reply's ``max_tokens`` and
+    the soft positions), so a chain is one reserve's: every replica serving a request of that reserve reads the
+    same boundaries and extends them alike, and a request of another reserve never moves them (it has its own
+    chain; a client that changes its ``max_tokens`` starts one)."""
+    return f"{config_hash}@{int(limit.total)}" + (f"/{int(limit.reserve)}" if limit.reserve else "")
 
 
 @dataclass(frozen=True)

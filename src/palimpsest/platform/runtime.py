@@ -197,7 +197,7 @@ class Runtime:
             epochs, (policy.name, policy.config_hash), recent_of(policy))
         return CompiledTurn(session_id=snap.session.id, t=snap.t, budget=limit.total, plan=plan, prompt=prompt,
                             snapshot=snap, boundary=now, compacted=compacted,
-                            epoch_key=epoch_key(policy.config_hash, limit.total))
+                            epoch_key=epoch_key(policy.config_hash, limit))
 
     def boundary(self, session_id: str, key: str, at: int | None = None) -> Boundary | None:
         """The session's last compaction boundary under ``key`` (at or before step ``at``), from the ledger;
@@ -226,7 +226,7 @@ class Runtime:
         snap = self.snapshot(session_id, at)
         prev = None
         if compaction_of(pol) is not None:
-            prev = self.boundary(session_id, epoch_key(pol.config_hash, limit.total), snap.t if at is None else at)
+            prev = self.boundary(session_id, epoch_key(pol.config_hash, limit), snap.t if at is None else at)
         planned = snap if keys else snap.without_keys()
         turn = self.compile(planned, pol, limit, boundary=prev)
         # the fold, the boundary and the audit of a turn are stored together or not at all
@@ -238,13 +238,15 @@ class Runtime:
                 if stored:
                     turn = dataclasses.replace(turn, boundary=dataclasses.replace(turn.boundary, id=row))
                     turn.plan.info["compaction"]["id"] = row
-                else:  # another replica compacted this turn first: its boundary is in effect, and is what is served
+                else:  # another replica compacted this turn first: its boundary is in effect, and is served as
+                    # stored (a boundary at the turn's own step is that turn's prompt: compile_epoch extends it by
+                    # nothing and never compacts again)
                     winner = Boundary.decode(self.ledger.boundary_blob(session_id, row), row)
                     turn = self.compile(planned, pol, limit, boundary=winner)
             if record:
                 self.ledger.record_turn(turn)
         if record and at is None:
-            key = (session_id, turn.epoch_key or epoch_key(pol.config_hash, turn.budget))
+            key = (session_id, turn.epoch_key or epoch_key(pol.config_hash, limit))
             ids = np.asarray(turn.prompt.ids, dtype=np.int64)
             with self._lock:
                 prev = self._last_ids.pop(key, None)

@@ -17,12 +17,14 @@ class Boundaries:
         """Store a compaction boundary (its exact messages and decisions) of a session under ``key`` at its step
         ``t``, unless one is stored there already: one boundary per (session, key, t). Returns (its row id,
         whether this call stored it). Under the session's lock, so of two replicas compacting the same turn at
-        once the first stores its boundary and the second gets the first's row, which it serves from. The
-        latest row of a key at or before a step is the boundary in effect there."""
+        once the first stores its boundary and the second gets the first's row, which it serves. The latest row
+        of a key at or before a step is the boundary in effect there; where a ledger written before migration
+        0006 holds several at one step, the answer is the newest of them, the one :meth:`last_boundary` puts in
+        effect."""
         with self._tx() as db:
             if not self._store.lock_session(db, session_id):
                 raise UnknownSessionError(f"unknown session {session_id!r}")
-            found = db.execute("SELECT id FROM boundaries WHERE session_id=? AND key=? AND t=? ORDER BY id LIMIT 1",
+            found = db.execute("SELECT id FROM boundaries WHERE session_id=? AND key=? AND t=? ORDER BY id DESC LIMIT 1",
                                (session_id, key, int(boundary.t))).fetchone()
             if found is not None:
                 return int(found[0]), False
