@@ -251,8 +251,9 @@ def test_an_arms_billed_cost_counts_its_summary_calls_with_the_split_shown(tmp_p
     assert (p["calls"], p["input"], p["cached"], p["generated"]) == (2, 500, 100, 70)
     billed = 400 + 0.1 * 100  # uncached + the cached rate x cached
     assert p["billed"] == pytest.approx(billed) and p["billed_per_turn"] == pytest.approx(billed / 2)
-    assert p["total_billed_per_turn"] == pytest.approx(60.0 + billed / 2)
-    assert w["calls"] == 0 and w["total_billed_per_turn"] == pytest.approx(60.0)
+    assert s["arms"]["pace"]["cost"]["total"] == pytest.approx(60.0 + billed / 2)
+    assert w["calls"] == 0 and s["arms"]["window"]["cost"]["total"] == pytest.approx(60.0)
     md = summary_markdown(s)
-    assert "| LLM summary calls: calls / input ids (cached) / generated ids | 0 / 0 (0) / 0 | 2 / 500 (100) / 70 |" in md
-    assert f"60.0 + {billed / 2:.1f} = {60 + billed / 2:.1f}" in md
+    assert ("| LLM summary calls: calls / input ids (cached) / generated ids / timed out (counted with the ids sent) "
+            "| 0 / 0 (0) / 0 / 0 | 2 / 500 (100) / 70 / 0 |") in md
+    assert f"60.0 + {billed / 2:.1f} + 0.0 = {60 + billed / 2:.1f}" in md

@@ -95,17 +95,28 @@ def _fidelity(mine: list[dict]) -> dict[str, Any]:
             "identical_share": wilson(len(identical), len(scored) + len(identical)), "by_reference": by_kind}
 
 
-def _summary_calls(rows: list[dict], turns: list[dict]) -> dict[str, Any]:
-    """An arm's LLM summary calls (served rows of ``kind: summary``) and its billed input with them: the turns'
-    billed ids plus the calls' billed input, per turn, split."""
-    calls = {k: sum(float(r.get(f"summary_{k}", 0)) for r in rows)
-             for k in ("calls", "input", "cached", "generated", "billed")}
+CALL_FIELDS = ("calls", "input", "cached", "generated", "unanswered", "billed")
+
+
+def _calls(rows: list[dict], prefix: str, turns: int) -> dict[str, Any]:
+    """An arm's model calls of one kind, summed from its rows' ``{prefix}{field}`` columns (LLM summaries:
+    served rows of ``kind: summary``; ACE's LLM elasticizer: the turns that planned with it), and their billed
+    input per turn of the arm."""
+    calls: dict[str, Any] = {k: sum(float(r.get(f"{prefix}{k}") or 0) for r in rows) for k in CALL_FIELDS}
+    calls["billed_per_turn"] = calls["billed"] / turns if turns else float("nan")
+    return calls
+
+
+def _cost(a: dict, turns: list[dict], summaries: list[dict]) -> None:
+    """An arm's billed input per turn with every model call in it: its turns' billed ids, plus its LLM summary
+    calls and its elasticizer calls (a call that timed out counted with the ids it sent), split."""
     billed = [float(r["billed"]) for r in turns if r.get("billed") is not None]
     n = len(billed)  # one denominator: the turns whose cost is known (a replica that served the previous turn)
-    turns_billed = sum(billed) / n if n else float("nan")
-    per_turn = calls["billed"] / n if n else float("nan")
-    return {**calls, "billed_per_turn": per_turn, "turns_billed_per_turn": turns_billed,
-            "total_billed_per_turn": turns_billed + per_turn}
+    a["summary_calls"] = _calls(summaries, "summary_", n)
+    a["elasticizer_calls"] = _calls(turns, "elasticizer_", n)
+    cost = {"turns": sum(billed) / n if n else float("nan"), "summaries": a["summary_calls"]["billed_per_turn"],
+            "elasticizer": a["elasticizer_calls"]["billed_per_turn"]}
+    a["cost"] = {**cost, "total": sum(cost.values())}
 
 
 def ab_summary(served: list[dict], outcomes: list[dict], arms: list[str] | None = None,
@@ -143,7 +154,7 @@ def ab_summary(served: list[dict], outcomes: list[dict], arms: list[str] | None 
         a["compactions_per_100"] = 100.0 * sum(bool(r.get("rebuilt", r.get("compaction"))) for r in ok) / len(ok) \
             if ok else float("nan")
         a["fidelity"] = _fidelity([r for r in shadows if r["arm"] == arm])
-        a["summary_calls"] = _summary_calls([r for r in summaries or [] if r["arm"] == arm], ok)
+        _cost(a, ok, [r for r in summaries or [] if r["arm"] == arm])
         for kind in KINDS:
             values[arm][f"kl:{kind}"] = list(a["fidelity"]["by_reference"][kind].pop("_kl").values())
         a["_sessions"] = {"outcome": last, "tokens_context": _per_session(ok, "tokens_context")}
@@ -277,12 +288,13 @@ def summary_markdown(s: dict) -> str:
         row(f"vs `{kind}`: top-1 agreement, non-identical turns (session mean, 95% CI)",
             lambda a, k=kind: _ci(a["fidelity"]["by_reference"][k]["top1"]))
     row("prefix-cache hit rate", lambda a: _fmt(a["prefix_cache_hit_rate"], 3))
-    row("LLM summary calls: calls / input ids (cached) / generated ids", lambda a: (
-        f"{a['summary_calls']['calls']:.0f} / {a['summary_calls']['input']:,.0f} ({a['summary_calls']['cached']:,.0f})"
-        f" / {a['summary_calls']['generated']:,.0f}"))
-    row("billed input ids per turn, summary calls included: turns + summaries = total", lambda a: (
-        f"{_fmt(a['summary_calls']['turns_billed_per_turn'])} + {_fmt(a['summary_calls']['billed_per_turn'])} = "
-        f"{_fmt(a['summary_calls']['total_billed_per_turn'])}"))
+    for kind, label in (("summary_calls", "LLM summary calls"), ("elasticizer_calls", "ACE LLM elasticizer calls")):
+        row(f"{label}: calls / input ids (cached) / generated ids / timed out (counted with the ids sent)",
+            lambda a, k=kind: (f"{a[k]['calls']:.0f} / {a[k]['input']:,.0f} ({a[k]['cached']:,.0f}) / "
+                               f"{a[k]['generated']:,.0f} / {a[k]['unanswered']:.0f}"))
+    row("billed input ids per turn, every model call included: turns + summaries + elasticizer = total",
+        lambda a: " + ".join(_fmt(a["cost"][k]) for k in ("turns", "summaries", "elasticizer"))
+        + f" = {_fmt(a['cost']['total'])}")
     row("compactions per 100 turns", lambda a: _fmt(a.get("compactions_per_100", float("nan")), 1))
     for key, label in METRICS:
         digits = 2 if key == "glimpses" else 1

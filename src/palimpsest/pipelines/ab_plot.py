@@ -8,13 +8,12 @@ from palimpsest.platform.ledger.experiments import REFERENCE_KINDS as KINDS
 
 
 def fidelity_cost_points(summary: dict) -> list[dict[str, Any]]:
-    """Per arm and reference kind with scored turns: billed input ids per turn, its summary calls included (mean),
-    and fidelity KL (session mean, its 95% interval). An arm with no scored turn against a kind, or whose turns'
-    cost is unknown, has no point for it."""
+    """Per arm and reference kind with scored turns: billed input ids per turn, every model call included (mean:
+    turns, LLM summaries, the LLM elasticizer), and fidelity KL (session mean, its 95% interval). An arm with no
+    scored turn against a kind, or whose turns' cost is unknown, has no point for it."""
     points = []
     for arm, a in summary["arms"].items():
-        calls = a.get("summary_calls") or {}
-        billed = calls.get("total_billed_per_turn", a["metrics"]["billed"]["mean"])  # summary calls included
+        billed = (a.get("cost") or {}).get("total", a["metrics"]["billed"]["mean"])  # every model call included
         for kind in KINDS:
             kl = a["fidelity"]["by_reference"][kind]["kl"]
             if kl["n"] and billed == billed:

@@ -91,6 +91,7 @@ class Runtime:
         # The last audited turn's ids per (session, policy and budget): what a prefix cache holds of the next
         self._last_ids: OrderedDict[tuple[str, str], np.ndarray] = OrderedDict()
         self.cached_rate = cached_rate
+        self._previews = threading.local()  # per thread: a preview's model calls, until the turn it precedes
 
     def policy(self, config: PolicyConfigBase | dict | str) -> ContextPolicy:
         return build_policy(config, self.deps)
@@ -190,14 +191,30 @@ class Runtime:
         if epochs is None:
             plan = plan_at(limit.prompt)
             prompt = compile_plan(snap, plan, limit, self.ledger.tokenizer)
+            self._note_calls(plan)
             return CompiledTurn(session_id=snap.session.id, t=snap.t, budget=limit.total, plan=plan, prompt=prompt,
                                 snapshot=snap)
         plan, prompt, now, compacted = compile_epoch(
             snap, plan_at, limit, self.ledger.tokenizer, boundary,
             epochs, (policy.name, policy.config_hash), recent_of(policy))
+        self._note_calls(plan)
         return CompiledTurn(session_id=snap.session.id, t=snap.t, budget=limit.total, plan=plan, prompt=prompt,
                             snapshot=snap, boundary=now, compacted=compacted,
                             epoch_key=epoch_key(policy.config_hash, limit))
+
+    def _note_calls(self, plan, earlier: dict | None = None) -> None:
+        """The model calls planning made in this thread (the served actor as ACE's LLM elasticizer: ``chat``'s
+        ``drain``), plus ``earlier`` ones of the same turn, added to ``plan.info["model_calls"]``: calls, input ids
+        (of them cached), generated ids, unanswered calls (counted with the ids they sent), and the billed input
+        at the cached rate. A plan that called no model has none."""
+        drain = getattr(self.deps.chat, "drain", None)
+        used = dict(drain()) if drain is not None else {}
+        for k, v in [*(plan.info.get("model_calls") or {}).items(), *(earlier or {}).items()]:
+            if k != "billed":
+                used[k] = used.get(k, 0) + v
+        if used.get("calls"):
+            cached = used.get("cached", 0)
+            plan.info["model_calls"] = {**used, "billed": used.get("input", 0) - cached + self.cached_rate * cached}
 
     def boundary(self, session_id: str, key: str, at: int | None = None) -> Boundary | None:
         """The session's last compaction boundary under ``key`` (at or before step ``at``), from the ledger;
@@ -229,6 +246,13 @@ class Runtime:
             prev = self.boundary(session_id, epoch_key(pol.config_hash, limit), snap.t if at is None else at)
         planned = snap if keys else snap.without_keys()
         turn = self.compile(planned, pol, limit, boundary=prev)
+        if at is None:  # a preview's model calls were made for this turn: the turn it precedes counts them
+            previews = self._previews.__dict__.setdefault("calls", {})
+            if record:
+                self._note_calls(turn.plan, previews.pop(session_id, None))
+            elif turn.plan.info.get("model_calls"):
+                previews.clear()  # one session's at a time: a thread previews a turn, then serves it
+                previews[session_id] = turn.plan.info["model_calls"]
         # the fold, the boundary and the audit of a turn are stored together or not at all
         with self.ledger.transaction():
             if turn.plan.new_fold and turn.plan.fold is not None:
@@ -242,7 +266,9 @@ class Runtime:
                     # stored (a boundary at the turn's own step is that turn's prompt: compile_epoch extends it by
                     # nothing and never compacts again)
                     winner = Boundary.decode(self.ledger.boundary_blob(session_id, row), row)
+                    calls = turn.plan.info.get("model_calls")
                     turn = self.compile(planned, pol, limit, boundary=winner)
+                    self._note_calls(turn.plan, calls)  # the losing plan's calls were made all the same
             if record:
                 self.ledger.record_turn(turn)
         if record and at is None:

@@ -17,6 +17,7 @@ from palimpsest.platform.embedding import EmbedderUnavailable
 from palimpsest.platform.policies.base import EPOCH_QUERY_STEPS, query_texts
 from palimpsest.platform.render import key_text
 from palimpsest.platform.types import StepRecord
+from palimpsest.serving.summarizer import sent_ids, summary_messages
 
 log = logging.getLogger("palimpsest.ingress")
 
@@ -236,7 +237,7 @@ class Enrichment:
                         if isinstance(r, dict) and r["producer"] == producer[0]:
                             await asyncio.to_thread(ledger.add_summaries, sid, s.id, summaries_from_wire(r),
                                                     r["producer"], r["version"])
-                    used = [r["usage"] for r in replies if isinstance(r, dict) and r.get("usage")]
+                    used = [self._usage(s, r) for s, r in zip(todo, replies) if isinstance(r, dict) and r.get("usage")]
                     if used:
                         await asyncio.to_thread(self._record_calls, sid, used)
                 finally:
@@ -252,10 +253,22 @@ class Enrichment:
                 log.warning("LLM summaries of %s failed: %s", sid, e)
 
 
+    def _usage(self, step, reply: dict) -> dict:
+        """What one summary call cost: as the actor reported it, or, for a call that timed out or failed
+        (``unanswered``), the ids it sent (the summarizer's messages for the step in the actor's template), all
+        uncached: the actor may have read them whether or not a reply came back in time."""
+        usage = dict(reply["usage"])
+        if usage.get("unanswered"):
+            messages = summary_messages(step.record(), self.cfg.summarizer.max_input_chars)
+            usage["input"] = sent_ids(self.runtime.ledger.tokenizer, messages, self.cfg.actor.max_model_len,
+                                      self.cfg.summarizer.max_tokens)
+        return usage
+
     def _record_calls(self, sid: str, used: list[dict]) -> None:
         """The actor calls of one batch of a session's LLM summaries, recorded under the session's arm (a served
-        row of ``kind: summary``): calls, input ids (of them cached), generated ids, and the billed input at the
-        runtime's cached rate. ``pipelines/ab.py`` adds them to the arm's cost."""
+        row of ``kind: summary``): calls, input ids (of them cached), generated ids, the calls that timed out
+        (counted with what they sent), and the billed input at the runtime's cached rate. ``pipelines/ab.py``
+        adds them to the arm's cost."""
         calls = sum(int(u.get("calls", 0)) for u in used)
         if not calls or self.arm_of is None:
             return
@@ -265,6 +278,7 @@ class Enrichment:
             self.runtime.ledger.record_served(sid, self.runtime.ledger.count(sid), self.arm_of(sid), {
                 "kind": "summary", "summary_calls": calls, "summary_input": inp, "summary_cached": cached,
                 "summary_generated": sum(int(u.get("generated", 0)) for u in used),
+                "summary_unanswered": sum(int(u.get("unanswered", 0)) for u in used),
                 "summary_billed": inp - cached + self.runtime.cached_rate * cached})
         except Exception as e:  # the record is best effort: the summaries themselves are stored
             log.warning("could not record the summary calls of %s: %s", sid, e)

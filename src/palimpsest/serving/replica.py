@@ -16,7 +16,7 @@ import hmac
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from fastapi import Request
 
@@ -34,6 +34,7 @@ from palimpsest.serving.http import HTTPProblem, Tenant, _retriable_error
 from palimpsest.serving.metrics import Metrics
 from palimpsest.serving.schemas import TurnIn, TurnOut
 from palimpsest.serving.shadow import ShadowLane
+from palimpsest.serving.summarizer import sent_ids
 from palimpsest.serving.turn import TurnService
 
 log = logging.getLogger("palimpsest.ingress")
@@ -78,21 +79,48 @@ def memory_warnings(cfg, memory_info: dict) -> list[str]:
 class ActorChat:
     """The actor as a policy's language model (the ``ace`` LLM elasticizer): every prompt is sent at once (vLLM
     batches them), each reply waited for until the summarizer's timeout; failures are None. Policies plan in
-    a worker thread, where blocking on handles is allowed."""
+    a worker thread, where blocking on handles is allowed.
 
-    def __init__(self, actor, timeout_s: float):
-        self.actor, self.timeout_s = actor, timeout_s
+    Every call is counted in the thread that made it until :meth:`drain` (the runtime reads it into the plan,
+    and the served turn records it under its arm): calls, input ids (of them cached) and generated ids as the
+    actor reported them; a call that never answered in time is ``unanswered`` and counted with the ids it sent
+    (``sent(messages, max_tokens)``)."""
+
+    max_tokens = 4  # one word: the decision
+
+    def __init__(self, actor, timeout_s: float, sent: Callable[[list[dict], int], int] | None = None):
+        self.actor, self.timeout_s, self.sent = actor, timeout_s, sent
+        self._local = threading.local()
 
     def __call__(self, prompts: list[list[dict]]) -> list[str | None]:
-        responses = [self.actor.chat.remote(p, 4, "elasticizer") for p in prompts]
+        responses = [self.actor.chat.remote(p, self.max_tokens, "elasticizer", True) for p in prompts]
         deadline = time.monotonic() + self.timeout_s
+        used = self._used()
         out: list[str | None] = []
-        for r in responses:
+        for p, r in zip(prompts, responses):
+            used["calls"] += 1
             try:
-                out.append(r.result(timeout_s=max(0.1, deadline - time.monotonic())))
+                reply = r.result(timeout_s=max(0.1, deadline - time.monotonic()))
             except Exception:
+                used["unanswered"] += 1
+                used["input"] += self.sent(p, self.max_tokens) if self.sent is not None else 0
                 out.append(None)
+                continue
+            for k, key in (("input", "prompt_tokens"), ("cached", "cached_tokens"), ("generated", "completion_tokens")):
+                used[k] += int(reply.get(key) or 0)
+            out.append(reply.get("text"))
         return out
+
+    def _used(self) -> dict[str, int]:
+        used = getattr(self._local, "used", None)
+        if used is None:
+            used = self._local.used = dict.fromkeys(("calls", "input", "cached", "generated", "unanswered"), 0)
+        return used
+
+    def drain(self) -> dict[str, int]:
+        """This thread's calls since the last drain (and none from now)."""
+        used, self._local.used = self._used(), None
+        return used
 
 
 class Replica:
@@ -142,7 +170,8 @@ class Replica:
         ledger = await asyncio.to_thread(Ledger, self.cfg.ledger, tokenizer, pool_size=self.cfg.ledger_pool_size)
         self.runtime = Runtime(ledger, embedder=HandleEmbedder(self.embedder_h, emb["name"]), summarizer=RuleSummarizer(),
                                glimpse_limit=self.cfg.limits.glimpses_per_turn,
-                               chat=ActorChat(self.actor, self.cfg.summarizer.timeout_s),
+                               chat=ActorChat(self.actor, self.cfg.summarizer.timeout_s, lambda messages, n: sent_ids(
+                                   tokenizer, messages, info["max_model_len"], n)),
                                snapshot_cache_bytes=self.cfg.turns.snapshot_cache_mib << 20)
         self.policies = {a.name: self.runtime.policy(a.policy_config()) for a in self.cfg.arms}
         self.enrichment = Enrichment(self.runtime, self.policies, self.summarizer, self.summarizer_info, self.metrics,

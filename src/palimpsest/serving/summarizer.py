@@ -23,6 +23,7 @@ from palimpsest.platform.abstraction import (
     render_brief,
     render_detailed,
 )
+from palimpsest.platform.chat import chat_ids
 from palimpsest.platform.types import StepRecord
 
 LLM_VERSION = "v1"
@@ -42,6 +43,12 @@ def summary_messages(step: StepRecord, max_chars: int) -> list[dict]:
         obs = obs[: max_chars // 2] + "\n[...]\n" + obs[-max_chars // 2:]
     body = f"ACTION ({step.kind}{', ' + step.tool if step.tool else ''}):\n{step.action[:max_chars]}\n\nOUTPUT:\n{obs or '(none)'}"
     return [{"role": "system", "content": INSTRUCTION}, {"role": "user", "content": body}]
+
+
+def sent_ids(tokenizer, messages: list[dict], window: int, max_tokens: int) -> int:
+    """The ids a helper call of ``messages`` sends the actor (``Actor.chat``: the chat template's ids, the last
+    ``window - max_tokens - 1`` of them): what a call that never answered is counted with."""
+    return min(len(chat_ids(tokenizer, messages).all), max(int(window) - int(max_tokens) - 1, 0))
 
 
 def parse_reply(text: str) -> tuple[str, str | None, list[str]] | None:
@@ -89,13 +96,13 @@ class LLMSummarizer:
     async def summarize_counted(self, step: StepRecord) -> tuple[Summaries, str, str, dict]:
         """``summarize`` and what its call cost: ``{"calls", "input", "cached", "generated"}`` ids, as the actor
         reported them (a ``generate`` that returns its usage beside the text); a call that timed out or failed
-        counts as a call with the ids unknown (0)."""
+        is ``unanswered``: its ids are not known here (0), and the ingress counts what it sent (``sent_ids``)."""
         rule = abstract_step(step)
-        usage = {"calls": 1, "input": 0, "cached": 0, "generated": 0}
+        usage = {"calls": 1, "input": 0, "cached": 0, "generated": 0, "unanswered": 0}
         try:
             out = await asyncio.wait_for(self.generate(summary_messages(step, self.max_input_chars)), self.timeout_s)
         except Exception:  # timeout, actor down, bad reply: the floor
-            out = None
+            out, usage["unanswered"] = None, 1
         if isinstance(out, dict):
             usage.update(input=int(out.get("prompt_tokens") or 0), cached=int(out.get("cached_tokens") or 0),
                          generated=int(out.get("completion_tokens") or 0))

@@ -384,6 +384,7 @@ class TurnService:
             **({"expected_cached": cost["cached"], "uncached": cost["uncached"], "billed": cost["billed"],
                 "prefix_reuse": cost["prefix_reuse"]} if cost else {}),
             **({"fallback": res.fallback} if res.fallback else {}),
+            **{f"elasticizer_{k}": v for k, v in ct.plan.info.get("model_calls", {}).items()},  # ace's LLM calls
             **(policy or {}), **{f"requested_{k}": v for k, v in noted.items()}})
 
     def _offer(self, sid: str, arm: str, mem: str | None, ct: CompiledTurn, res: TurnResult, budget=None) -> None:
