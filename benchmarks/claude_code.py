@@ -117,6 +117,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--task", default="Run `ls` in the current directory with the Bash tool, then say which "
                                        "file is there.")
+    ap.add_argument("--follow-up", default="Now say what notes.txt is about.")
     ap.add_argument("--max-turns", type=int, default=3)
     ap.add_argument("--max-output-tokens", type=int, default=128)
     ap.add_argument("--cli-defaults", action="store_true", help="the CLI's own system prompt and every tool")
@@ -153,25 +154,27 @@ def main() -> None:
                    "DISABLE_AUTOUPDATER": "1", "DISABLE_TELEMETRY": "1", "DISABLE_ERROR_REPORTING": "1",
                    # the CLI asks for 32,000 reply tokens by default, past the whole budget (a 422 naming max_tokens)
                    "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(args.max_output_tokens)}
-            cmd = [str(CLI), "-p", args.task, "--output-format", "json", "--model", model,
-                   "--max-turns", str(args.max_turns), "--allowedTools", "Bash"]
-            if not args.cli_defaults:
-                cmd += ["--tools", "Bash", "--system-prompt", "You are a coding agent. Use the Bash tool to act."]
-            t0 = time.perf_counter()
-            try:
-                p = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=args.timeout,
-                                   check=False)
-                rc, stdout, stderr = p.returncode, p.stdout, p.stderr
-            except subprocess.TimeoutExpired as e:
-                rc, stdout, stderr = "timeout", (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (
-                    e.stdout or ""), ""
-            out["cli_seconds"] = round(time.perf_counter() - t0, 1)
+            out["runs"] = []
+            for prompt, again in ((args.task, False), (args.follow_up, True)):  # a second turn of one session
+                cmd = [str(CLI), "-p", prompt, "--output-format", "json", "--model", model,
+                       "--max-turns", str(args.max_turns), "--allowedTools", "Bash"] + (["--continue"] if again else [])
+                if not args.cli_defaults:
+                    cmd += ["--tools", "Bash", "--system-prompt", "You are a coding agent. Use the Bash tool to act."]
+                t0 = time.perf_counter()
+                try:
+                    p = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=args.timeout,
+                                       check=False)
+                    rc, stdout, stderr = p.returncode, p.stdout, p.stderr
+                except subprocess.TimeoutExpired as e:
+                    rc, stdout, stderr = "timeout", (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (
+                        e.stdout or ""), ""
+                try:
+                    result = json.loads(stdout)
+                except ValueError:
+                    result = stdout[-2000:]
+                out["runs"].append({"continue": again, "cli_exit": rc, "cli_seconds": round(time.perf_counter() - t0, 1),
+                                    "cli_result": result, "cli_stderr": stderr[-2000:]})
         rec.shutdown()
-        try:
-            result = json.loads(stdout)
-        except ValueError:
-            result = stdout[-2000:]
-        out.update(cli_exit=rc, cli_result=result, cli_stderr=stderr[-2000:])
         out["requests"] = [{"method": r["method"], "path": r["path"], "status": r["status"], "seconds": r["seconds"],
                             **sent(r["body"]), **({"answer": r["answer"]} if r["answer"] else {})}
                            for r in rec.log]
@@ -187,7 +190,8 @@ def main() -> None:
                            "observation": (s.observation or "")[:200]} for s in steps],
                 "turns": [{k: r.get(k) for k in ("t", "arm", "tokens_context", "tokens_prompt", "tokens_cached",
                                                  "tool_calls", "streamed", "requested_thinking", "requested_output_config",
-                                                 "requested_context_management", "requested_user_id")}
+                                                 "requested_context_management", "requested_user_id", "requested_beta",
+                                                 "requested_deferred_tools", "requested_cache_control")}
                           for r in led.served() if r["session_id"] == sid]})
         out["raw_requests"] = rec.log
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -247,3 +247,21 @@ def test_a_tenants_pin_serves_its_sessions_and_is_recorded_per_turn(server, clie
                                               "max_output_tokens": 2}).status_code == 200
     alice = served(server, "pin-2")[0]
     assert "tenant_pin" not in alice and alice["policy_hash"] != row["policy_hash"]
+
+
+def test_a_responses_compaction_threshold_sets_the_turns_boundary(server, client, model):
+    history = [{"role": "user", "content": "Fix the failing test"}]
+    for k in range(5):
+        history += [{"type": "function_call", "call_id": f"c{k}", "name": "run_shell", "arguments": "{}"},
+                    {"type": "function_call_output", "call_id": f"c{k}", "output": f"out {k} " + "y" * 300}]
+    r = client.post("/v1/responses", json={"model": model, "input": history, "tools": TOOLS, "user": "cmp-1",
+                                           "max_output_tokens": 2, "temperature": 0.0,
+                                           "context_management": [{"type": "compaction", "compact_threshold": 1000}]})
+    assert r.status_code == 200, r.text
+    applied = r.json()["palimpsest"]["context_management"]
+    assert applied["type"] == "compaction" and applied["high_tokens"] == 1000  # the boundary falls at the threshold
+    plan = client.get("/v1/sessions/cmp-1/audit", params={"plans": True}).json()["turns"][-1]["plan"]
+    assert sum(p["resolution"] != "full" for p in plan) == applied["cleared_tool_uses"] >= 1
+    assert r.json()["usage"]["input_tokens"] <= 1000 + 2  # the compiled prompt stayed under the trigger
+    row = served(server, "cmp-1")[-1]
+    assert row["policy_hash"] != server.cfg.arm("wide").policy_config().config_hash()  # its own epoch chain

@@ -257,7 +257,7 @@ async def messages(replica, request: Request):
     ext = request.headers.get(SESSION_HEADER) or req.user_id or anthropic_protocol.history_session(req.chat["messages"])
     sid = await sessions.record_chat(replica, chat, tenant, ext, request)
     turn_in = TurnIn(max_tokens=req.max_tokens, top_p=chat.top_p, stop=chat.stop, edits=req.edits,
-                     temperature=1.0 if chat.temperature is None else chat.temperature)
+                     temperature=replica.cfg.actor.sampling_temperature(chat.temperature))
     choice = chat.tool_choice if chat.tools else None
     model = replica.actor_info["model"]
     if req.stream:  # what can be refused is refused before the 200 status line is sent

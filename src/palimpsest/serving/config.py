@@ -59,6 +59,10 @@ class ActorConfig(_Strict):
                                       "(the default for smollm2: the packaged hermes_tools.jinja, which gives it tool calling)")
     tool_parser: str | None = Field(None, description="vLLM tool parser that reads tool calls out of the actor's "
                                     "replies (e.g. hermes; the default for smollm2); requests with tools are refused without one")
+    temperature: float | None = Field(None, ge=0.0, le=2.0, description="the sampling temperature of a chat, "
+                                      "Messages or Responses request that names none; unset: the APIs' default "
+                                      "(1.0), except for the default smollm2 actor: 0.2 (sampled at 1.0, SmolLM2-135M "
+                                      "writes on until the reply's cap: benchmarks/codex_cli.py)")
     remote: RemoteActorConfig | None = Field(None, description="serve through an upstream OpenAI-compatible server "
                                              "instead of the in-process vLLM engine; `model` then names the local "
                                              "folder of the same model (tokenizer and embeddings)")
@@ -70,7 +74,15 @@ class ActorConfig(_Strict):
         if self.model == "smollm2" and self.remote is None and not {"chat_template", "tool_parser"} & self.model_fields_set:
             object.__setattr__(self, "chat_template", str(HERMES_TEMPLATE))
             object.__setattr__(self, "tool_parser", "hermes")
+        if self.model == "smollm2" and "temperature" not in self.model_fields_set:
+            object.__setattr__(self, "temperature", 0.2)
         return self
+
+    def sampling_temperature(self, asked: float | None) -> float:
+        """The temperature of a request: what it asked for, else the configured default, else the APIs' 1.0."""
+        if asked is not None:
+            return asked
+        return 1.0 if self.temperature is None else self.temperature
 
     @field_validator("chat_template")
     @classmethod

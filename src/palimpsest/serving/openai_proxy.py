@@ -138,7 +138,7 @@ async def chat_completions(replica, body: ChatIn, request: Request):
         noted["user_named"] = body.user
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
     turn_in = TurnIn(max_tokens=body.max_completion_tokens or body.max_tokens, seed=body.seed, top_p=body.top_p,
-                     stop=stop, temperature=1.0 if body.temperature is None else body.temperature)
+                     stop=stop, temperature=replica.cfg.actor.sampling_temperature(body.temperature))
     choice = body.tool_choice if body.tools else None
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": replica.actor_info["model"]}
     if body.stream:  # what can be refused is refused before the 200 status line is sent

@@ -246,7 +246,7 @@ async def responses(replica, request: Request):
         raise HTTPProblem(400, f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}") from None
     sid = await sessions.record_chat(replica, chat, tenant, ext, request)
     turn_in = TurnIn(max_tokens=chat.max_tokens, top_p=chat.top_p, edits=req.edits,
-                     temperature=1.0 if chat.temperature is None else chat.temperature)
+                     temperature=replica.cfg.actor.sampling_temperature(chat.temperature))
     choice = chat.tool_choice if chat.tools else None
     model, ids = replica.actor_info["model"], Ids()
 
