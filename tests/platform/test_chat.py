@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from palimpsest.platform import Authority, Ledger, Resolution, Runtime, StepRecord
+from palimpsest.platform import Authority, Ledger, Resolution, Runtime, StepRecord, toolcalls
 from palimpsest.platform.chat import chat_ids, glimpse_call, prefix_messages
 from palimpsest.platform.budget import Budget
 from palimpsest.platform.compiler import compile_plan
@@ -179,23 +179,27 @@ _TEXT = st.text(st.characters(blacklist_categories=("Cs",)), max_size=400) | st.
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                  HealthCheck.too_slow])
-@given(steps=st.lists(st.tuples(_TEXT, _TEXT, st.sampled_from(list(Authority))), min_size=1, max_size=12),
+@given(steps=st.lists(st.tuples(_TEXT, _TEXT, st.sampled_from(list(Authority)), st.integers(0, 2)), min_size=1,
+                      max_size=12),
        levels=st.lists(st.integers(0, 4), min_size=12, max_size=12),
+       masks=st.lists(st.integers(0, 2), min_size=12, max_size=12),
        budget=st.integers(150, 4000), reserve=st.integers(0, 64), data=st.data())
 def test_random_plans_never_exceed_the_budget_and_decode_to_the_audited_text(smol_dir, tmp_path_factory, steps,
-                                                                             levels, budget, reserve, data):
+                                                                             levels, masks, budget, reserve, data):
+    """Random steps (plain, or calling 1-2 tools), random resolutions and masks (observation masking, cleared
+    tool uses): within the budget, the ids decode to the audited text, and a call is never split from its answers."""
     led = Ledger(str(tmp_path_factory.mktemp("h") / "l.db"), smol_dir)
     try:
         rt = Runtime(led)
         led.create_session("h", "Do the task.")
-        for t, (action, obs, auth) in enumerate(steps):
-            rt.append("h", StepRecord(t=t, kind="bash", action=action, observation=obs, authority=auth))
+        for t, (action, obs, auth, calls) in enumerate(steps):
+            rt.append("h", _random_step(t, action, obs, auth, calls))
         snap = rt.snapshot("h")
         m = snap.t
         reasons = Reasons()
         scores = np.array(data.draw(st.lists(st.floats(0, 1), min_size=m, max_size=m)))
         plan = new_plan("random", "x", snap, np.array(levels[:m]), scores, np.full(m, reasons("r")), reasons,
-                        fold_ranges=data.draw(st.booleans()))
+                        fold_ranges=data.draw(st.booleans()), masked=np.array(masks[:m]))
         tok = led.tokenizer
         fixed = _Fixed(plan)  # before compile_plan mutates the plan to its final resolutions
         try:
@@ -209,18 +213,43 @@ def test_random_plans_never_exceed_the_budget_and_decode_to_the_audited_text(smo
             return
         assert p.tokens + reserve <= budget
         assert len(p.ids) == p.tokens and tok.decode(p.ids) == p.text
-        texts = "".join(a + o for a, o, _ in steps)
+        texts = "".join(a + o for a, o, _, _ in steps)
         if not any(unicodedata.category(c) in ("Cn", "Co") for c in texts):
             # the decoded text re-tokenizes to the same count (a code point the vocabulary cannot spell, an
             # unassigned or private-use one, decodes to U+FFFD and is the one exception; its ids still count)
             assert len(tok.encode(p.text)) == p.tokens
         assert plan.resolution[-1] == Resolution.FULL
+        calls_answered(p.messages)
         turn = rt.compile(snap, fixed, budget, reserve)
         with led.transaction():
             led.record_turn(turn)
         assert led.audit("h")[-1]["prompt_hash"] == hashlib.sha256(p.text.encode()).hexdigest()
     finally:
         led.close()
+
+
+def _random_step(t: int, action: str, obs: str, auth: Authority, calls: int) -> StepRecord:
+    """A plain step (``calls`` 0), or one calling ``calls`` tools, each answered by its own message."""
+    if not calls:
+        return StepRecord(t=t, kind="bash", action=action, observation=obs, authority=auth)
+    wire = [{"id": f"c{t}_{k}", "name": f"tool_{k}", "arguments": action} for k in range(calls)]
+    answers = [toolcalls.Result("tool", obs[k::calls], f"c{t}_{k}", f"tool_{k}") for k in range(calls)]
+    return StepRecord(t=t, kind="tool_call", action=toolcalls.action_text("", wire), tool="tool_0", authority=auth,
+                      observation="\n".join(r.content for r in answers), calls=toolcalls.encode(wire, answers))
+
+
+def calls_answered(messages) -> None:
+    """Every assistant message with tool calls is followed by exactly one answer per call, in order, and every
+    answer follows its call: compression never splits a call from its result."""
+    pending: list[str] = []
+    for msg in messages:
+        if msg.get("tool_call_id") is not None:
+            assert pending and msg["tool_call_id"] == pending.pop(0), "an answer without its call"
+            continue
+        assert not pending, "a call's answers were split from it"
+        if msg["role"] == "assistant" and msg.get("tool_calls"):
+            pending = [c["id"] for c in msg["tool_calls"]]
+    assert not pending
 
 
 class _Fixed:
@@ -272,7 +301,8 @@ def test_the_exact_count_holds_when_stored_counts_underestimate(smol, monkeypatc
     real = compiler.step_costs
     monkeypatch.setattr(compiler, "step_costs", lambda snap, overhead: (real(snap, overhead) * scale).astype(np.int64))
     roomy = smol.turn("s1", "full", 100_000, record=False).prompt.tokens
-    for policy in ("full", "pace", "ace", "pace_plus", "rolling_summary"):
+    for policy in ("full", "pace", "ace", "pace_plus", "rolling_summary", "observation_masking",
+                   {"type": "clear_tool_uses", "trigger": 200}):
         for budget in (roomy // 2, roomy - 40, roomy + 10):
             p = smol.turn("s1", policy, budget, reserve=16, record=False).prompt
             assert p.tokens + 16 <= budget
@@ -292,7 +322,9 @@ def big_session(smol_dir, tmp_path_factory):
     led.close()
 
 
-@pytest.mark.parametrize("policy", ["full", "pace", "pace_plus", "rolling_summary"])
+@pytest.mark.parametrize("policy", ["full", "pace", "pace_plus", "rolling_summary",  # the masking rules keep
+                                    {"type": "observation_masking", "m": 30},  # the 20 earlier steps' results
+                                    {"type": "clear_tool_uses", "keep": 30}])
 def test_an_oversized_latest_step_leaves_the_rest_of_the_history_in_place(big_session, policy):
     """A 60K-token output at budget 8192: shown head and tail within half the room, and the 20 earlier steps
     (which fit easily) are still all shown in full."""

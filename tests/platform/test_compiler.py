@@ -10,7 +10,8 @@ from palimpsest.platform.policies import WindowConfig
 from tests.helpers import per_turn, step
 
 
-@pytest.mark.parametrize("policy", ["full", "window", "rolling_summary", "pace", "ace", "pace_plus"])
+@pytest.mark.parametrize("policy", ["full", "window", "rolling_summary", "pace", "ace", "pace_plus",
+                                    "observation_masking", {"type": "clear_tool_uses", "trigger": 300}])
 @pytest.mark.parametrize("budget", [300, 600, 1500, 100_000])
 def test_compiled_context_never_exceeds_the_budget(runtime, session, policy, budget):
     turn = runtime.turn(session, policy, budget, reserve=32)

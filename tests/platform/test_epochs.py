@@ -13,7 +13,8 @@ from palimpsest.platform.policies import parse_policy_config
 from palimpsest.platform.types import ConfigError
 from tests.helpers import STEPS, TASK, per_turn, step
 
-POLICIES = ["full", "window", "rolling_summary", "pace", "ace", "pace_plus"]
+POLICIES = ["full", "window", "rolling_summary", "pace", "ace", "pace_plus", "observation_masking",
+            {"type": "clear_tool_uses", "trigger": 600}]
 BUDGET, RESERVE = 1500, 64
 
 

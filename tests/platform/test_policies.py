@@ -25,7 +25,8 @@ def resolutions(plan):
 
 
 def test_registry_lists_every_policy():
-    assert policy_names() == ["full", "window", "rolling_summary", "pace", "ace", "pace_plus"]
+    assert policy_names() == ["full", "window", "rolling_summary", "pace", "ace", "pace_plus", "observation_masking",
+                              "clear_tool_uses"]
 
 
 def test_unknown_policy_type_is_a_clear_error():
@@ -157,12 +158,14 @@ def test_rolling_summary_is_bounded(runtime, session):
     assert fold.text.startswith("(") and "earlier steps omitted" in fold.text
 
 
-@pytest.mark.parametrize("name", ["full", "window", "rolling_summary", "pace", "ace", "pace_plus"])
+@pytest.mark.parametrize("name", ["full", "window", "rolling_summary", "pace", "ace", "pace_plus",
+                                  "observation_masking", "clear_tool_uses"])
 def test_plans_are_pure_functions_of_snapshot_budget_and_config(runtime, session, name):
     snap = runtime.snapshot(session)
     a = runtime.policy(name).plan(snap, 3000)
     b = runtime.policy(name).plan(snap, 3000)
     assert np.array_equal(a.resolution, b.resolution) and np.array_equal(a.score, b.score)
+    assert (a.masked is None) == (b.masked is None) and (a.masked is None or np.array_equal(a.masked, b.masked))
     assert [e.reason for e in a.entries()] == [e.reason for e in b.entries()]
 
 

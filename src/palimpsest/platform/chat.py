@@ -229,11 +229,12 @@ _OVERHEAD: dict[str, int] = {}
 
 
 def history_messages(snap: "SessionSnapshot", level, fold: Fold | None, ranges: "bool | np.ndarray",
-                     elide: dict[int, int] | None = None) -> tuple[list[dict], list[tuple[int, int, int]]]:
+                     elide: dict[int, int] | None = None, masked=None) -> tuple[list[dict], list[tuple[int, int, int]]]:
     """The messages of a plan's history (after the prefix) and, per step shown, (index, first message, n).
 
     ``level[i]`` is step i's resolution (DROP: not shown); with ``ranges`` True every run of dropped steps is one
-    line in place, with an (M,) bool mask only the runs holding a masked step. ``elide`` maps a step index to the character cap of its fields (oversized steps)."""
+    line in place, with an (M,) bool mask only the runs holding a masked step. ``elide`` maps a step index to the character cap of its fields (oversized steps);
+    ``masked`` (M,) how each step shown at full is masked (``render.RESULT_MASKED``, ``INPUT_MASKED``), or None."""
     msgs: list[dict] = []
     spans: list[tuple[int, int, int]] = []
     if fold is not None:
@@ -259,7 +260,7 @@ def history_messages(snap: "SessionSnapshot", level, fold: Fold | None, ranges: 
         res = Resolution(lv)
         step = snap.steps[i]
         parts = step_messages(step, step.id, res, snap.body(i, res) if res is not Resolution.FULL else None,
-                              elide=(elide or {}).get(i))
+                              elide=(elide or {}).get(i), mask=0 if masked is None else int(masked[i]))
         spans.append((i, len(msgs), len(parts)))
         msgs.extend(parts)
     return msgs, spans

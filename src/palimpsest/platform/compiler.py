@@ -36,6 +36,7 @@ from palimpsest.platform.chat import (
     soft_slot,
 )
 from palimpsest.platform.folding import RANGE_LINE_TOKENS, fold_old_history, protected_order
+from palimpsest.platform.masking import masked_costs, masked_of, shown_levels
 from palimpsest.platform.tokens import ChatTokenizer
 from palimpsest.platform.types import (
     BudgetError,
@@ -205,6 +206,10 @@ def compile_plan(snap: "SessionSnapshot", plan: RenderPlan, limit: Budget, token
                           f"{snap.session.id!r}" + (f" plus the reserve of {reserve}" if reserve else ""))
     overhead = message_overhead(tokenizer)
     costs = step_costs(snap, overhead)
+    whole = prefix_tokens + int(np.maximum(costs[:, Resolution.FULL], 0).sum())  # the whole history, raw
+    masked = plan.masked = masked_of(plan)  # steps shown full with their result as a line (platform.masking)
+    if masked is not None:
+        costs[:, Resolution.FULL] = masked_costs(snap, masked, overhead, costs[:, Resolution.FULL])
     level = _available_at_or_below(costs, plan.resolution.astype(np.int64))
     chose_drop = level == Resolution.DROP  # the policy's own drops (ACE's seed renders them as nothing)
     lines_for_drops = True  # off only where the budget cannot hold even the lines (then the ids go unnamed)
@@ -281,9 +286,9 @@ def compile_plan(snap: "SessionSnapshot", plan: RenderPlan, limit: Budget, token
     # The exact count: assemble, count the ids, degrade further from the measured excess.
     for _ in range(_MAX_ROUNDS):
         ranges = lines()
-        msgs, spans = history_messages(snap, level, fold, ranges, caps)
+        msgs, spans = history_messages(snap, level, fold, ranges, caps, masked)
         at = (len(prefix) + len(msgs) if slot_at_end
-              else soft_slot(level, spans, len(prefix), len(prefix) + len(msgs)))
+              else soft_slot(shown_levels(level, masked), spans, len(prefix), len(prefix) + len(msgs)))
         ids = chat_ids(tokenizer, prefix + msgs, at)
         over = len(ids) - room
         if over <= 0:
@@ -313,7 +318,7 @@ def compile_plan(snap: "SessionSnapshot", plan: RenderPlan, limit: Budget, token
 
     # What the whole history would cost, from the stored per-step counts (an estimate: serving reports the
     # tokens a turn saved against it without encoding the whole history every turn).
-    plan.info["full_tokens_estimate"] = prefix_tokens + int(np.maximum(costs[:, Resolution.FULL], 0).sum())
+    plan.info["full_tokens_estimate"] = whole
     plan.resolution = level.astype(np.int8)
     if isinstance(ranges, np.ndarray):  # the runs drawn with a line: a recompile of this plan draws them again
         plan.lined = np.zeros(len(level), dtype=bool)

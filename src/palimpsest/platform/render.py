@@ -85,6 +85,21 @@ def render_placeholder_body(step: Step | StepRecord, step_id: int) -> str:
 
 # -- a step as chat messages -------------------------------------------------------------------------
 
+#: How a step shown at full may be masked (a plan's ``masked`` column): as it is; its result replaced by one line
+#: naming the step (observation masking, a cleared tool result); its tool input cleared too (``clear_tool_inputs``).
+UNMASKED, RESULT_MASKED, INPUT_MASKED = 0, 1, 2
+
+
+def masked_note(step_id: int) -> str:
+    """The line that stands for a masked result: it names the step, which ``glimpse`` shows whole."""
+    return f"[#{step_id} result hidden: glimpse(#{step_id})]"
+
+
+def input_note(step: Step | StepRecord, step_id: int) -> str:
+    """The line that stands for a cleared tool input (a plain step's action): the tool and the step."""
+    return f"[#{step_id} {step.tool or step.kind} input cleared: glimpse(#{step_id})]"
+
+
 def observation_role(authority: Authority) -> str:
     """The chat role of a step's result: the principal's words are a user turn, everything else a tool turn
     (tool output, retrieved pages, system notices, the model's own earlier output)."""
@@ -116,7 +131,7 @@ def _observation_text(step: Step | StepRecord, text: str) -> str:
 
 
 def step_messages(step: Step | StepRecord, step_id: int, resolution: Resolution, body: str | None,
-                  elide: int | None = None, compact: bool = False) -> list[dict]:
+                  elide: int | None = None, compact: bool = False, mask: int = UNMASKED) -> list[dict]:
     """The chat messages of one history step at ``resolution``: the agent's turn (thought and action) as an
     assistant message, then its result as a tool message (or a user message where the principal spoke).
 
@@ -126,7 +141,8 @@ def step_messages(step: Step | StepRecord, step_id: int, resolution: Resolution,
     step id) and puts the summary where the result was; a placeholder keeps both messages as one line
     each. ``elide`` caps each field at that many characters (head and tail, with a marker naming the
     step): how an oversized latest step is still shown; ``compact`` joins head and tail with a bare
-    ``COMPACT_ELISION`` instead (the memory's read).
+    ``COMPACT_ELISION`` instead (the memory's read). ``mask`` (at FULL only): the result is ``masked_note``, in its
+    own role and place (each answer keeps its ``tool_call_id``), and with ``INPUT_MASKED`` the tool input too.
     """
     acted = bool(step.action or step.thought)
     has_obs = step.observation is not None
@@ -134,12 +150,13 @@ def step_messages(step: Step | StepRecord, step_id: int, resolution: Resolution,
     if resolution is Resolution.FULL:
         structure = toolcalls.decode(step)
         if structure is not None:
-            return _structured(step, step_id, structure, elide, compact)
+            return _structured(step, step_id, structure, elide, compact, mask)
         if acted or not has_obs:
-            said = "\n".join(_elide(x, elide, step_id, compact) for x in (step.thought, step.action) if x)
+            action = input_note(step, step_id) if mask == INPUT_MASKED and step.action else step.action
+            said = "\n".join(_elide(x, elide, step_id, compact) for x in (step.thought, action) if x)
             out.append(_msg("assistant", said or "(no action)"))
         if has_obs:
-            out.append(_msg(observation_role(step.authority),
+            out.append(_msg(observation_role(step.authority), masked_note(step_id) if mask else
                             _observation_text(step, _elide(step.observation or "", elide, step_id, compact))))
         return out
     line = render_placeholder_body(step, step_id)
@@ -166,19 +183,22 @@ def _msg(role: str, content: str) -> dict:
 
 
 def _structured(step: Step | StepRecord, step_id: int, sc: "toolcalls.StepCalls", elide: int | None,
-                compact: bool = False) -> list[dict]:
-    """A tool-calling step at FULL: the assistant's calls and each answer, as the agent sent them."""
+                compact: bool = False, mask: int = UNMASKED) -> list[dict]:
+    """A tool-calling step at FULL: the assistant's calls and each answer, as the agent sent them (``mask``: the
+    answers' contents, and with ``INPUT_MASKED`` the calls' arguments, cleared; ids and names stay)."""
     said = "\n".join(_elide(x, elide, step_id, compact) for x in (step.thought, sc.content) if x)
     out: list[dict] = []
     if sc.tool_calls or said or not sc.results:
         m = _msg("assistant", said)
         if sc.tool_calls:
-            m["tool_calls"] = [toolcalls.wire({**c, "arguments": _elide(c.get("arguments") or "", elide, step_id, compact)})
+            m["tool_calls"] = [toolcalls.wire({**c, "arguments": "" if mask == INPUT_MASKED else
+                                               _elide(c.get("arguments") or "", elide, step_id, compact)})
                                for c in sc.tool_calls]
         out.append(m)
     for r in sc.results:
         text = _elide(r.content, elide, step_id, compact)
-        m = _msg(r.role, text if r.role == "user" else authority_block(text, step.authority))
+        m = _msg(r.role, masked_note(step_id) if mask else
+                 text if r.role == "user" else authority_block(text, step.authority))
         if r.tool_call_id is not None:
             m["tool_call_id"] = r.tool_call_id
         if r.name:

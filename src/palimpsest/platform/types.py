@@ -230,6 +230,9 @@ class RenderPlan:
     # (M,) bool or None: hidden steps whose run keeps its range line whatever hid them (a boundary's kept
     # region, as the previous boundary drew it)
     lined: Any = None
+    # (M,) int8 or None: how a step shown at full is masked (``render.RESULT_MASKED``: its result is one line naming
+    # the step; ``render.INPUT_MASKED``: its tool input too); observation masking and cleared tool uses set it
+    masked: Any = None
     info: dict[str, Any] = field(default_factory=dict)
 
     def __len__(self) -> int:

@@ -14,14 +14,17 @@ from pydantic import Field, TypeAdapter, ValidationError
 from palimpsest.platform.config import problems, read_yaml
 from palimpsest.platform.policies.ace import AceConfig, AcePolicy, ElasticDecision, Elasticizer, RuleElasticizer
 from palimpsest.platform.policies.base import ContextPolicy, PolicyConfigBase, PolicyDeps
+from palimpsest.platform.policies.clear_tool_uses import ClearToolUsesConfig
 from palimpsest.platform.policies.full import FullConfig
+from palimpsest.platform.policies.observation_masking import ObservationMaskingConfig
 from palimpsest.platform.policies.pace import PaceConfig
 from palimpsest.platform.policies.pace_plus import PacePlusConfig
 from palimpsest.platform.policies.rolling_summary import RollingSummaryConfig
 from palimpsest.platform.policies.window import WindowConfig
 from palimpsest.platform.types import ConfigError
 
-_CONFIGS = (FullConfig, WindowConfig, RollingSummaryConfig, PaceConfig, AceConfig, PacePlusConfig)
+_CONFIGS = (FullConfig, WindowConfig, RollingSummaryConfig, PaceConfig, AceConfig, PacePlusConfig,
+            ObservationMaskingConfig, ClearToolUsesConfig)
 
 PolicyConfig = Annotated[Union[_CONFIGS], Field(discriminator="type")]  # type: ignore[valid-type]
 _ADAPTER: TypeAdapter = TypeAdapter(PolicyConfig)
@@ -65,7 +68,8 @@ def build_policy(config: PolicyConfigBase | dict | str, deps: PolicyDeps | None 
 
 
 __all__ = [
-    "AceConfig", "AcePolicy", "ContextPolicy", "ElasticDecision", "Elasticizer", "FullConfig", "PaceConfig", "PacePlusConfig",
-    "PolicyConfig", "PolicyConfigBase", "PolicyDeps", "RollingSummaryConfig", "RuleElasticizer", "WindowConfig",
+    "AceConfig", "AcePolicy", "ClearToolUsesConfig", "ContextPolicy", "ElasticDecision", "Elasticizer", "FullConfig",
+    "ObservationMaskingConfig", "PaceConfig", "PacePlusConfig", "PolicyConfig", "PolicyConfigBase", "PolicyDeps",
+    "RollingSummaryConfig", "RuleElasticizer", "WindowConfig",
     "build_policy", "default_configs", "load_policy_file", "parse_policy_config", "policy_names",
 ]

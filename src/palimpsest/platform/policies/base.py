@@ -89,7 +89,7 @@ class Reasons:
 def new_plan(policy: str, config_hash: str, snap: "SessionSnapshot", resolution: np.ndarray, score: np.ndarray,
              reason_code: np.ndarray, reasons: Reasons, *, pin_last: int = 1, fold: Fold | None = None,
              new_fold: bool = False, fold_ranges: bool = False, info: dict | None = None,
-             history: HistoryBound | None = None) -> RenderPlan:
+             history: HistoryBound | None = None, masked: np.ndarray | None = None) -> RenderPlan:
     m = snap.t
     pinned = np.zeros(m, dtype=bool)
     if m and pin_last:
@@ -99,6 +99,7 @@ def new_plan(policy: str, config_hash: str, snap: "SessionSnapshot", resolution:
         resolution=resolution.astype(np.int8), score=score.astype(np.float64),
         reason_code=reason_code.astype(np.int16), reasons=reasons.items, pinned=pinned, fold=fold,
         new_fold=new_fold, fold_ranges=fold_ranges, info=info or {}, history=history,
+        masked=None if masked is None else np.asarray(masked, dtype=np.int8),
     )
 
 
