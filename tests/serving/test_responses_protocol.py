@@ -269,6 +269,6 @@ def test_a_request_that_names_no_temperature_is_sampled_at_the_actors_default():
     from palimpsest.serving.config import parse_serve_config
 
     smol = parse_serve_config({}).actor  # the default SmolLM2 actor rambles at 1.0 (benchmarks/codex_cli.py)
-    assert smol.sampling_temperature(None) == 0.2 and smol.sampling_temperature(0.9) == 0.9
+    assert smol.sampling_temperature(None) == 0.0 and smol.sampling_temperature(0.9) == 0.9
     assert parse_serve_config({"actor": {"temperature": 0.7}}).actor.sampling_temperature(None) == 0.7
     assert parse_serve_config({"actor": {"model": "/models/x"}}).actor.sampling_temperature(None) == 1.0

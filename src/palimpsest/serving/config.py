@@ -61,8 +61,8 @@ class ActorConfig(_Strict):
                                     "replies (e.g. hermes; the default for smollm2); requests with tools are refused without one")
     temperature: float | None = Field(None, ge=0.0, le=2.0, description="the sampling temperature of a chat, "
                                       "Messages or Responses request that names none; unset: the APIs' default "
-                                      "(1.0), except for the default smollm2 actor: 0.2 (sampled at 1.0, SmolLM2-135M "
-                                      "writes on until the reply's cap: benchmarks/codex_cli.py)")
+                                      "(1.0), except for the default smollm2 actor: 0, greedy (sampled, SmolLM2-135M "
+                                      "loops or writes on until the reply's cap: benchmarks/codex_cli.py)")
     remote: RemoteActorConfig | None = Field(None, description="serve through an upstream OpenAI-compatible server "
                                              "instead of the in-process vLLM engine; `model` then names the local "
                                              "folder of the same model (tokenizer and embeddings)")
@@ -75,7 +75,7 @@ class ActorConfig(_Strict):
             object.__setattr__(self, "chat_template", str(HERMES_TEMPLATE))
             object.__setattr__(self, "tool_parser", "hermes")
         if self.model == "smollm2" and "temperature" not in self.model_fields_set:
-            object.__setattr__(self, "temperature", 0.2)
+            object.__setattr__(self, "temperature", 0.0)
         return self
 
     def sampling_temperature(self, asked: float | None) -> float:
