@@ -10,7 +10,8 @@ from palimpsest.platform import Ledger, Runtime
 from palimpsest.platform.chat import chat_ids
 from palimpsest.platform.epochs import Boundary, Compaction, cached_tokens, turn_cost, with_soft
 from palimpsest.platform.policies import parse_policy_config
-from palimpsest.platform.types import ConfigError
+from palimpsest.platform.render import step_messages
+from palimpsest.platform.types import Authority, ConfigError, Resolution, Step
 from tests.helpers import STEPS, TASK, per_turn, step
 
 POLICIES = ["full", "window", "rolling_summary", "pace", "ace", "pace_plus", "observation_masking",
@@ -175,17 +176,37 @@ def test_every_step_stays_glimpseable(runtime):
     turn = _boundary_then_appends(runtime, sid)
     # every step is on the prompt: shown (its action, unique per step here), or named by its id (a placeholder,
     # a summary's marker, an elision, a hidden range's ids), or inside the folded summary of the oldest steps
-    text = turn.prompt.text
+    lost = _unfindable(turn.prompt.messages, turn.prompt.text, [runtime.ledger.step_at(sid, k) for k in range(turn.t)])
+    assert lost == [], f"steps neither shown nor named by id in the prompt: {lost}"
+
+
+def _unfindable(messages, text: str, steps) -> list[int]:
+    """The indices of ``steps`` that a prompt neither shows nor names: shown is the step whole (its messages at
+    full, in order, as the prompt's own messages), named is its id (a placeholder, a summary's marker, an
+    elision, a hidden range's ids), or inside the folded summary of the oldest steps."""
     ranges = [(int(a), int(b)) for a, b in re.findall(r"ids #(\d+)\.\.#(\d+)", text)]
     folded = max([int(u) + 1 for u in re.findall(r"## Summary of steps 0\.\.(\d+)", text)], default=0)
+    msgs = [(m["role"], m["content"]) for m in messages]
     lost = []
-    for k in range(turn.t):
-        s = runtime.ledger.step_at(sid, k)
-        shown = s.action in text
+    for k, s in enumerate(steps):
+        whole = [(m["role"], m["content"]) for m in step_messages(s, s.id, Resolution.FULL, None)]
+        shown = any(msgs[i: i + len(whole)] == whole for i in range(len(msgs) - len(whole) + 1))
         named = re.search(rf"#{s.id}(?!\d)", text) is not None or any(a <= s.id <= b for a, b in ranges)
         if not (shown or named or k < folded):
             lost.append(k)
-    assert lost == [], f"steps neither shown nor named by id in the prompt: {lost}"
+    return lost
+
+
+def test_a_step_is_shown_only_by_its_own_messages():
+    """Step 1's action ``X # 1`` is a substring of step 13's ``X # 13``: a prompt showing step 13 alone does
+    not show step 1."""
+    steps = [Step(id=100 + t, session_id="s", t=t, kind="bash", thought="", action=f"X # {t}", observation=f"out {t}",
+                  authority=Authority.TOOL, tool="X", sha256="", tokens={}, created=0.0) for t in range(14)]
+    messages = [m for s in steps[2:] for m in step_messages(s, s.id, Resolution.FULL, None)]
+    text = "\n".join(m["content"] for m in messages)
+    assert "X # 1" in text
+    assert _unfindable(messages, text, steps) == [0, 1]
+    assert _unfindable(messages + step_messages(steps[1], 101, Resolution.FULL, None), text, steps) == [0]
 
 
 def test_per_turn_mode_replans_and_a_bad_compaction_config_is_refused(runtime):
