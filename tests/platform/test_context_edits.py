@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from palimpsest.platform.context_edits import ContextEdits, Retain, cleared, edited_config
+from palimpsest.platform.context_edits import ContextEdits, Retain, applied, cleared, edited_config
 from palimpsest.platform.policies import parse_policy_config
 from palimpsest.platform.types import Resolution
 from tests.helpers import per_turn
@@ -50,3 +50,23 @@ def test_trigger_and_clear_at_least_become_the_watermarks():
     # an empty retain keeps every config's hash as it was before retain existed
     assert cfg.config_hash() == parse_policy_config({"type": "pace", "retain": {}}).config_hash()
     assert out.config_hash() != cfg.config_hash()
+
+
+def test_the_trigger_counts_input_tokens_whatever_the_reply_reserves(runtime, session):
+    """The boundary falls when the input would pass the trigger, not the input plus the reply's cap, and it
+    compacts below the trigger keeping the arm's ratio of low to high watermark (never low == high)."""
+    pace = parse_policy_config({"type": "pace"})
+    size = runtime.turn(session, pace, 20_000, record=False).prompt.tokens  # the whole session, uncompacted
+    budget = 20_000
+    for reserve in (0, 4_000):
+        above = edited_config(pace, ContextEdits(kind="compaction", trigger_tokens=size + 10), budget, reserve)
+        turn = runtime.turn(session, above, budget, record=False, reserve=reserve)
+        assert not any(r != Resolution.FULL for r in turn.plan.resolution.tolist()), reserve  # under the trigger
+        below = edited_config(pace, ContextEdits(kind="compaction", trigger_tokens=size - 100), budget, reserve)
+        turn = runtime.turn(session, below, budget, record=False, reserve=reserve)
+        assert turn.prompt.tokens <= size - 100 and any(r != Resolution.FULL for r in turn.plan.resolution.tolist())
+        ratio = below.compaction.low / below.compaction.high
+        assert ratio == pytest.approx(pace.compaction.low / pace.compaction.high)
+        report = applied(ContextEdits(kind="compaction", trigger_tokens=size - 100), turn.plan, turn.snapshot, below,
+                         budget, True, reserve)
+        assert report["high_tokens"] == size - 100 and report["applied"]

@@ -63,7 +63,7 @@ def test_codex_exec_runs_two_turns_of_one_session_through_the_gateway(codex, tmp
     led = Ledger(str(ledger))
     rows = [r for r in led.served() if "error" not in r]
     (session,) = {r["session_id"] for r in rows}  # the thread id Codex sends as prompt_cache_key names it
-    assert len(rows) == 2, (second.returncode, second.stderr[-2000:])
+    assert second.returncode == 0 and len(rows) == 2, second.stdout[-2000:] + second.stderr[-2000:]
     steps = led.steps(session, 0, 10)
     assert steps[0].observation == "Say which files are in the current directory."
     assert steps[-1].observation == "In one short sentence: what does notes.txt say?"

@@ -108,6 +108,8 @@ def test_the_stream_is_the_documented_event_sequence(server, client, model):
                                 "response.output_item.done"]
         assert evs[-2][1]["item"]["content"][0]["text"] == text == final["output"][0]["content"][0]["text"]
         assert evs[2][1]["item"]["id"] == final["output"][0]["id"]
+    else:  # no text: nothing was opened, and the response holds no message
+        assert names[2:-1] == [] and final["output"] == []
     assert final["usage"]["input_tokens"] > 0 and final["id"] == evs[0][1]["response"]["id"]
 
 
@@ -158,11 +160,12 @@ def test_previous_response_id_resolves_the_conversation_from_the_ledger(server, 
                                                   "max_output_tokens": 2})
     r = client.post("/v1/responses", json={"model": model, "input": "y", "max_output_tokens": 2,
                                            "previous_response_id": unstored.json()["id"]})
-    assert r.status_code == 404 and error_message(r).startswith("previous_response_id")
+    assert r.status_code == 400 and error_message(r).startswith("previous_response_id")
+    assert r.json()["error"]["param"] == "previous_response_id"
     # another tenant cannot continue alice's conversation
     bob = client.post("/v1/responses", headers={"Authorization": f"Bearer {KEYS['bob']}"},
                       json={"model": model, "input": "y", "previous_response_id": first.id, "max_output_tokens": 2})
-    assert bob.status_code == 404, bob.text
+    assert bob.status_code == 400, bob.text
 
 
 def test_errors_in_openais_shape_and_unknown_routes(server, client, model):
@@ -205,20 +208,33 @@ def test_a_clear_tool_uses_edit_is_honoured_by_the_compaction_and_reported(serve
         messages += [{"role": "assistant", "content": [{"type": "tool_use", "id": f"t{k}", "name": name,
                                                         "input": {"arg": f"step {k}"}}]},
                      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"t{k}",
-                                                   "content": f"output {k} " + "x" * 300}]}]
+                                                   "content": f"output {k} " + "x" * 200}]}]
     edit = {"type": "clear_tool_uses_20250919", "trigger": {"type": "input_tokens", "value": 1200},
-            "keep": {"type": "tool_uses", "value": 1}, "exclude_tools": ["read_file"]}
+            "keep": {"type": "tool_uses", "value": 2}, "exclude_tools": ["read_file"], "clear_tool_inputs": True}
+    control = client.post("/v1/messages", headers={"anthropic-version": "2023-06-01"},
+                          json={"model": model, "max_tokens": 4, "temperature": 0.0, "tools": tools,
+                                "messages": messages, "metadata": {"user_id": "edit-0"}})
+    assert control.status_code == 200 and "context_management" not in control.json()
+    plain = [p["resolution"] for p in client.get("/v1/sessions/edit-0/audit", params={"plans": True}).json()[
+        "turns"][-1]["plan"]]
+    assert plain[1] != "full", plain  # without the edit the budget degrades the read_file step
     r = client.post("/v1/messages", headers={"anthropic-version": "2023-06-01"},
                     json={"model": model, "max_tokens": 4, "temperature": 0.0, "tools": tools, "messages": messages,
                           "metadata": {"user_id": "edit-1"}, "context_management": {"edits": [edit]}})
+    # a clear_tool_uses edit without clear_tool_inputs (false: inputs kept verbatim) is refused by name
+    r0 = client.post("/v1/messages", headers={"anthropic-version": "2023-06-01"},
+                     json={"model": model, "max_tokens": 4, "tools": tools, "messages": messages,
+                           "metadata": {"user_id": "edit-3"}, "context_management": {"edits": [
+                               {k: v for k, v in edit.items() if k != "clear_tool_inputs"}]}})
+    assert r0.status_code == 400 and error_message(r0).startswith("context_management.edits[0].clear_tool_inputs")
     assert r.status_code == 200, r.text
     (applied,) = r.json()["context_management"]["applied_edits"]
     assert applied["type"] == "clear_tool_uses_20250919" and applied["cleared_tool_uses"] >= 1
     assert applied["cleared_input_tokens"] > 0
     plan = client.get("/v1/sessions/edit-1/audit", params={"plans": True}).json()["turns"][-1]["plan"]
     levels = [p["resolution"] for p in plan]
-    assert levels[1] == "full" and levels[-1] == "full"  # the excluded tool's step, and the kept latest use
-    assert sum(level != "full" for level in levels) == applied["cleared_tool_uses"]
+    assert levels[1] == "full" and levels[-2:] == ["full"] * 2  # the excluded tool's step, the 2 kept uses
+    assert sum(level != "full" for level in levels) == applied["cleared_tool_uses"]  # one call per step here
     row = served(server, "edit-1")[-1]
     assert json.loads(row["requested_context_management"])["edits"][0]["type"] == "clear_tool_uses_20250919"
     # an edit the gateway cannot honour is refused by name, and nothing is recorded
@@ -256,12 +272,13 @@ def test_a_responses_compaction_threshold_sets_the_turns_boundary(server, client
                     {"type": "function_call_output", "call_id": f"c{k}", "output": f"out {k} " + "y" * 300}]
     r = client.post("/v1/responses", json={"model": model, "input": history, "tools": TOOLS, "user": "cmp-1",
                                            "max_output_tokens": 2, "temperature": 0.0,
-                                           "context_management": [{"type": "compaction", "compact_threshold": 1000}]})
+                                           "context_management": [{"type": "compaction", "compact_threshold": 1500}]})
     assert r.status_code == 200, r.text
     applied = r.json()["palimpsest"]["context_management"]
-    assert applied["type"] == "compaction" and applied["high_tokens"] == 1000  # the boundary falls at the threshold
+    assert applied["type"] == "compaction" and applied["high_tokens"] == 1500  # the boundary falls at the threshold
+    assert applied["applied"]  # the session's first turn is a boundary
     plan = client.get("/v1/sessions/cmp-1/audit", params={"plans": True}).json()["turns"][-1]["plan"]
     assert sum(p["resolution"] != "full" for p in plan) == applied["cleared_tool_uses"] >= 1
-    assert r.json()["usage"]["input_tokens"] <= 1000 + 2  # the compiled prompt stayed under the trigger
+    assert r.json()["usage"]["input_tokens"] <= 1500  # the compiled prompt stayed under the trigger
     row = served(server, "cmp-1")[-1]
     assert row["policy_hash"] != server.cfg.arm("wide").policy_config().config_hash()  # its own epoch chain

@@ -161,7 +161,12 @@ def test_a_system_message_between_turns_keeps_its_place_among_tool_results():
     ({"metadata": {"user_id": 42}}, "metadata.user_id"),
     ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
     ({"thinking": {"type": "adaptive", "shape": 1}}, "thinking.shape"),
-    ({"messages": [{"role": "system", "content": "first"}, {"role": "user", "content": "x"}]}, "messages[0].role"),
+    ({"metadata": {"user_id": ""}}, "metadata.user_id"),
+    ({"tools": [{"name": "T", "input_schema": {"type": "object"}, "defer_loading": True}],
+      "tool_choice": {"type": "any"}}, "tool_choice"),
+    ({"context_management": {"edits": [{"type": "clear_tool_uses_20250919", "clear_tool_inputs": True},
+                                       {"type": "clear_tool_uses_20250919", "clear_tool_inputs": True}]}},
+     "context_management.edits[1]"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
         {"type": "text", "text": "x", "citations": [{"type": "char_location"}]}]}]}]},
      "messages[0].content[0].content[0].citations"),
@@ -217,9 +222,12 @@ def test_clear_tool_uses_maps_onto_the_compaction_and_what_cannot_be_honoured_is
     assert (req.edits.trigger_tokens, req.edits.keep_tool_uses, req.edits.clear_at_least_tokens,
             req.edits.exclude_tools) == (3000, 2, 500, ("Read",))
     defaults = anthropic_protocol.read_request({**base, "context_management": {"edits": [
-        {"type": "clear_tool_uses_20250919"}]}}).edits
+        {"type": "clear_tool_uses_20250919", "clear_tool_inputs": True}]}}).edits
     assert (defaults.trigger_tokens, defaults.keep_tool_uses) == (100_000, 3)  # Anthropic's published defaults
-    for bad, field in (({**edit, "clear_tool_inputs": False}, "context_management.edits[0].clear_tool_inputs"),
+    # absent, clear_tool_inputs is false (inputs kept verbatim), which the gateway's compaction does not do
+    absent = {k: v for k, v in edit.items() if k != "clear_tool_inputs"}
+    for bad, field in ((absent, "context_management.edits[0].clear_tool_inputs"),
+                       ({**edit, "clear_tool_inputs": False}, "context_management.edits[0].clear_tool_inputs"),
                        ({**edit, "trigger": {"type": "tool_uses", "value": 3}}, "context_management.edits[0].trigger"),
                        ({"type": "compact_20260112"}, "context_management.edits[0]")):
         with pytest.raises(anthropic_protocol.AnthropicInputError) as e:
@@ -272,3 +280,45 @@ def test_a_request_that_names_no_temperature_is_sampled_at_the_actors_default():
     assert smol.sampling_temperature(None) == 0.0 and smol.sampling_temperature(0.9) == 0.9
     assert parse_serve_config({"actor": {"temperature": 0.7}}).actor.sampling_temperature(None) == 0.7
     assert parse_serve_config({"actor": {"model": "/models/x"}}).actor.sampling_temperature(None) == 1.0
+
+
+def test_leading_system_messages_extend_the_system_prompt_and_tool_result_cache_hints_are_recorded():
+    pytest.importorskip("vllm")
+    from palimpsest.serving import anthropic_protocol
+
+    req = anthropic_protocol.read_request({"model": "m", "max_tokens": 8, "system": "Top.", "messages": [
+        {"role": "system", "content": "Then this."},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
+            {"type": "text", "text": "x", "cache_control": {"type": "ephemeral"}}]}, {"type": "text", "text": "go"}]}]})
+    assert req.chat["messages"][0] == {"role": "system", "content": "Top.\n\nThen this."}
+    assert json.loads(req.noted["cache_control"]) == ["messages[1].content[0].content[0]"]  # as the client sent it
+
+
+def test_responses_inputs_once_lost_are_recorded_or_refused():
+    req = read_request({"input": [{"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]},
+                                  {"role": "user", "content": "x"}],
+                        "tools": [{"type": "function", "name": "f"},
+                                  {"type": "function", "name": "g", "defer_loading": True}],
+                        "stream_options": {"include_obfuscation": False}})
+    assert req.input_messages[0] == {"role": "assistant", "content": "no"}
+    assert [t["function"]["name"] for t in req.chat["tools"]] == ["f"]  # deferred: recorded, not declared
+    assert json.loads(req.noted["hosted_tools"]) == [{"type": "function", "name": "g", "defer_loading": True}]
+    assert json.loads(req.noted["stream_options"]) == {"include_obfuscation": False}
+    assert json.loads(read_request({"input": "x", "tool_choice": "none"}).noted["tool_choice"]) == "none"
+    with pytest.raises(ResponsesInputError, match=r"tools\[1\]\.tools\[0\]\.name: 'ns__go' is declared twice"):
+        read_request({"input": "x", "tools": [{"type": "function", "name": "ns__go"}, {
+            "type": "namespace", "name": "ns", "tools": [{"type": "function", "name": "go"}]}]})
+    with pytest.raises(ResponsesInputError, match=r"input\[0\]\.phase"):
+        read_request({"input": [{"role": "user", "content": "x", "phase": "final_answer"}]})
+
+
+def test_a_failed_stream_and_its_events_are_the_openai_types():
+    from openai.types.responses import ResponseErrorEvent, ResponseFailedEvent
+
+    from palimpsest.serving.responses_proxy import EventWriter, Ids
+
+    for status in (400, 404, 409, 413, 422, 429, 500, 503):
+        w = EventWriter(read_request({"input": "x"}), Ids(), "m", "s")
+        err, failed = [json.loads(f.split("data: ", 1)[1]) for f in w.error(status, "messages: bad")]
+        ResponseErrorEvent.model_validate(err)
+        assert ResponseFailedEvent.model_validate(failed).response.status == "failed", status

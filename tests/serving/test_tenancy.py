@@ -12,7 +12,8 @@ from palimpsest.platform.context_edits import ContextEdits
 from palimpsest.platform.policies import parse_policy_config
 from palimpsest.platform.types import ConfigError
 from palimpsest.serving.config import parse_serve_config
-from palimpsest.serving.tenancy import OFF, TurnPolicies
+from palimpsest.platform.budget import Budget
+from palimpsest.serving.tenancy import OFF, PinnedError, TurnPolicies
 
 KEY = hashlib.sha256(b"k").hexdigest()
 
@@ -33,18 +34,25 @@ def test_a_pinned_policy_budget_and_compaction_mode_serve_the_tenants_sessions_o
     arms = {a.name: runtime.policy(a.policy_config()) for a in cfg.arms}
     tp = TurnPolicies(cfg, runtime, arms)
     assert tp.pin("c::s1") is None and tp.pin("s1") is None  # no pin, and the single-tenant server
-    assert tp.policy("pace", None, None, 6000) is arms["pace"]
+    assert tp.policy("pace", None, None, Budget(6000, 100)) is arms["pace"]
     pin = tp.pin("a::s1")
     assert pin.budget == 3000
-    pol = tp.policy("pace", pin, None, 3000)
+    pol = tp.policy("pace", pin, None, Budget(3000, 100))
     want = parse_policy_config({"type": "window", "k": 3, "compaction": {"mode": "per_turn"}})
     assert pol.name == "window" and pol.config_hash == want.config_hash()
-    assert tp.policy("pace", pin, None, 3000) is pol  # built once
-    off = tp.policy("pace", tp.pin("b::s"), None, 6000)
+    assert tp.policy("pace", pin, None, Budget(3000, 100)) is pol  # built once
+    off = tp.policy("pace", tp.pin("b::s"), None, Budget(6000, 100))
     assert off.config_hash == parse_policy_config(OFF).config_hash()
-    # a request's edit applies on top of the pin
-    edited = tp.policy("pace", pin, ContextEdits(kind="compaction", trigger_tokens=1500), 3000)
-    assert edited.name == "window" and edited.cfg.compaction.mode == "epochs" and edited.cfg.compaction.high == 0.5
+    # a pinned per_turn (or off) admits no context edit, and a pinned budget no other budget: both refused
+    with pytest.raises(PinnedError, match="^context_management: this tenant's compaction is pinned to 'per_turn'"):
+        tp.policy("pace", pin, ContextEdits(kind="compaction", trigger_tokens=1500), Budget(3000, 100))
+    with pytest.raises(PinnedError, match="^budget: this tenant's budget is pinned to 3000"):
+        tp.budget(pin, 2000)
+    assert tp.budget(pin, None) == tp.budget(pin, 3000) == 3000 and tp.budget(None, 2000) == 2000
+    # a pin of epochs takes the edit on top: its watermarks, the pinned policy
+    e = TurnPolicies(config(a={"policy": {"type": "window", "k": 3}, "compaction": "epochs"}), runtime, arms)
+    edited = e.policy("pace", e.pin("a::s"), ContextEdits(kind="compaction", trigger_tokens=1400), Budget(3000, 100))
+    assert edited.name == "window" and edited.cfg.compaction.high == 0.5  # (1,400 input + 100 reserved) / 3,000
     rec = TurnPolicies.recorded(pin, pol)
     assert rec["policy_hash"] == pol.config_hash and '"compaction": "per_turn"' in rec["tenant_pin"]
 

@@ -58,13 +58,18 @@ class ContextEdits(BaseModel):
     exclude_tools: tuple[str, ...] = ()
 
 
-def edited_config(cfg: Any, edits: ContextEdits, budget: int) -> Any:
-    """The policy config ``cfg`` with ``edits`` applied at ``budget`` (a new config, its own hash)."""
+def edited_config(cfg: Any, edits: ContextEdits, budget: int, reserve: int = 0) -> Any:
+    """The policy config ``cfg`` with ``edits`` applied at ``budget`` (a new config, its own hash). The trigger and
+    ``clear_at_least`` count input tokens, the watermarks the prompt plus the turn's ``reserve`` (the reply's cap
+    and the soft positions): a boundary falls when the input would pass the trigger, and compacts the input to
+    the trigger less ``clear_at_least``, or, without it, keeps the arm's ratio of low to high watermark."""
     comp = cfg.compaction
-    high = min(1.0, edits.trigger_tokens / budget) if edits.trigger_tokens else comp.high
-    low = min(comp.low, high)
+    high = min(1.0, (edits.trigger_tokens + reserve) / budget) if edits.trigger_tokens else comp.high
     if edits.clear_at_least_tokens is not None:
-        low = max(0.05, min(high, (high * budget - edits.clear_at_least_tokens) / budget))
+        low = (edits.trigger_tokens or comp.high * budget - reserve) - edits.clear_at_least_tokens + reserve
+        low = max(1e-3, min(high, low / budget))
+    else:
+        low = min(high, max(1e-3, high * comp.low / comp.high))
     compaction = comp.model_copy(update={"mode": "epochs", "high": high, "low": low})
     retain = Retain(tools=tuple(sorted(set(edits.exclude_tools))), tool_uses=edits.keep_tool_uses or 0)
     return cfg.model_copy(update={"compaction": compaction, "retain": retain})
@@ -102,23 +107,30 @@ def retained(plan: "RenderPlan", snap: "SessionSnapshot", retain: Retain | None)
 
 
 def cleared(plan: "RenderPlan", snap: "SessionSnapshot") -> dict:
-    """What a turn's plan left out of the tool uses, as the clients' fields report it: tool-calling steps not
-    shown in full (``cleared_tool_uses``) and the ids that saved (``cleared_input_tokens``)."""
+    """What a turn's plan left out of the tool uses, as the clients' fields report it: the tool calls (one step
+    may hold several) whose step is not shown in full (``cleared_tool_uses``), and the ids that saved
+    (``cleared_input_tokens``)."""
     n, saved = 0, 0
     for i, s in enumerate(snap.steps[: len(plan.resolution)]):
         if not (tool_names(s) or s.kind == "tool_call"):
             continue
         level = int(plan.resolution[i])
         if level != Resolution.FULL:
-            n += 1
+            sc = toolcalls.decode(s)
+            n += max(len(sc.tool_calls), 1) if sc else 1
             full = int(snap.tokens[i, Resolution.FULL])
             shown = int(snap.tokens[i, level]) if level < snap.tokens.shape[1] else 0  # DROP: nothing shown
             saved += max(full - max(shown, 0), 0)
     return {"cleared_tool_uses": n, "cleared_input_tokens": saved}
 
 
-def applied(edits: ContextEdits, plan: "RenderPlan", snap: "SessionSnapshot", cfg: Any, total: int) -> dict:
-    """What ``edits`` did to a turn (the edited policy's ``cfg`` at budget ``total``): what it cleared, whether
-    the turn compacted, and the watermarks it ran under, in tokens."""
-    return {"type": edits.kind, **cleared(plan, snap), "high_tokens": int(cfg.compaction.high * total),
-            "low_tokens": int(cfg.compaction.low * total)}
+def applied(edits: ContextEdits, plan: "RenderPlan", snap: "SessionSnapshot", cfg: Any, total: int,
+            compacted: bool, reserve: int = 0) -> dict:
+    """What ``edits`` did to a turn (the edited policy's ``cfg`` at budget ``total``): whether the turn was a
+    compaction boundary (the edit applies there; between boundaries the prompt is only extended), what the
+    boundary cleared (zero on other turns), and the watermarks it ran under, in input tokens (the turn's
+    ``reserve`` left out)."""
+    counts = cleared(plan, snap) if compacted else {"cleared_tool_uses": 0, "cleared_input_tokens": 0}
+    return {"type": edits.kind, "applied": bool(compacted), **counts,
+            "high_tokens": round(cfg.compaction.high * total) - reserve,
+            "low_tokens": round(cfg.compaction.low * total) - reserve}

@@ -106,9 +106,14 @@ def check_request(raw: Any) -> None:
     if edits is not None:
         if not (isinstance(edits, dict) and set(edits) <= {"edits"} and isinstance(edits.get("edits", []), list)):
             raise AnthropicInputError("context_management: {\"edits\": [...]} is read")
+        seen = 0
         for k, e in enumerate(edits.get("edits", [])):
             kind = e.get("type") if isinstance(e, dict) else None
             if kind == CLEAR_TOOL_USES:
+                seen += 1
+                if seen > 1:
+                    raise AnthropicInputError(f"context_management.edits[{k}]: one {CLEAR_TOOL_USES} edit per "
+                                              "request is served")
                 context_edit(e, f"context_management.edits[{k}]")
             elif kind not in NOOP_EDITS:
                 raise AnthropicInputError(f"context_management.edits[{k}]: a {kind!r} edit is not served (served: "
@@ -122,8 +127,8 @@ def check_request(raw: Any) -> None:
     if metadata is not None:
         if not isinstance(metadata, dict):
             raise AnthropicInputError("metadata: an object is needed")
-        if metadata.get("user_id") is not None and not isinstance(metadata["user_id"], str):
-            raise AnthropicInputError("metadata.user_id: a string is needed (it names the session)")
+        if metadata.get("user_id") is not None and not (isinstance(metadata["user_id"], str) and metadata["user_id"]):
+            raise AnthropicInputError("metadata.user_id: a non-empty string is needed (it names the session)")
         extra = set(metadata) - METADATA_FIELDS
         if extra:
             raise AnthropicInputError(f"metadata.{sorted(extra)[0]}: not read by this endpoint (metadata.user_id "
@@ -169,14 +174,16 @@ def context_edit(edit: dict, where: str) -> ContextEdits:
     """A ``clear_tool_uses_20250919`` edit as the gateway's compaction honours it (``platform.context_edits``):
     ``trigger`` (input tokens) sets the epoch boundary, ``clear_at_least`` how far it compacts, ``keep`` the
     latest tool uses kept raw, ``exclude_tools`` tools never degraded. ``clear_tool_inputs: true`` is what the
-    gateway does anyway (a degraded step's call is abstracted with its result, its identifiers kept); keeping
-    inputs verbatim while clearing results (``false``, or a list) is not served."""
+    gateway does (a degraded step's call is abstracted with its result, its identifiers kept); keeping inputs
+    verbatim while clearing results (``false``, the API's default when absent, or a list) is not served, and
+    is refused."""
     extra = set(edit) - {"type", "trigger", "keep", "clear_at_least", "exclude_tools", "clear_tool_inputs"}
     if extra:
         raise AnthropicInputError(f"{where}.{sorted(extra)[0]}: not read by this endpoint")
-    if "clear_tool_inputs" in edit and edit["clear_tool_inputs"] is not True:
-        raise AnthropicInputError(f"{where}.clear_tool_inputs: only true is served (the gateway's compaction "
-                                  "abstracts a degraded step's call with its result; inputs kept verbatim are not)")
+    if edit.get("clear_tool_inputs") is not True:  # absent means false: results cleared, inputs kept verbatim
+        raise AnthropicInputError(f"{where}.clear_tool_inputs: send true (the gateway's compaction abstracts a "
+                                  "degraded step's call with its result; keeping inputs verbatim, the default, is "
+                                  "not served)")
     tools = edit.get("exclude_tools") or []
     if not (isinstance(tools, list) and all(isinstance(t, str) and t for t in tools)):
         raise AnthropicInputError(f"{where}.exclude_tools: a list of tool names is needed")
@@ -248,7 +255,11 @@ def _cache_hints(raw: dict) -> list[str]:
         if isinstance(raw.get("system"), list) else []
     for i, m in enumerate(raw["messages"]):
         if isinstance(m.get("content"), list):
-            out += [f"messages[{i}].content[{j}]" for j, b in enumerate(m["content"]) if b.get("cache_control")]
+            for j, b in enumerate(m["content"]):
+                out += [f"messages[{i}].content[{j}]"] if b.get("cache_control") else []
+                if b.get("type") == "tool_result" and isinstance(b.get("content"), list):
+                    out += [f"messages[{i}].content[{j}].content[{k}]" for k, part in enumerate(b["content"])
+                            if part.get("cache_control")]
     return out + [f"tools[{k}]" for k, t in enumerate(raw.get("tools") or []) if t.get("cache_control")]
 
 
@@ -303,11 +314,18 @@ def read_request(raw: Any) -> MessagesRequest:
     deferred = [t["name"] for t in raw.get("tools") or [] if t.get("defer_loading")]
     if deferred:
         raw = {**raw, "tools": [t for t in raw["tools"] if not t.get("defer_loading")] or None}
-        if not raw["tools"]:
-            raw.pop("tool_choice", None)
+        if not raw["tools"] and raw.get("tool_choice") is not None:
+            raise AnthropicInputError("tool_choice: every tool is deferred (defer_loading), so none is declared to "
+                                      "choose among")
+    first = next((i for i, m in enumerate(raw["messages"]) if m["role"] != "system"), None)
+    if first is None:
+        raise AnthropicInputError("messages: a user message is needed")
+    if first:  # system messages ahead of the conversation extend the system prompt, in order
+        head = [m["content"] if isinstance(m["content"], str) else SYSTEM_JOIN.join(b["text"] for b in m["content"])
+                for m in raw["messages"][:first]]
+        raw = {**raw, "system": SYSTEM_JOIN.join(([raw["system"]] if raw.get("system") else []) + head),
+               "messages": raw["messages"][first:]}
     leading = _leading(raw["messages"])
-    if not leading:
-        raise AnthropicInputError("messages[0].role: the first message is the user's (system messages follow it)")
     req, chat = _converted(raw, leading)
     tools = [t.model_dump(exclude_none=True) for t in (chat.tools or [])] or None
     choice = chat.tool_choice

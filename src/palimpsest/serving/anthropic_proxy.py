@@ -71,14 +71,15 @@ def usage(turn) -> dict:
 
 
 def applied(turn) -> dict:
-    """``context_management`` as the Messages API reports it: the edit the turn's compaction applied, with the
-    tool uses it left out of full view and the input tokens that saved (none: no edit was asked for)."""
+    """``context_management`` as the Messages API reports it: the edit, where the turn was the compaction boundary
+    it applied at, with the tool uses it left out of full view and the input tokens that saved; an empty list
+    on a turn that only extended the prompt; nothing where no edit was asked for."""
     e = getattr(turn, "context_edit", None)
     if not e:
         return {}
     return {"context_management": {"applied_edits": [
         {"type": e["type"], "cleared_tool_uses": e["cleared_tool_uses"],
-         "cleared_input_tokens": e["cleared_input_tokens"]}]}}
+         "cleared_input_tokens": e["cleared_input_tokens"]}] if e["applied"] else []}}
 
 
 def message(turn, model: str, extension: dict) -> dict:

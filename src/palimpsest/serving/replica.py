@@ -282,4 +282,5 @@ class Replica:
     async def check_turn(self, sid: str, body: TurnIn) -> None:
         """The checks of a turn's size that need no compile (a streamed turn runs them before its 200)."""
         session = await asyncio.to_thread(self.runtime.ledger.session, sid)
-        self.turns.size(self.cfg.arm(self.arm_of(session)), body.budget, body.max_tokens)
+        pin = self.turns.resolve.pin(sid)  # a tenant's pinned budget is the one the turn will run at
+        self.turns.size(self.cfg.arm(self.arm_of(session)), self.turns.resolve.budget(pin, body.budget), body.max_tokens)

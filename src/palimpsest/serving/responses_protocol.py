@@ -51,7 +51,7 @@ HOSTED_TOOLS = {"web_search", "web_search_preview", "file_search", "code_interpr
 NAMESPACE_SEP = "__"  # vLLM's flat name of a namespaced tool
 
 _ITEM_FIELDS = {
-    "message": {"type", "id", "role", "content", "status", "phase"},
+    "message": {"type", "id", "role", "content", "status"},
     "function_call": {"type", "id", "call_id", "name", "arguments", "status", "namespace"},
     "function_call_output": {"type", "id", "call_id", "output", "status"},
     "custom_tool_call": {"type", "id", "call_id", "name", "input", "status"},
@@ -92,6 +92,9 @@ def _text_of(content: Any, where: str, parts: set[str]) -> str:
     out = []
     for j, p in enumerate(content):
         kind = p.get("type") if isinstance(p, dict) else type(p).__name__
+        if kind == "refusal" and kind in parts and isinstance(p.get("refusal"), str) and set(p) <= {"type", "refusal"}:
+            out.append(p["refusal"])  # the model's refusal, echoed back: its text
+            continue
         if kind not in parts or not isinstance(p.get("text"), str):
             raise ResponsesInputError(f"{where}[{j}]: a {kind!r} part cannot be read by the text actor (served: "
                                       f"{', '.join(sorted(parts))})")
@@ -190,7 +193,7 @@ def chat_tools(tools: Any) -> tuple[list[dict], dict, set, list[dict]]:
         return [], {}, set(), []
     if not isinstance(tools, list):
         raise ResponsesInputError("tools: a list is needed")
-    out, namespaces, custom, hosted = [], {}, set(), []
+    out, namespaces, custom, hosted, deferred, names = [], {}, set(), [], [], set()
 
     def function(t: dict, where: str, ns: str | None = None) -> None:
         extra = set(t) - {"type", "name", "description", "parameters", "strict", "defer_loading"}
@@ -199,6 +202,13 @@ def chat_tools(tools: Any) -> tuple[list[dict], dict, set, list[dict]]:
         if not isinstance(t.get("name"), str) or not t["name"]:
             raise ResponsesInputError(f"{where}.name: a non-empty string is needed")
         name = f"{ns}{NAMESPACE_SEP}{t['name']}" if ns else t["name"]
+        if name in names:
+            raise ResponsesInputError(f"{where}.name: {name!r} is declared twice (a namespace's tools are declared "
+                                      f"as <namespace>{NAMESPACE_SEP}<name>)")
+        names.add(name)
+        if t.get("defer_loading"):  # not in the model's context until a tool search loads it, as Messages reads it
+            deferred.append(name)
+            return
         if ns:
             namespaces[name] = (ns, t["name"])
         fn = {"name": name, **{k: t[k] for k in ("description", "parameters", "strict") if t.get(k) is not None}}
@@ -230,7 +240,8 @@ def chat_tools(tools: Any) -> tuple[list[dict], dict, set, list[dict]]:
         else:
             raise ResponsesInputError(f"{where}.type: a {kind!r} tool is not served (function, namespace, custom, "
                                       f"or a hosted tool: {', '.join(sorted(HOSTED_TOOLS))})")
-    return out, namespaces, custom, hosted
+    return out, namespaces, custom, hosted + [{"type": "function", "name": n, "defer_loading": True}
+                                              for n in deferred]
 
 
 def chat_tool_choice(choice: Any, names: set[str]) -> Any:
@@ -303,7 +314,10 @@ def read_request(raw: Any) -> ResponsesRequest:
         if raw.get("parallel_tool_calls") is not None:
             chat["parallel_tool_calls"] = raw["parallel_tool_calls"]
     noted = {k: json.dumps(raw[k], sort_keys=True, ensure_ascii=False) for k in NOTED if raw.get(k) is not None}
-    if hosted:
+    for k in ("stream_options",) + (("tool_choice",) if not tools and raw.get("tool_choice") is not None else ()):
+        if raw.get(k) is not None:  # read, and changing nothing here: recorded
+            noted[k] = json.dumps(raw[k], sort_keys=True, ensure_ascii=False)
+    if hosted:  # hosted tools (nothing here runs them) and deferred ones: recorded, not declared
         noted["hosted_tools"] = json.dumps(hosted, sort_keys=True, ensure_ascii=False)
     if raw.get("parallel_tool_calls") is not None and not tools:
         noted["parallel_tool_calls"] = json.dumps(raw["parallel_tool_calls"])

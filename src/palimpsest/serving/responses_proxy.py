@@ -189,7 +189,9 @@ class EventWriter:
 
     def error(self, code: int, message: str) -> list[str]:
         err = openai_error(code, message)
-        failed = self._response(status="failed", error={"code": err["code"] or err["type"], "message": message})
+        # a response's error code is one of the API's own (ResponseError.code): the caller's, a rate, or ours
+        kind = "server_error" if code >= 500 else "rate_limit_exceeded" if code == 429 else "invalid_prompt"
+        failed = self._response(status="failed", error={"code": kind, "message": message})
         return [self.event("error", {"code": err["code"] or err["type"], "message": message, "param": err["param"]}),
                 self.event("response.failed", {"response": failed})]
 
@@ -209,12 +211,16 @@ def _assistant(turn) -> dict:
 async def _history(replica, tenant, previous: str) -> tuple[list[dict], str]:
     """The conversation a ``previous_response_id`` names (its messages and outputs, oldest first, without any
     response's instructions) and its session's external name; another tenant's response is not found."""
-    chain = await asyncio.to_thread(replica.runtime.ledger.response_chain, previous)
-    sid = chain[-1]["session_id"]
-    if tenant.name is not None and not sid.startswith(f"{tenant.name}::"):
-        raise UnknownSessionError(f"previous_response_id: no stored response {previous!r}")
-    messages = [m for r in chain for m in r["messages"] + r["output"]]
-    return messages, tenant.external(sid)
+    try:
+        chain = await asyncio.to_thread(replica.runtime.ledger.response_chain, previous)
+    except UnknownSessionError:
+        chain = []
+    if not chain or (tenant.name is not None and not chain[-1]["session_id"].startswith(f"{tenant.name}::")):
+        raise HTTPProblem(400, f"previous_response_id: no stored response {previous!r} (a response sent with "
+                               "store: false is not kept)")
+    # the conversation's first instructions are the session's system prompt (its stable prefix)
+    first = [{"role": "system", "content": chain[0]["instructions"]}] if chain[0].get("instructions") else []
+    return first + [m for r in chain for m in r["messages"] + r["output"]], tenant.external(chain[-1]["session_id"])
 
 
 async def responses(replica, request: Request):
@@ -231,13 +237,17 @@ async def responses(replica, request: Request):
         raise HTTPProblem(400, str(e)) from None
     replica.check_model(req.model)
     history, ext = ([], None)
+    instructions = [{"role": "system", "content": req.instructions}] if req.instructions else []
     if req.previous_response_id:
         history, ext = await _history(replica, tenant, req.previous_response_id)
+        # instructions do not carry over: this request's own, where they differ from the conversation's first,
+        # are a system message at this point of it (the ledger cannot take back what was shown before)
+        first = history[0]["content"] if history and history[0]["role"] == "system" else None
+        instructions = [] if req.instructions in (None, first) else instructions
     header = request.headers.get(SESSION_HEADER)
-    messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + history + \
-        req.input_messages
+    messages = (history + instructions if history else instructions) + req.input_messages
     ext = header or ext or req.session or responses_protocol.history_session(messages)
-    if header and req.session and req.session != header:  # the session is the header's; the name is kept
+    if req.session and req.session != ext:  # the session is the header's or the previous response's: kept
         req.noted["user_named"] = req.session
     try:
         chat = ChatIn.model_validate({"messages": messages, **{k: v for k, v in req.chat.items() if v is not None}})

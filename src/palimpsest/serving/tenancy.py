@@ -14,11 +14,17 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from palimpsest.platform.budget import Budget
 from palimpsest.platform.context_edits import ContextEdits, edited_config
 from palimpsest.platform.policies import parse_policy_config
+from palimpsest.platform.types import PalimpsestError
 
 #: The policy a tenant gets with ``compaction: off``
 OFF = {"type": "full", "compaction": {"mode": "per_turn"}}
+
+
+class PinnedError(PalimpsestError):
+    """A request asks for what its tenant's pin fixes otherwise (a 400 naming the field)."""
 
 
 @dataclass(frozen=True)
@@ -61,15 +67,27 @@ class TurnPolicies:
         """The pin of the tenant that owns ``session_id`` (tenants' sessions are ``<tenant>::<id>``)."""
         return self.pins.get(session_id.split("::", 1)[0]) if "::" in session_id else None
 
-    def policy(self, arm: str, pin: Pin | None, edits: ContextEdits | None, total: int):
-        """The arm's policy, or the pinned one, with the compaction mode pinned and the edit applied."""
+    def budget(self, pin: Pin | None, asked: int | None) -> int | None:
+        """The turn's budget: the pinned one (a request naming another is refused), else what it asked for."""
+        if pin is None or pin.budget is None:
+            return asked
+        if asked is not None and asked != pin.budget:
+            raise PinnedError(f"budget: this tenant's budget is pinned to {pin.budget} (asked {asked})")
+        return pin.budget
+
+    def policy(self, arm: str, pin: Pin | None, edits: ContextEdits | None, budget: Budget):
+        """The arm's policy, or the pinned one, with the compaction mode pinned and the edit applied. A pinned
+        ``off`` or ``per_turn`` admits no context edit (an edit sets epoch watermarks): it is refused."""
         if pin is None and edits is None:
             return self.policies[arm]
+        if edits is not None and pin is not None and pin.compaction in ("off", "per_turn"):
+            raise PinnedError(f"context_management: this tenant's compaction is pinned to {pin.compaction!r}; a "
+                              "context edit cannot apply")
         cfg = pin.policy if pin is not None and pin.policy is not None else self.cfg.arm(arm).policy_config()
         if pin is not None and pin.compaction in ("epochs", "per_turn"):
             cfg = cfg.model_copy(update={"compaction": cfg.compaction.model_copy(update={"mode": pin.compaction})})
         if edits is not None:
-            cfg = edited_config(cfg, edits, total)
+            cfg = edited_config(cfg, edits, budget.total, budget.total - budget.prompt)
         key = cfg.config_hash()
         if key not in self._built:
             self._built[key] = self.runtime.policy(cfg)

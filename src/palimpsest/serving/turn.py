@@ -314,8 +314,8 @@ class TurnService:
     async def _serve(self, session, arm: str, body, tool_choice, parallel_tool_calls, emit, noted: dict, started=None):
         sid = session.id
         pin = self.resolve.pin(sid)  # the tenant's pinned policy, budget and compaction mode, if any
-        budget, mem = self.size(self.cfg.arm(arm), body.budget or (pin.budget if pin else None), body.max_tokens)
-        policy = self.resolve.policy(arm, pin, body.edits, budget.total)
+        budget, mem = self.size(self.cfg.arm(arm), self.resolve.budget(pin, body.budget), body.max_tokens)
+        policy = self.resolve.policy(arm, pin, body.edits, budget)
         req = TurnRequest(session_id=sid, policy=policy, budget=budget, temperature=body.temperature,
                           seed=body.seed,
                           sampling={k: v for k, v in (("top_p", body.top_p), ("stop", body.stop)) if v is not None},
@@ -362,8 +362,8 @@ class TurnService:
         self.metrics.observe_turn(arm, tokens, res.latency, len(res.glimpses))
         if self.shadow is not None:
             self._offer(sid, arm, mem, ct, res, budget)
-        edit = None if body.edits is None else {**applied(body.edits, ct.plan, ct.snapshot, policy.cfg, budget.total),
-                                                "compacted": bool(ct.compacted)}
+        edit = None if body.edits is None else applied(body.edits, ct.plan, ct.snapshot, policy.cfg, budget.total,
+                                                       bool(ct.compacted), budget.total - budget.prompt)
         return TurnOut(session_id=sid, t=ct.t, arm=arm, action=res.text, finish_reason=res.finish_reason,
                        stop_sequence=res.stop_sequence, context_edit=edit,
                        plan=ct.plan.counts(), tokens=tokens, latency_ms=res.latency, glimpses=res.glimpses,
