@@ -78,6 +78,21 @@ class _Forward(http.server.BaseHTTPRequestHandler):
         pass
 
 
+def gateway_config(name: str) -> dict:
+    """The served app of a CLI run: the embedded default (what `palimpsest serve` runs with no config: actor,
+    template, tool parser, embedder, budget) with rule summaries and no memory, on a ledger of its own."""
+    ledger = ROOT / ".palimpsest" / f"{name}-{int(time.time())}.db"
+    return {"ledger": str(ledger), "summarizer": {"mode": "rule"}, "memory": {"model": None},
+            "arms": [{"name": "pace", "policy": {"type": "pace"}}]}
+
+
+def run_record(cli: Path, pinned: str) -> dict:
+    """What a run records of where it ran and which CLI ran (the version the CLI itself prints)."""
+    return {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, no GPU",
+            "cli": pinned, "cli_version": subprocess.run([str(cli), "--version"], capture_output=True, text=True,
+                                                        timeout=60).stdout.strip()}
+
+
 def sent(body) -> dict:
     """What one Messages request carried, in numbers (its text is in the raw log)."""
     if not isinstance(body, dict):
@@ -132,15 +147,8 @@ def main() -> None:
     from palimpsest.platform import Ledger
     from palimpsest.serving.local import LocalServer
 
-    ledger = ROOT / ".palimpsest" / f"claude-code-{int(time.time())}.db"
-    # every other field is the embedded default (what `palimpsest serve` runs with no config): actor, template,
-    # tool parser, embedder, budget
-    cfg = {"ledger": str(ledger), "summarizer": {"mode": "rule"}, "memory": {"model": None},
-           "arms": [{"name": "pace", "policy": {"type": "pace"}}]}
-    out: dict = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, no GPU",
-                 "cli": CLI_VERSION, "cli_defaults": args.cli_defaults, "task": args.task,
-                 "cli_version": subprocess.run([str(CLI), "--version"], capture_output=True, text=True,
-                                               timeout=60).stdout.strip()}
+    cfg = gateway_config("claude-code")
+    out: dict = {**run_record(CLI, CLI_VERSION), "cli_defaults": args.cli_defaults, "task": args.task}
     with LocalServer(cfg, port=args.port) as srv:
         model = httpx.get(f"{srv.url}/v1/models", timeout=60).json()["data"][0]["id"]
         out["openai_client"] = openai_checks(srv.url, model)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -31,7 +30,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from claude_code import Recorder  # noqa: E402  (the recording forwarder)
+from claude_code import Recorder, gateway_config, run_record  # noqa: E402  (the recorder, the app, the record)
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = ROOT / ".cache" / "npm" / "node_modules" / ".bin" / "codex"
@@ -102,13 +101,8 @@ def main() -> None:
     from palimpsest.platform import Ledger
     from palimpsest.serving.local import LocalServer
 
-    ledger = ROOT / ".palimpsest" / f"codex-{int(time.time())}.db"
-    cfg = {"ledger": str(ledger), "summarizer": {"mode": "rule"}, "memory": {"model": None},
-           "arms": [{"name": "pace", "policy": {"type": "pace"}}]}
-    out: dict = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, no GPU",
-                 "cli": CLI_VERSION, "cli_defaults": args.cli_defaults, "task": args.task,
-                 "cli_version": subprocess.run([str(CLI), "--version"], capture_output=True, text=True,
-                                               timeout=60).stdout.strip()}
+    cfg = gateway_config("codex")
+    out: dict = {**run_record(CLI, CLI_VERSION), "cli_defaults": args.cli_defaults, "task": args.task}
     with LocalServer(cfg, port=args.port) as srv:
         model = httpx.get(f"{srv.url}/v1/models", timeout=60).json()["data"][0]["id"]
         rec = Recorder(srv.url)

@@ -22,6 +22,7 @@ from typing import Any
 
 from palimpsest.platform.context_edits import ContextEdits
 from palimpsest.platform.types import PalimpsestError
+from palimpsest.serving.errors import unread_field
 
 #: The request fields read (what the Messages API defines and the text actor can honour)
 FIELDS = {"model", "messages", "max_tokens", "metadata", "stop_sequences", "stream", "system", "temperature",
@@ -85,12 +86,9 @@ def _check_blocks(blocks: Any, where: str, allowed: set[str]) -> None:
 
 def check_request(raw: Any) -> None:
     """Refuse, naming the field, what vLLM's models would accept and then lose."""
-    if not isinstance(raw, dict):
-        raise AnthropicInputError("the body must be a JSON object")
-    extra = set(raw) - FIELDS
-    if extra:
-        raise AnthropicInputError(f"{sorted(extra)[0]}: not served by this endpoint (nothing is ignored silently; "
-                                  "remove the field)")
+    problem = unread_field(raw, FIELDS)
+    if problem:
+        raise AnthropicInputError(problem)
     thinking = raw.get("thinking")
     # "adaptive" leaves thinking to the model, and this one never thinks: what it asks for is what happens
     if isinstance(thinking, dict) and set(thinking) - THINKING_FIELDS:

@@ -84,3 +84,13 @@ def body(protocol: str, status: int, message: str) -> tuple[int, dict]:
     if protocol == OPENAI:
         return status, {"error": openai_error(status, message)}
     return status, {"error": message}
+
+
+def unread_field(raw, fields: set[str]) -> str | None:
+    """Why a request body is refused before it is read (not an object, or a field the endpoint does not read),
+    naming the field; None when it may be read."""
+    if not isinstance(raw, dict):
+        return "the body must be a JSON object"
+    extra = set(raw) - fields
+    return f"{sorted(extra)[0]}: not served by this endpoint (nothing is ignored silently; remove the field)" \
+        if extra else None

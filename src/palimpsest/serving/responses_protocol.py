@@ -34,6 +34,7 @@ from typing import Any
 
 from palimpsest.platform.context_edits import ContextEdits
 from palimpsest.platform.types import PalimpsestError
+from palimpsest.serving.errors import unread_field
 
 #: The request fields read (every other is a 400 naming it)
 FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "max_output_tokens",
@@ -260,12 +261,9 @@ def chat_tool_choice(choice: Any, names: set[str]) -> Any:
 
 def read_request(raw: Any) -> ResponsesRequest:
     """Check ``raw`` and convert it; a field that would be lost is refused by name."""
-    if not isinstance(raw, dict):
-        raise ResponsesInputError("the body must be a JSON object")
-    extra = set(raw) - FIELDS
-    if extra:
-        raise ResponsesInputError(f"{sorted(extra)[0]}: not served by this endpoint (nothing is ignored silently; "
-                                  "remove the field)")
+    problem = unread_field(raw, FIELDS)
+    if problem:
+        raise ResponsesInputError(problem)
     if raw.get("background"):
         raise ResponsesInputError("background: background responses are not served (send the request and wait)")
     if raw.get("top_logprobs"):
