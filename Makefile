@@ -42,6 +42,7 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	$(PYTHON) benchmarks/plan_compile.py
 	$(PYTHON) benchmarks/replay_dev.py
+	$(PYTHON) benchmarks/masking_baselines.py
 
 # Serving figures: latency breakdown over 200+ turns, 8 concurrent sessions, prefix-cache hit rate (~25 min).
 bench-serve: $(STAMP)
@@ -60,7 +61,8 @@ serve: $(STAMP)
 # Every policy on the dev trajectories at 16K, with the report (plots) in out/replay-dev-16k.
 replay: $(STAMP)
 	$(VENV)/bin/palimpsest replay --data ../shared/data/trajectories/dev.jsonl \
-		--policy full,last2,window,rolling_summary,pace,pace_task_first,ace,pace_plus --budget 16000 \
+		--policy full,last2,window,rolling_summary,pace,pace_task_first,ace,pace_plus,observation_masking,clear_tool_uses \
+		--budget 16000 \
 		--policy-config configs/replay/reference.yaml --out out/replay-dev-16k
 	$(VENV)/bin/palimpsest report out/replay-dev-16k
 

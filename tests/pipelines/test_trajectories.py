@@ -68,3 +68,18 @@ def test_authority_and_tool_names_follow_the_source(tmp_path):
         s0, s1 = led.step_at("t/1", 0), led.step_at("t/1", 1)
         assert (s0.authority, s0.tool) == (Authority.TOOL, "cat")
         assert (s1.authority, s1.tool) == (Authority.USER, "reply")
+
+
+def test_hash_halves_split_by_a_hash_of_the_id_the_same_on_every_run(tmp_path):
+    from palimpsest.pipelines.trajectories import hash_halves, split_of
+
+    ids = [f"group/task-{i}" for i in range(40)]
+    f = write(tmp_path / "extra.jsonl", [traj(i) for i in ids] + ["{not json"])
+    halves = hash_halves(f, tmp_path / "out")
+    assert set(halves) == {"fit", "report"} and halves["report"].name == "extra-report.jsonl"
+    got = {k: [json.loads(x)["id"] for x in p.read_text().splitlines()] for k, p in halves.items()}
+    assert sorted(got["fit"] + got["report"]) == sorted(ids) and not set(got["fit"]) & set(got["report"])
+    assert got["fit"] == [i for i in ids if split_of(i, 0.5) == "val"] and 10 < len(got["fit"]) < 30
+    again = hash_halves(f, tmp_path / "again")
+    assert {k: p.read_text() for k, p in again.items()} == {k: p.read_text() for k, p in halves.items()}
+    assert read_trajectories(halves["report"]).trajectories[0].id == got["report"][0]

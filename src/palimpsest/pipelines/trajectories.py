@@ -182,3 +182,23 @@ def split_of(trajectory_id: str, val_fraction: float) -> str:
     """A trajectory's split (``val`` or ``train``), fixed by a hash of its id: the same on every run and machine."""
     h = int(hashlib.sha256(trajectory_id.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
     return "val" if h < val_fraction else "train"
+
+
+def hash_halves(data: str | Path, out: str | Path) -> dict[str, Path]:
+    """The file's lines split by a hash of each trajectory's id into ``fit`` (``split_of(id, 0.5) == "val"``) and
+    ``report`` halves, written as ``<stem>-fit.jsonl`` and ``<stem>-report.jsonl`` under ``out``: fit on one, report
+    on the other, the same halves on every run and machine (``benchmarks/fit_pace_plus.py`` splits dev so)."""
+    src, out = Path(data), Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    lines: dict[str, list[str]] = {"fit": [], "report": []}
+    for line in src.read_text(encoding="utf-8").splitlines():
+        try:
+            tid = json.loads(line).get("id")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(tid, str):
+            lines["fit" if split_of(tid, 0.5) == "val" else "report"].append(line)
+    paths = {k: out / f"{src.stem}-{k}.jsonl" for k in lines}
+    for k, p in paths.items():
+        p.write_text("".join(x + "\n" for x in lines[k]), encoding="utf-8")
+    return paths
