@@ -145,7 +145,17 @@ def abstract_step(step: StepRecord) -> Abstraction:
     )
 
 
-def render_detailed(a: Abstraction) -> str:
+def _first(items: list[str], order: list[str] | None, n: int) -> list[str]:
+    """``items[:n]``, or with ``order`` (the identifiers the session may reuse, first: ``platform.names``) the
+    items ``order`` names first, in its order, then the rest as they were: within the same cap."""
+    if not order:
+        return items[:n]
+    have = set(items)
+    return uniq([x for x in order if x in have] + items, n)
+
+
+def render_detailed(a: Abstraction, order: list[str] | None = None) -> str:
+    """The detailed text; ``order`` puts the identifiers a later step may reuse first within each list's cap."""
     lines = [f"action: {a.summary}", f"outcome: {a.outcome}"]
     for f in a.failed_actions:
         lines.append(f"failed: {f['reason']}")
@@ -154,8 +164,8 @@ def render_detailed(a: Abstraction) -> str:
     facts = []
     if a.critical_facts:
         facts.append("facts:\n" + "\n".join(f"- {x}" for x in a.critical_facts))
-    for label, items in (("paths", a.paths[:16]), ("ids", a.identifiers[:_IDS_DETAILED]), ("urls", a.urls[:8]),
-                         ("numbers", a.numbers[:12])):
+    for label, items in (("paths", _first(a.paths, order, 16)), ("ids", _first(a.identifiers, order, _IDS_DETAILED)),
+                         ("urls", a.urls[:8]), ("numbers", a.numbers[:12])):
         if items:
             facts.append(f"{label}: " + ", ".join(items))
     text = "\n".join(lines)
@@ -164,11 +174,19 @@ def render_detailed(a: Abstraction) -> str:
     return text
 
 
-def render_brief(a: Abstraction) -> str:
+#: a brief's identifiers: at most this many paths and ids (then one URL), the abstraction's ``key_ids`` or, given an
+#: ``order``, its first ones
+BRIEF_NAMES = _IDS_BRIEF + 3
+
+
+def render_brief(a: Abstraction, order: list[str] | None = None) -> str:
+    """The one-line brief; ``order`` (``platform.names``) replaces the most frequent paths and ids by the
+    identifiers a later step may reuse, first, within the same number of items."""
     head = f"{a.summary[:100]} -> {a.outcome}"
     if a.failed_actions:
         head += f" ({gist(a.failed_actions[0]['reason'], 60)})"
-    seen = uniq(a.key_ids + a.urls[:1], _IDS_BRIEF + 4)
+    keys = a.key_ids if order is None else uniq(order, BRIEF_NAMES)
+    seen = uniq(keys + a.urls[:1], _IDS_BRIEF + 4)
     if seen:
         head += " " + authority_block(", ".join(seen), a.authority, inline=True)
     return head

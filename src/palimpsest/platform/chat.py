@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
+from palimpsest.platform.names import summary_body
 from palimpsest.platform.render import (
     head_tail,
     observation_role,
@@ -259,7 +260,7 @@ def history_messages(snap: "SessionSnapshot", level, fold: Fold | None, ranges: 
             continue
         res = Resolution(lv)
         step = snap.steps[i]
-        parts = step_messages(step, step.id, res, snap.body(i, res) if res is not Resolution.FULL else None,
+        parts = step_messages(step, step.id, res, summary_body(snap, i, res) if res is not Resolution.FULL else None,
                               elide=(elide or {}).get(i), mask=0 if masked is None else int(masked[i]))
         spans.append((i, len(msgs), len(parts)))
         msgs.extend(parts)
