@@ -237,6 +237,22 @@ def test_a_clear_tool_uses_edit_is_honoured_by_the_compaction_and_reported(serve
     assert sum(level != "full" for level in levels) == applied["cleared_tool_uses"]  # one call per step here
     row = served(server, "edit-1")[-1]
     assert json.loads(row["requested_context_management"])["edits"][0]["type"] == "clear_tool_uses_20250919"
+    # asked for literally (the header), the edit is the clear_tool_uses policy: inputs kept, results cleared
+    # (short results: the whole history fits the budget, so only the rule clears anything)
+    short = [m if m["role"] == "assistant" or isinstance(m["content"], str) else
+             {"role": "user", "content": [{**m["content"][0], "content": m["content"][0]["content"][:12]}]}
+             for m in messages]
+    lit = client.post("/v1/messages", headers={"anthropic-version": "2023-06-01",
+                                               "x-palimpsest-context-edits": "literal"},
+                      json={"model": model, "max_tokens": 4, "temperature": 0.0, "tools": tools, "messages": short,
+                            "metadata": {"user_id": "edit-4"}, "context_management": {"edits": [
+                                {"type": "clear_tool_uses_20250919", "trigger": {"type": "input_tokens", "value": 100},
+                                 "keep": {"type": "tool_uses", "value": 2}, "exclude_tools": ["read_file"]}]}})
+    assert lit.status_code == 200, lit.text
+    (turn,) = client.get("/v1/sessions/edit-4/audit", params={"plans": True}).json()["turns"]
+    assert turn["policy"] == "clear_tool_uses" and all(p["resolution"] == "full" for p in turn["plan"])
+    (done,) = lit.json()["context_management"]["applied_edits"]
+    assert done["cleared_tool_uses"] == 3  # 6 uses: the read_file one excluded, the latest 2 kept
     # an edit the gateway cannot honour is refused by name, and nothing is recorded
     r = client.post("/v1/messages", headers={"anthropic-version": "2023-06-01"},
                     json={"model": model, "max_tokens": 4, "messages": messages[:1], "metadata": {"user_id": "edit-2"},

@@ -322,3 +322,20 @@ def test_a_failed_stream_and_its_events_are_the_openai_types():
         err, failed = [json.loads(f.split("data: ", 1)[1]) for f in w.error(status, "messages: bad")]
         ResponseErrorEvent.model_validate(err)
         assert ResponseFailedEvent.model_validate(failed).response.status == "failed", status
+
+
+def test_a_literal_clear_tool_uses_edit_is_the_policy_with_its_parameters():
+    pytest.importorskip("vllm")
+    from palimpsest.platform.context_edits import edited_config
+    from palimpsest.serving import anthropic_protocol
+
+    base = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "x"}]}
+    edit = {"type": "clear_tool_uses_20250919", "trigger": {"type": "tool_uses", "value": 4},
+            "keep": {"type": "tool_uses", "value": 1}, "exclude_tools": ["Read"]}  # clear_tool_inputs absent: false
+    with pytest.raises(anthropic_protocol.AnthropicInputError, match="x-palimpsest-context-edits: literal"):
+        anthropic_protocol.read_request({**base, "context_management": {"edits": [edit]}})
+    edits = anthropic_protocol.read_request({**base, "context_management": {"edits": [edit]}}, literal=True).edits
+    assert edits.literal and edits.trigger_tool_uses == 4 and edits.clear_tool_inputs is False
+    cfg = edited_config(None, edits, 6000)
+    assert (cfg.name, cfg.trigger, cfg.trigger_type, cfg.keep, cfg.exclude_tools, cfg.clear_tool_inputs) == (
+        "clear_tool_uses", 4, "tool_uses", 1, ("Read",), False)

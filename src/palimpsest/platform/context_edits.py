@@ -48,14 +48,31 @@ class Retain(BaseModel):
 
 
 class ContextEdits(BaseModel):
-    """One request's context-management edit, read from its protocol (``kind``: the edit's own name)."""
+    """One request's context-management edit, read from its protocol (``kind``: the edit's own name). ``literal``:
+    the client asked for the edit's own rule (the ``clear_tool_uses`` policy with its parameters) instead of the
+    gateway's compaction."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     kind: str
     trigger_tokens: int | None = Field(None, ge=1)
+    trigger_tool_uses: int | None = Field(None, ge=1)
     clear_at_least_tokens: int | None = Field(None, ge=0)
     keep_tool_uses: int | None = Field(None, ge=0)
     exclude_tools: tuple[str, ...] = ()
+    clear_tool_inputs: bool | tuple[str, ...] = True
+    literal: bool = False
+
+    def literal_policy(self) -> dict:
+        """The ``clear_tool_uses`` policy config that applies this edit as the API defines it."""
+        trigger = {"trigger": self.trigger_tool_uses, "trigger_type": "tool_uses"} if self.trigger_tool_uses else \
+            {"trigger": self.trigger_tokens or 100_000}
+        # planned every turn, as the API applies the edit to each request: the compiler degrades beyond the rule only
+        # past the budget, which stays a hard bound (in epochs a boundary would compact to the low watermark too)
+        return {"type": "clear_tool_uses", "compaction": {"mode": "per_turn"}, **trigger,
+                "keep": 3 if self.keep_tool_uses is None else self.keep_tool_uses,
+                "clear_at_least": self.clear_at_least_tokens or 0, "exclude_tools": list(self.exclude_tools),
+                "clear_tool_inputs": self.clear_tool_inputs if isinstance(self.clear_tool_inputs, bool)
+                else list(self.clear_tool_inputs)}
 
 
 def edited_config(cfg: Any, edits: ContextEdits, budget: int, reserve: int = 0) -> Any:
@@ -63,6 +80,10 @@ def edited_config(cfg: Any, edits: ContextEdits, budget: int, reserve: int = 0) 
     ``clear_at_least`` count input tokens, the watermarks the prompt plus the turn's ``reserve`` (the reply's cap
     and the soft positions): a boundary falls when the input would pass the trigger, and compacts the input to
     the trigger less ``clear_at_least``, or, without it, keeps the arm's ratio of low to high watermark."""
+    if edits.literal:  # the edit's own rule, as a policy (platform/policies/clear_tool_uses.py)
+        from palimpsest.platform.policies import parse_policy_config  # a cycle at import: policies use Retain
+
+        return parse_policy_config(edits.literal_policy())
     comp = cfg.compaction
     high = min(1.0, (edits.trigger_tokens + reserve) / budget) if edits.trigger_tokens else comp.high
     if edits.clear_at_least_tokens is not None:
@@ -115,12 +136,13 @@ def cleared(plan: "RenderPlan", snap: "SessionSnapshot") -> dict:
         if not (tool_names(s) or s.kind == "tool_call"):
             continue
         level = int(plan.resolution[i])
-        if level != Resolution.FULL:
+        masked = plan.masked is not None and bool(plan.masked[i])  # shown at full with its result cleared
+        if level != Resolution.FULL or masked:
             sc = toolcalls.decode(s)
             n += max(len(sc.tool_calls), 1) if sc else 1
             full = int(snap.tokens[i, Resolution.FULL])
             shown = int(snap.tokens[i, level]) if level < snap.tokens.shape[1] else 0  # DROP: nothing shown
-            saved += max(full - max(shown, 0), 0)
+            saved += max(full - max(shown, 0), 0) if not masked else max(full - int(snap.tokens[i, -1]), 0)
     return {"cleared_tool_uses": n, "cleared_input_tokens": saved}
 
 
@@ -130,7 +152,8 @@ def applied(edits: ContextEdits, plan: "RenderPlan", snap: "SessionSnapshot", cf
     compaction boundary (the edit applies there; between boundaries the prompt is only extended), what the
     boundary cleared (zero on other turns), and the watermarks it ran under, in input tokens (the turn's
     ``reserve`` left out)."""
-    counts = cleared(plan, snap) if compacted else {"cleared_tool_uses": 0, "cleared_input_tokens": 0}
+    counts = cleared(plan, snap) if compacted or edits.literal else {"cleared_tool_uses": 0, "cleared_input_tokens": 0}
+    compacted = compacted or (edits.literal and counts["cleared_tool_uses"] > 0)
     return {"type": edits.kind, "applied": bool(compacted), **counts,
             "high_tokens": round(cfg.compaction.high * total) - reserve,
             "low_tokens": round(cfg.compaction.low * total) - reserve}

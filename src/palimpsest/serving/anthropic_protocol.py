@@ -84,7 +84,7 @@ def _check_blocks(blocks: Any, where: str, allowed: set[str]) -> None:
                                               "by the text actor (send text)")
 
 
-def check_request(raw: Any) -> None:
+def check_request(raw: Any, literal: bool = False) -> None:
     """Refuse, naming the field, what vLLM's models would accept and then lose."""
     problem = unread_field(raw, FIELDS)
     if problem:
@@ -112,7 +112,7 @@ def check_request(raw: Any) -> None:
                 if seen > 1:
                     raise AnthropicInputError(f"context_management.edits[{k}]: one {CLEAR_TOOL_USES} edit per "
                                               "request is served")
-                context_edit(e, f"context_management.edits[{k}]")
+                context_edit(e, f"context_management.edits[{k}]", literal)
             elif kind not in NOOP_EDITS:
                 raise AnthropicInputError(f"context_management.edits[{k}]: a {kind!r} edit is not served (served: "
                                           f"{CLEAR_TOOL_USES}, mapped onto the gateway's compaction, and clearing "
@@ -159,6 +159,8 @@ def check_request(raw: Any) -> None:
 
 
 CLEAR_TOOL_USES = "clear_tool_uses_20250919"
+#: The request header that asks for an edit's own rule (``literal``) instead of the gateway's compaction
+LITERAL_HEADER = "x-palimpsest-context-edits"
 
 
 def _amount(value: Any, where: str, unit: str) -> int:
@@ -168,7 +170,7 @@ def _amount(value: Any, where: str, unit: str) -> int:
     return value["value"]
 
 
-def context_edit(edit: dict, where: str) -> ContextEdits:
+def context_edit(edit: dict, where: str, literal: bool = False) -> ContextEdits:
     """A ``clear_tool_uses_20250919`` edit as the gateway's compaction honours it (``platform.context_edits``):
     ``trigger`` (input tokens) sets the epoch boundary, ``clear_at_least`` how far it compacts, ``keep`` the
     latest tool uses kept raw, ``exclude_tools`` tools never degraded. ``clear_tool_inputs: true`` is what the
@@ -178,16 +180,22 @@ def context_edit(edit: dict, where: str) -> ContextEdits:
     extra = set(edit) - {"type", "trigger", "keep", "clear_at_least", "exclude_tools", "clear_tool_inputs"}
     if extra:
         raise AnthropicInputError(f"{where}.{sorted(extra)[0]}: not read by this endpoint")
-    if edit.get("clear_tool_inputs") is not True:  # absent means false: results cleared, inputs kept verbatim
+    inputs = edit.get("clear_tool_inputs", False)
+    if not (isinstance(inputs, bool) or (isinstance(inputs, list) and all(isinstance(t, str) for t in inputs))):
+        raise AnthropicInputError(f"{where}.clear_tool_inputs: true, false or a list of tool names")
+    if inputs is not True and not literal:  # absent means false: results cleared, inputs kept verbatim
         raise AnthropicInputError(f"{where}.clear_tool_inputs: send true (the gateway's compaction abstracts a "
                                   "degraded step's call with its result; keeping inputs verbatim, the default, is "
-                                  "not served)")
+                                  f"the edit's own rule: send the header {LITERAL_HEADER}: literal)")
     tools = edit.get("exclude_tools") or []
     if not (isinstance(tools, list) and all(isinstance(t, str) and t for t in tools)):
         raise AnthropicInputError(f"{where}.exclude_tools: a list of tool names is needed")
+    trigger = edit.get("trigger") or {"type": "input_tokens", "value": 100_000}
+    by_uses = literal and isinstance(trigger, dict) and trigger.get("type") == "tool_uses"
+    value = _amount(trigger, f"{where}.trigger", "tool_uses" if by_uses else "input_tokens")
     return ContextEdits(
-        kind=CLEAR_TOOL_USES,
-        trigger_tokens=_amount(edit["trigger"], f"{where}.trigger", "input_tokens") if "trigger" in edit else 100_000,
+        kind=CLEAR_TOOL_USES, literal=literal, clear_tool_inputs=inputs if isinstance(inputs, bool) else tuple(inputs),
+        trigger_tokens=None if by_uses else value, trigger_tool_uses=value if by_uses else None,
         keep_tool_uses=_amount(edit["keep"], f"{where}.keep", "tool_uses") if "keep" in edit else 3,
         clear_at_least_tokens=_amount(edit["clear_at_least"], f"{where}.clear_at_least", "input_tokens")
         if "clear_at_least" in edit else None,
@@ -302,9 +310,10 @@ def _leading(messages: list[dict]) -> list[dict]:
     return messages[:k]
 
 
-def read_request(raw: Any) -> MessagesRequest:
-    """Check ``raw``, read it with vLLM's protocol model and convert it with vLLM's conversion."""
-    check_request(raw)
+def read_request(raw: Any, literal: bool = False) -> MessagesRequest:
+    """Check ``raw``, read it with vLLM's protocol model and convert it with vLLM's conversion. ``literal``: the
+    client asked for a context edit's own rule (``LITERAL_HEADER``), not the gateway's compaction."""
+    check_request(raw, literal)
     hints = _cache_hints(raw)
     if isinstance(raw.get("system"), list):  # one paragraph per block (SYSTEM_JOIN), as a string for vLLM
         raw = {**raw, "system": SYSTEM_JOIN.join(b["text"] for b in raw["system"])}
@@ -362,7 +371,7 @@ def read_request(raw: Any) -> MessagesRequest:
                 None)
     return MessagesRequest(model=req.model, stream=bool(req.stream), max_tokens=req.max_tokens,
                            user_id=user, chat=body, noted=noted,
-                           edits=context_edit(edit, "context_management") if edit else None)
+                           edits=context_edit(edit, "context_management", literal) if edit else None)
 
 
 def history_session(messages: list[dict]) -> str:

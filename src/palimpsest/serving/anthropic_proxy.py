@@ -233,8 +233,12 @@ async def read(replica, request: Request, counting: bool = False) -> tuple[Any, 
         raise HTTPProblem(400, "the body is not JSON") from None
     if counting and isinstance(raw, dict):
         raw = {**raw, "max_tokens": raw.get("max_tokens", 1)}  # count_tokens takes no max_tokens
+    mode = request.headers.get(anthropic_protocol.LITERAL_HEADER, "compaction")
+    if mode not in ("compaction", "literal"):
+        raise HTTPProblem(400, f"{anthropic_protocol.LITERAL_HEADER}: compaction (the gateway's own, the default) or "
+                               "literal (the edit's own rule)")
     try:
-        req = await asyncio.to_thread(anthropic_protocol.read_request, raw)
+        req = await asyncio.to_thread(anthropic_protocol.read_request, raw, mode == "literal")
     except anthropic_protocol.AnthropicInputError as e:
         raise HTTPProblem(400, str(e)) from None
     replica.check_model(req.model)

@@ -80,6 +80,8 @@ class TurnPolicies:
         ``off`` or ``per_turn`` admits no context edit (an edit sets epoch watermarks): it is refused."""
         if pin is None and edits is None:
             return self.policies[arm]
+        if edits is not None and edits.literal and pin is not None and pin.policy is not None:
+            raise PinnedError("context_management: this tenant's policy is pinned; an edit's own rule cannot replace it")
         if edits is not None and pin is not None and pin.compaction in ("off", "per_turn"):
             raise PinnedError(f"context_management: this tenant's compaction is pinned to {pin.compaction!r}; a "
                               "context edit cannot apply")
