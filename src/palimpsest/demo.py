@@ -1,25 +1,28 @@
 """`make demo`, the main job end to end on embedded defaults (top layer, beside the command line), sized for the
-machine it runs on (2 CPU cores: about ten minutes after the install, BENCHMARKS.md):
+machine it runs on (2 CPU cores, BENCHMARKS.md "`make demo` on this machine"):
 
 1. prepare the offline models (SmolLM2-135M actor folder and tokenizer, all-MiniLM-L6-v2);
 2. train a small REMORY memory network with Ray Train + DeepSpeed if none fitting the actor is registered;
 3. start the composed Serve app on 127.0.0.1 (actor on vLLM with prompt embeds, embedder, summarizer,
-   memory encoder, ingress);
-4. replay the dev trajectories through the HTTP endpoint as live A/B traffic, each trajectory once per arm
-   (paired), posting each session's outcome: `pace` against `window`, two policies that differ at the demo's
-   budget, plus `pace+memory` when the registered memory was trained at that budget; every served turn is
-   scored for shadow fidelity (the exact KL against the full-history reference) off the turn path;
-5. print the per-arm comparison (fidelity over the turns each arm changed, identical turns counted apart,
-   bounded intervals, the paired comparison and what it could detect), what the rollout gate would decide on
-   `pace+memory` as a candidate of `pace` (as `palimpsest serve` runs a registered memory: dark until promoted),
-   where the models' time went, and the MLflow run that holds it;
+   memory encoder, ingress), serving `pace` with the registered memory as its dark candidate (`pace+memory`,
+   as `palimpsest serve` runs a registered memory: never served until the gate promotes it; `window` when the
+   memory was trained at another budget), on a ledger of the run's own;
+4. replay 12 trajectories (every dev trajectory that fits the budget, then the extra dev trajectories beside
+   the dev file: ``DEMO_SESSIONS``) through the HTTP endpoint as live traffic, one turn per session at step 4,
+   posting each session's outcome: on every turn the shadow lane compiles what the candidate would have served
+   for that same turn and scores both prompts against the full-history reference over the served reply (the
+   exact KL), off the turn path;
+5. print the rollout gate's decision first (promote, withdraw or hold, with its e-values and n; the replica reads
+   the gate at every refresh, and the demo reads it once more on every pair of the run), then the pairs, the
+   served arm's figures, where the models' time went, and the MLflow run that holds it;
 6. shut everything down.
 
 ``--control`` runs the controls instead (pipelines/ab_controls.py): the weak `last2` against `pace` as users run
 it (compaction epochs) and `pace` planned per turn (the positive controls), and `pace` against itself (the A/A
-control), at budget 4,096 with an 8K reference window, one turn per session at step 8. ``--full`` is the larger run:
-every trajectory, two turns per session (steps 4 and 12), LLM summaries of every step appended; as in the default
-run, a session ends at its last turn (the steps after it would be summarised for no turn to read).
+control, its prompts compared by hash), each trajectory once per arm, at budget 4,096 with an 8K reference window,
+one turn per session at step 8. ``--full`` is the larger run: two turns per session (steps 4 and 12), LLM
+summaries of every step appended; as in the default run, a session ends at its last turn (the steps after it
+would be summarised for no turn to read).
 """
 
 from __future__ import annotations
@@ -39,16 +42,18 @@ from palimpsest.pipelines.ab_controls import (
     CONTROL_ARMS,
     CONTROL_SHAPE,
     POSITIVE,
+    audit_rows,
     control_verdicts,
     verdicts_markdown,
 )
 from palimpsest.pipelines.live_ab import drive
-from palimpsest.pipelines.rollouts import gate_on_paired_arms
+from palimpsest.pipelines.rollouts import decide, decisions_markdown, log_decision, pairs_markdown, status
 from palimpsest.pipelines.trajectories import read_trajectories
 from palimpsest.platform import Ledger
 from palimpsest.platform.chat import chat_ids
 from palimpsest.platform.tokens import get_tokenizer
 from palimpsest.platform.types import ConfigError, PalimpsestError
+from palimpsest.serving.candidates import judged_candidates
 from palimpsest.serving.config import ArmConfig, load_serve_config, parse_serve_config
 from palimpsest.serving.local import LocalServer
 from palimpsest.training.config import load_train_config
@@ -57,7 +62,11 @@ from palimpsest.training.launcher import launch
 DEMO_SERVE = Path("configs/serve/demo.yaml")
 DEMO_TRAIN = Path("configs/train/remory_demo.yaml")
 MEMORY_ARM = "pace+memory"
-DEMO_TRAJECTORIES = 3  # the default run's share of the dev file (``--control`` and ``--full`` take every one)
+CONTROL = "pace"  # the served arm; the demo's candidate is judged on its turns
+#: the default run's sessions: every dev trajectory that fits (8 of 10), then the extra ones beside the dev file
+#: (``dev_extra.jsonl``). At 8 sessions the gate can withdraw only when almost every session points one way (an
+#: e-value reaches at most 53 of the 40 it needs) and cannot promote (80: 9 sessions at least); at 12 both can
+DEMO_SESSIONS = 12
 @dataclass
 class Progress:
     """One line per stage and per step inside it, with the elapsed time and an ETA from the rate so far."""
@@ -161,12 +170,13 @@ def busy_markdown(busy: dict, timings: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def fitting(data: Path, limit: int | None, budget: int, reply: int) -> tuple[list, list[str]]:
-    """The first ``limit`` trajectories whose prompt prefix (system prompt, task, tools under the actor's template)
-    leaves room for history in the budget; the others are named with why (the server would refuse their turns)."""
+def fitting(files: list[Path], limit: int | None, budget: int, reply: int) -> tuple[list, list[str]]:
+    """The first ``limit`` trajectories of ``files`` (in order) whose prompt prefix (system prompt, task, tools under
+    the actor's template) leaves room for history in the budget; the others are named with why (the server would
+    refuse their turns)."""
     tok = get_tokenizer(str(smollm2_tokenizer_dir()), None)
     keep, left = [], []
-    for tr in read_trajectories(data).trajectories:
+    for tr in (tr for f in files for tr in read_trajectories(f).trajectories):
         if limit is not None and len(keep) >= limit:
             break
         prefix = len(chat_ids(tok, [{"role": "system", "content": (tr.system or "") + (tr.tools or "")},
@@ -176,7 +186,7 @@ def fitting(data: Path, limit: int | None, budget: int, reply: int) -> tuple[lis
         else:
             keep.append(tr)
     if not keep:
-        raise PalimpsestError(f"no trajectory of {data} fits the budget of {budget} tokens")
+        raise PalimpsestError(f"no trajectory of {', '.join(map(str, files))} fits the budget of {budget} tokens")
     return keep, left
 
 
@@ -213,18 +223,40 @@ def identical_note(summary: dict) -> str:
             "turns where an arm changed something.\n\n")
 
 
-def gate_note(shadows: list[dict], served: list[dict], arms: list[str]) -> str:
-    """What the rollout gate would decide on the memory arm as a candidate of `pace` (what `palimpsest serve` makes
-    of a registered memory), read on this run's paired turns."""
-    if MEMORY_ARM not in arms or "pace" not in arms:
-        return ""
-    try:
-        g = gate_on_paired_arms(shadows, served, "pace", MEMORY_ARM)
-    except PalimpsestError as e:  # no gate in this checkout's statistics
-        return f"\nThe rollout gate was not read: {e}.\n"
-    return (f"\n**The rollout gate** on `{MEMORY_ARM}` as a candidate of `pace`, read on these {g['sessions']} paired "
-            f"trajectories: **{g['decision']}** ({g['reason']}). Served by default it would stay dark until the gate "
-            "promotes it (docs/serving.md, \"Candidates and rollouts\").\n")
+def candidate_arm(fits: bool) -> ArmConfig:
+    """The demo's dark candidate of `pace`: the registered memory when it was trained at the demo's budget, else
+    `window` (a policy that differs from `pace` at that budget), so a run always has a decision to show."""
+    if fits:
+        return ArmConfig(name=MEMORY_ARM, policy={"type": "pace"}, memory=True, candidate_of=CONTROL, stage="dark")
+    return ArmConfig(name="window", policy={"type": "window"}, candidate_of=CONTROL, stage="dark")
+
+
+def decide_candidates(ledger: Ledger, cfg, info: dict, track: bool) -> tuple[list, list[dict]]:
+    """(the judged candidates, the gate's answer on each): the rollout gate read once more on every pair of the
+    run (the replica reads it at each refresh, and the last pairs may come after its last one), with the function
+    the replicas call (``rollouts.decide``: a decision that moves a stage is appended to the ledger, and with
+    ``track`` logged to MLflow)."""
+    judged, _ = judged_candidates(cfg, info.get("memory") or {}, info.get("prompt_embeds", True))
+    results = []
+    for c in judged:
+        r = decide(ledger, c, cfg.ab.gate_alpha, cfg.ab.gate_margin, cfg.ab.gate_min_pairs, len(judged))
+        if track and r.get("recorded") is not None:
+            log_decision(r, c, cfg.tracking.experiment)
+        results.append({"candidate": c.name, "control": c.control, "subject": c.subject, **r})
+    return judged, results
+
+
+def control_report(ledger: Ledger, served: list[dict], outcomes: list[dict], shadows: list[dict],
+                   calls: list[dict]) -> tuple[dict, dict, dict, str]:
+    """The controls' two reports from one run (the positive controls, the A/A control) and their verdicts; the
+    A/A's served prompts are compared by the audit's prompt hashes, not by their sizes."""
+    summary = ab_summary(served, outcomes, list(POSITIVE), shadows, calls)
+    aa = ab_summary(served, outcomes, list(AA), shadows, calls)
+    sessions = {r["session_id"] for r in served if r["session_id"].endswith(tuple("@" + a for a in AA))}
+    verdicts = control_verdicts(summary, aa, served, audit=audit_rows(ledger, sessions))
+    md = (summary_markdown(summary) + "\n**The A/A control**\n\n" + summary_markdown(aa) + "\n"
+          + verdicts_markdown(verdicts))
+    return summary, aa, verdicts, md
 
 
 def show_markdown(out: Console, md: str) -> None:
@@ -253,9 +285,11 @@ def run_main_demo(out: Console, data: Path, serve_config: Path = DEMO_SERVE, tra
         raise PalimpsestError(f"no trajectories at {data}; pass --data FILE")
     if full:  # the previous default's shape: a turn every 8 steps from step 4, two per session
         first, max_turns = min(first, 4), max(max_turns, 2)
-    if limit is None and not (control or full):
-        limit = DEMO_TRAJECTORIES
     cfg = demo_config(serve_config, control, full, budget, window)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    if "://" not in cfg.ledger:  # a ledger of the run's own: no candidate's decision of an earlier run carries over
+        path = Path(cfg.ledger)
+        cfg = cfg.model_copy(update={"ledger": str(path.with_name(f"{path.stem}-{stamp}{path.suffix}"))})
     progress = Progress(out, stages=6)
     timings: dict[str, float] = {}
     progress.stage("models")
@@ -265,17 +299,17 @@ def run_main_demo(out: Console, data: Path, serve_config: Path = DEMO_SERVE, tra
     if not control:
         ref = ensure_memory(out, train_config, data)
         fits, why = memory_fits(ref, cfg.budget)
-        if fits and MEMORY_ARM not in [a.name for a in cfg.arms]:
-            cfg = cfg.model_copy(update={"arms": [*cfg.arms, ArmConfig(name=MEMORY_ARM, policy={"type": "pace"},
-                                                                         memory=True)]})
-        out.print(f"memory arm {'added' if fits else 'left out'}: {why}")
+        candidate = candidate_arm(fits)
+        if all(a.candidate_of is None for a in cfg.arms):
+            cfg = cfg.model_copy(update={"arms": [*cfg.arms, candidate]})
+        out.print(f"dark candidate of `{CONTROL}`: `{candidate.name}` ({why})")
     else:
         out.print("the controls: `last2` against `pace` (compaction epochs) and `pace-per-turn`; `pace` against "
                   f"`pace-aa` (A/A); budget {cfg.budget}, reference window {cfg.actor.max_model_len}, no memory arm")
     timings["memory_s"] = time.perf_counter() - t0
     if not any(a.memory for a in cfg.arms):
         cfg = cfg.model_copy(update={"memory": cfg.memory.model_copy(update={"model": None})})
-    arms = [a.name for a in cfg.arms]
+    arms = [a.name for a in cfg.arms if a.candidate_of is None]  # the served arms (candidates are judged dark)
     progress.stage("serve", expect_s=60)
     t0 = time.perf_counter()
     server = LocalServer(cfg, port=port).start()
@@ -286,12 +320,17 @@ def run_main_demo(out: Console, data: Path, serve_config: Path = DEMO_SERVE, tra
               f"memory {info['memory']['models']['default']['model'] or 'off'}; arms {info['arms']}; "
               f"budget {cfg.budget}")
     try:
-        trajs, left_out = fitting(data, limit, cfg.budget, cfg.actor.max_tokens)
+        extra = data.with_name("dev_extra.jsonl")
+        files = [data, extra] if not (control or full) and extra.is_file() else [data]
+        trajs, left_out = fitting(files, limit or (None if control or full else DEMO_SESSIONS), cfg.budget,
+                                  cfg.actor.max_tokens)
         for why in left_out:
             out.print(f"  left out: {why}", highlight=False)
         total = len(trajs) * len(arms)
-        progress.stage(f"live A/B traffic: {len(trajs)} trajectories x {len(arms)} arms, up to {max_turns} turns each")
-        prefix = f"demo-{time.strftime('%Y%m%d-%H%M%S')}/"
+        judging = "" if control else f", `{cfg.arms[-1].name}` judged dark on every turn"
+        progress.stage(f"live traffic: {len(trajs)} trajectories x {len(arms)} arms ({', '.join(arms)}{judging}), "
+                       f"up to {max_turns} turns each")
+        prefix = f"demo-{stamp}/"
         finished: list[str] = []
 
         def on_session(sid, res):
@@ -302,7 +341,8 @@ def run_main_demo(out: Console, data: Path, serve_config: Path = DEMO_SERVE, tra
 
         # every session at once by default: vLLM batches their prefills and no core waits for a session's appends
         res = drive(server.url, trajs, prefix=prefix, every=every, first=first, max_turns=max_turns,
-                    concurrency=concurrency or min(total, 16), on_session=on_session, arms=arms, tail=False)
+                    max_tokens=cfg.actor.max_tokens, concurrency=concurrency or min(total, 16), on_session=on_session,
+                    arms=arms, tail=False)
         timings["traffic_s"] = res.wall_s
         out.print(f"{len(res.sessions)} sessions (each trajectory once per arm), {res.turns} turns in {res.wall_s:.0f} s; "
                   f"{len(res.errors)} errors")
@@ -326,16 +366,14 @@ def run_main_demo(out: Console, data: Path, serve_config: Path = DEMO_SERVE, tra
     calls = [r for r in ledger.served(res.started, kind="summary") if r["session_id"].startswith(prefix)]
     outcomes = [o for o in ledger.outcomes(res.started) if o["session_id"].startswith(prefix)]
     shadows = [r for r in ledger.shadows(res.started) if r["session_id"].startswith(prefix)]
-    aa = verdicts = None
+    aa = verdicts = decisions = None
     if control:  # two reports from one run: the positive controls, and the A/A control
-        summary = ab_summary(served, outcomes, list(POSITIVE), shadows, calls)
-        aa = ab_summary(served, outcomes, list(AA), shadows, calls)
-        verdicts = control_verdicts(summary, aa, served)
-        md = (summary_markdown(summary) + "\n**The A/A control**\n\n" + summary_markdown(aa) + "\n"
-              + verdicts_markdown(verdicts))
-    else:
+        summary, aa, verdicts, md = control_report(ledger, served, outcomes, shadows, calls)
+    else:  # the decisions first, then their pairs, then the served arm's figures
+        judged, decisions = decide_candidates(ledger, cfg, info, track)
         summary = ab_summary(served, outcomes, arms, shadows, calls)
-        md = identical_note(summary) + summary_markdown(summary) + gate_note(shadows, served, arms)
+        md = (decisions_markdown(decisions, status(ledger)) + pairs_markdown(ledger, judged)
+              + identical_note(summary) + summary_markdown(summary))
     show_markdown(out, md)
     progress.close()
     stages = {f"{k} (stage)": v for k, v in progress.seconds.items()}
@@ -347,11 +385,13 @@ def run_main_demo(out: Console, data: Path, serve_config: Path = DEMO_SERVE, tra
                              {"serve_config": str(serve_config), "data": str(data), "every": every, "first": first,
                               "max_turns": max_turns, "control": control, "full": full, "budget": cfg.budget,
                               "summarizer": cfg.summarizer.mode}, md + "\n" + breakdown,
-                             {"ab_aa_summary.json": aa, "ab_controls.json": verdicts} if control else None)
+                             {"ab_aa_summary.json": aa, "ab_controls.json": verdicts} if control
+                             else {"rollout_decisions.json": decisions})
         out.print(f"MLflow: experiment {cfg.tracking.experiment!r}, run {run_id} at {uri}")
     out.print(f"demo finished in {time.perf_counter() - progress.t0:.0f} s (memory {timings['memory_s']:.0f} s, serve "
               f"start {timings['serve_start_s']:.0f} s, traffic {timings['traffic_s']:.0f} s, shadow "
-              f"{timings['shadow_s']:.0f} s); everything is shut down")
+              f"{timings['shadow_s']:.0f} s); everything is shut down; the run's ledger: {cfg.ledger}")
     timings["total_s"] = time.perf_counter() - progress.t0
-    return {"summary": summary, "aa": aa, "verdicts": verdicts, "timings": {**timings, "stages": progress.seconds}, "errors": res.errors, "busy": busy, "run_id": run_id,
+    return {"summary": summary, "aa": aa, "verdicts": verdicts, "decisions": decisions, "ledger": cfg.ledger,
+            "timings": {**timings, "stages": progress.seconds}, "errors": res.errors, "busy": busy, "run_id": run_id,
             "markdown": md, "breakdown": breakdown}

@@ -307,33 +307,6 @@ def test_ab_status_prints_the_stage_and_decisions_as_json(tmp_path):
     assert row["pairs"]["scored"] == 0  # none since the decision
 
 
-def test_the_demo_reads_the_gate_on_its_paired_memory_arm(monkeypatch):
-    """`make demo` serves `pace+memory` as an arm beside `pace` (each trajectory once per arm) and prints what the
-    gate would decide on it as a candidate: one difference per trajectory, from its first turn both arms scored
-    (an identical turn's KL is 0), cost from the served prompt positions."""
-    from palimpsest.demo import gate_note
-
-    seen = []
-
-    def gate(quality_diffs, cost_diffs, alpha, margin, candidates):
-        seen.append((quality_diffs, cost_diffs))
-        return {"decision": "hold", "reason": "neither shown yet"}
-
-    monkeypatch.setattr(ab_stats, "gate_decision", gate, raising=False)
-    shadows = [{"session_id": "demo/a@pace", "t": 4, "status": "identical", "kl": None},
-               {"session_id": "demo/a@pace+memory", "t": 4, "status": "scored", "kl": 0.5},
-               {"session_id": "demo/b@pace", "t": 4, "status": "scored", "kl": 0.25},
-               {"session_id": "demo/b@pace+memory", "t": 4, "status": "scored", "kl": 0.125},
-               {"session_id": "demo/c@pace", "t": 4, "status": "skipped", "kl": None},
-               {"session_id": "demo/c@pace+memory", "t": 4, "status": "scored", "kl": 0.5}]
-    served = [{"session_id": f"demo/{x}@{arm}", "t": 4, "tokens_prompt": n}
-              for x in "abc" for arm, n in (("pace", 100), ("pace+memory", 116))]
-    note = gate_note(shadows, served, ["pace", "window", "pace+memory"])
-    assert seen == [([0.5, -0.125], [16.0, 16.0])]
-    assert "2 paired trajectories: **hold** (neither shown yet)" in note
-    assert gate_note(shadows, served, ["pace", "window"]) == ""
-
-
 @pytest.mark.slow
 def test_each_decision_is_an_mlflow_run_beside_its_policy_config_and_memory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

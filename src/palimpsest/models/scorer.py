@@ -7,6 +7,7 @@ The serving layer's memory encoder deployment holds one :class:`FidelityScorer` 
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from collections import OrderedDict
@@ -32,8 +33,11 @@ def fidelity(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> tupl
 class FidelityScorer:
     """Scores a reply after the served prompt (the student) against the same reply after a reference prompt (the
     teacher). Only the reply positions' logits are computed. A reference's prefill is kept (a few, least
-    recently used dropped): every arm of a paired trajectory is scored against the same reference at the same
-    turn, so it is computed once and each arm's reply continues from it."""
+    recently used dropped): every prompt judged at one turn (each arm of a paired trajectory, a control and its
+    candidates) is scored against the same reference, so it is computed once and each reply continues from it.
+    A student starts as the reference does (the session's system prompt, tools and task; on dev most of a prompt
+    at the demo's budget), so it continues from a copy of the reference's prefill cut to their common start, and
+    only its own tail runs through the actor."""
 
     def __init__(self, actor: FrozenActor, prefix_cache_size: int = 3):
         self.actor = actor
@@ -49,22 +53,30 @@ class FidelityScorer:
         """(KL, top-1, positions run through the actor): the student is [context; ``span``; bridge] (no span:
         ids only), the teacher ``reference``; both followed by ``reply``."""
         actor, n = self.actor, len(reply)
-        if span is None:
-            student = actor(input_ids=self._ids(context + bridge + reply)[None], last=n + 1)[0, :n]
-        else:
-            head = actor.embed(self._ids(context))
-            embeds = torch.cat([head, span.to(head.device, head.dtype), actor.embed(self._ids(bridge + reply))])[None]
-            student = actor(inputs_embeds=embeds, last=n + 1)[0, :n]
         teacher, reused = self._teacher(reference, reply)
+        # the student's start that the reference shares, less one position when nothing else would follow it
+        # (the logits before the reply's first id come from the student's last position)
+        shared = _common_start(context, reference)
+        if span is None and not bridge:
+            shared = max(min(shared, len(context) - 1), 0)
+        tail = actor.embed(self._ids(context[shared:]))
+        if span is not None:
+            tail = torch.cat([tail, span.to(tail.device, tail.dtype)])
+        tail = torch.cat([tail, actor.embed(self._ids(bridge + reply))])
+        if shared > 0:
+            past = copy.deepcopy(self._prefixes[_key(reference)][0])
+            past.crop(shared)
+            student = actor.after_prefix(past, tail, last=n + 1, keep=False)[:n]
+        else:
+            student = actor(inputs_embeds=tail[None], last=n + 1)[0, :n]
         kl, top1 = fidelity(student, teacher)
-        # the student's prompt and reply, the reply after the reference, and the reference unless it was reused
-        positions = (len(context) + len(bridge) + n + (int(span.shape[0]) if span is not None else 0) + n
-                     + (0 if reused else len(reference)))
+        # the student's own tail and reply, the reply after the reference, and the reference unless it was reused
+        positions = int(tail.shape[0]) + n + (0 if reused else len(reference))
         return kl, top1, positions
 
     def _teacher(self, reference: list[int], reply: list[int]) -> tuple[torch.Tensor, bool]:
         """The reference's logits at each reply token, and whether its prefill was reused."""
-        key = hashlib.sha256(json.dumps(reference).encode()).hexdigest()
+        key = _key(reference)
         reused = key in self._prefixes
         if reused:
             self._prefixes.move_to_end(key)
@@ -77,3 +89,16 @@ class FidelityScorer:
         if len(reply) == 1:
             return last[None], reused
         return torch.cat([last[None], self.actor.continue_from(past, len(reference), self._ids(reply[:-1]))]), reused
+
+
+def _key(reference: list[int]) -> str:
+    return hashlib.sha256(json.dumps(reference).encode()).hexdigest()
+
+
+def _common_start(a: list[int], b: list[int]) -> int:
+    """How many leading ids ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    if not n:
+        return 0
+    diff = (torch.as_tensor(a[:n]) != torch.as_tensor(b[:n])).nonzero()
+    return int(diff[0, 0]) if len(diff) else n

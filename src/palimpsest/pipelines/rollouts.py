@@ -136,32 +136,65 @@ def status(ledger) -> dict:
     return {"candidates": out}
 
 
-def gate_on_paired_arms(shadows: list[dict], served: list[dict], control: str, candidate: str, alpha: float = 0.05,
-                        margin: float = 0.0) -> dict:
-    """The gate read on a paired run (each trajectory once per arm, sessions ``ID@ARM``, as the demo drives them)
-    as if ``candidate`` were a candidate of ``control``: per trajectory, its first turn both arms scored (an
-    ``identical`` turn's KL is 0), quality ``candidate - control`` KL and cost ``candidate - control`` prompt
-    positions. Nothing is recorded."""
-    def by_arm(rows, arm, value):
-        out = {}
-        for r in rows:
-            if r["session_id"].endswith("@" + arm) and value(r) is not None:
-                out.setdefault((r["session_id"][: -len(arm) - 1], r["t"]), value(r))
-        return out
+def most_evidence(n: int) -> float:
+    """The largest e-value the sequential test can reach after ``n`` differences (every bet won in full): a side
+    needs 2/alpha, so below the ``n`` where this reaches it no decision is possible whatever the data."""
+    import numpy as np
 
-    def kl(r):
-        return 0.0 if r["status"] == "identical" else r["kl"] if r["status"] == "scored" else None
+    return float(np.mean((1.0 + ab_stats.BETS) ** n)) if n else 1.0
 
-    kls = [by_arm(shadows, arm, kl) for arm in (candidate, control)]
-    cost = [by_arm(served, arm, lambda r: r.get("tokens_prompt")) for arm in (candidate, control)]
-    first: dict[str, tuple] = {}
-    for key in sorted(set(kls[0]) & set(kls[1]), key=lambda k: (k[0], k[1])):
-        first.setdefault(key[0], key)
-    keys = list(first.values())
-    q = [kls[0][k] - kls[1][k] for k in keys]
-    c = [float(cost[0].get(k, 0) - cost[1].get(k, 0)) for k in keys]
-    return {**gate_function()(quality_diffs=q, cost_diffs=c, alpha=alpha, margin=margin, candidates=1),
-            "sessions": len(keys), "control": control, "candidate": candidate}
+
+def _gate_line(r: dict) -> str:
+    """A gate answer's evidence in words: n, each e-value beside the level it must reach, the differences' means."""
+    q, c = r.get("quality") or {}, r.get("cost") or {}
+    if not q:
+        return r.get("reason", "")
+    n = int(r.get("n", 0))
+    e = {k: v["e_value"] for k, v in q.items()}
+    return (f"n = {n} sessions (the most any e-value can reach at this n: {most_evidence(n):.1f}); quality e-values: "
+            f"worse {e['worse']:.3g} (withdraws at {q['worse']['threshold']:g}), better {e['better']:.3g}, not worse "
+            f"by {r.get('margin', 0):g} {e['non_inferior']:.3g} (each promotes at {q['better']['threshold']:g}); "
+            f"cost e-value (billed ids lower) {c.get('e_value', 1.0):.3g}")
+
+
+def decisions_markdown(results: list[dict], state: dict) -> str:
+    """The rollout's decisions, first in a report: per candidate, the gate's answer on the run's last read (``decide``:
+    promote, withdraw or hold, with its evidence) and every decision the ledger holds for it (``status``)."""
+    if not results:
+        return ""
+    lines = ["**Decisions** (the rollout gate, `pipelines/ab_stats.py:gate_decision`: a sequential test valid "
+             "whenever it is read, one difference per session from its first paired turn, "
+             f"alpha {results[0].get('alpha', 0.05):g} over {len(results)} candidate(s)):", ""]
+    recorded = {(c["candidate"], c["subject"]): c for c in state.get("candidates", [])}
+    for r in results:
+        row = recorded.get((r["candidate"], r["subject"])) or {"decisions": [], "stage": r.get("stage")}
+        head = f"- `{r['candidate']}` (candidate of `{r['control']}`, {r['subject']})"
+        for d in row["decisions"]:
+            ev = d["evidence"]
+            lines.append(f"{head}: **{d['decision']}** -> {d['stage']} (ledger decision #{d['id']}; "
+                         f"{ev.get('reason', '')}): {_gate_line(ev)}")
+        if r.get("recorded") is None and r.get("stage") in GATED:  # the last read moved nothing: what it said
+            lines.append(f"{head}: **{r['decision']}**, stays {r.get('stage')} ({r.get('reason', '')})"
+                         + (f": {_gate_line(r)}" if r.get("quality") else ""))
+    lines += ["", f"Quality: {QUALITY}. Cost: {COST}.", ""]
+    return "\n".join(lines) + "\n"
+
+
+def pairs_markdown(ledger, judged: Sequence[Judged]) -> str:
+    """Each candidate's pairs of the run: counts, the per-session differences' means, and the fixed-n sign-flip
+    test on the same differences (valid read once, at the end; the gate above is the one read at every refresh)."""
+    if not judged:
+        return ""
+    lines = ["| candidate | pairs scored (skipped) | sessions | quality diff, mean | cost diff, mean (positions) | "
+             "sign-flip p, read once |", "|---|---|---|---|---|---|"]
+    for c in judged:
+        ev = evidence(ledger, c)
+        q, cost = ev["quality_diffs"], ev["cost_diffs"]
+        p = ab_stats.paired_test(q)["p"] if q else float("nan")
+        lines.append(f"| {c.name} | {ev['scored']} ({ev['skipped']}) | {ev['sessions']} | "
+                     f"{(sum(q) / len(q) if q else float('nan')):+.4f} | {(sum(cost) / len(cost) if cost else 0):+.1f} | "
+                     f"{p:.3f} |")
+    return "\n".join(lines) + "\n\n"
 
 
 def tracking_configured(uri: str | None) -> bool:
