@@ -23,12 +23,12 @@ from palimpsest.platform.abstraction import RuleSummarizer, Summaries
 from palimpsest.platform.budget import Budget
 from palimpsest.platform.chat import prefix_tokens
 from palimpsest.platform.compiler import ELIDE_SHARE, compile_plan
-from palimpsest.platform.context_edits import retained
 from palimpsest.platform.embedding import Embedder, HashingEmbedder
 from palimpsest.platform.epoch_compile import compile_epoch
 from palimpsest.platform.epochs import Boundary, compaction_of, epoch_key, recent_of, turn_cost
 from palimpsest.platform.ledger import Ledger, SessionSnapshot
 from palimpsest.platform.policies import PolicyConfigBase, PolicyDeps, build_policy
+from palimpsest.platform.retain import retained
 from palimpsest.platform.policies.base import ContextPolicy
 from palimpsest.platform.render import key_text, render_full_body
 from palimpsest.platform.snapshots import SnapshotCache

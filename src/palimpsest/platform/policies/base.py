@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Callable, ClassVar, Literal, Protocol
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from palimpsest.platform.context_edits import Retain
+from palimpsest.platform.retain import Retain
 
 from palimpsest.platform.embedding import Embedder, HashingEmbedder
 from palimpsest.platform.epochs import Compaction
