@@ -7,7 +7,7 @@ machine it runs on (2 CPU cores, BENCHMARKS.md "`make demo` on this machine"):
    memory encoder, ingress), serving `pace` with the registered memory as its dark candidate (`pace+memory`,
    as `palimpsest serve` runs a registered memory: never served until the gate promotes it; `window` when the
    memory was trained at another budget), on a ledger of the run's own;
-4. replay 12 trajectories (every dev trajectory that fits the budget, then the extra dev trajectories beside
+4. replay 10 trajectories (every dev trajectory that fits the budget, then the extra dev trajectories beside
    the dev file: ``DEMO_SESSIONS``) through the HTTP endpoint as live traffic, one turn per session at step 4,
    posting each session's outcome: on every turn the shadow lane compiles what the candidate would have served
    for that same turn and scores both prompts against the full-history reference over the served reply (the
@@ -65,8 +65,8 @@ MEMORY_ARM = "pace+memory"
 CONTROL = "pace"  # the served arm; the demo's candidate is judged on its turns
 #: the default run's sessions: every dev trajectory that fits (8 of 10), then the extra ones beside the dev file
 #: (``dev_extra.jsonl``). At 8 sessions the gate can withdraw only when almost every session points one way (an
-#: e-value reaches at most 53 of the 40 it needs) and cannot promote (80: 9 sessions at least); at 12 both can
-DEMO_SESSIONS = 12
+#: e-value reaches at most 53 of the 40 it needs) and cannot promote (80: 9 sessions at least); at 10 both can (170)
+DEMO_SESSIONS = 10
 @dataclass
 class Progress:
     """One line per stage and per step inside it, with the elapsed time and an ETA from the rate so far."""

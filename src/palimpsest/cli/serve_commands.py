@@ -38,7 +38,7 @@ def demo(
     concurrency: Optional[int] = typer.Option(None, min=1, max=64, help="sessions driven at once (default: all, "
                                                                        "at most 16)"),
     limit: Optional[int] = typer.Option(None, min=1, help="only the first N trajectories that fit the budget "
-                                                         "(default: 12, the dev file's then dev_extra.jsonl's beside "
+                                                         "(default: 10, the dev file's then dev_extra.jsonl's beside "
                                                          "it; every one of the dev file with --control or --full)"),
     control: bool = typer.Option(False, "--control", help="the controls: the weak `last2` against `pace` (epochs) and "
                                                          "`pace-per-turn`, and `pace` against itself (A/A), at budget "
