@@ -86,6 +86,13 @@ def test_the_rayservice_deploys_a_serve_config_that_ray_and_palimpsest_accept():
     cfg = parse_serve_config(serve_cfg["applications"][0]["args"])
     assert cfg.resources.actor_gpus == 1.0 and cfg.actor.dtype == "bfloat16"
     assert serve_cfg["http_options"]["host"] == "0.0.0.0" and cfg.auth.tenants_file  # exposed: keys required
+    # the registered memory joins as a dark candidate of pace: no user is served it until the gate promotes it
+    memory = cfg.arm("pace+memory")
+    assert memory.memory and memory.candidate_of == "pace" and (memory.stage or "dark") == "dark"
+    served = [a.name for a in cfg.arms if a.candidate_of is None]
+    assert served == ["pace"]
+    for d in serve_cfg["applications"][0].get("deployments", []):  # live weights name served arms only
+        assert set((d.get("user_config") or {}).get("weights", {})) <= set(served)
     import importlib
 
     module, attr = app.import_path.split(":")
