@@ -6,6 +6,7 @@
     palimpsest audit --session ID               every audited turn of a session
     palimpsest policies                         names and default configs
     palimpsest view                             PACE and ACE side by side on a real trajectory
+    palimpsest train-relevance --config F       the relevance predictor (Ray Train, MLflow)
     palimpsest serve [--config F]               the composed HTTP app (Ray Serve + vLLM) on this machine
     palimpsest ab report                        per-arm A/B comparison with confidence intervals
     palimpsest ab status                        candidate arms: stage, decisions and their evidence
@@ -22,7 +23,7 @@ import sys
 import click
 import typer
 
-from palimpsest.cli import ledger_commands, model_commands, replay_commands, serve_commands
+from palimpsest.cli import ledger_commands, model_commands, relevance_commands, replay_commands, serve_commands
 from palimpsest.cli.common import _fail, _json_stdout  # noqa: F401  (the tests call _json_stdout)
 from palimpsest.platform.types import PalimpsestError
 
@@ -40,6 +41,7 @@ app.command()(ledger_commands.policies)
 app.command()(replay_commands.replay)
 app.command()(replay_commands.report)
 app.command()(model_commands.train)
+app.command("train-relevance")(relevance_commands.train_relevance)
 app.command("eval-actions")(model_commands.eval_actions)
 app.command("eval-memory")(model_commands.eval_memory)
 app.command("eval-reconstruction")(model_commands.eval_reconstruction)

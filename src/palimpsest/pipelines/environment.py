@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from palimpsest.models.assets import smollm2_tokenizer_dir
+from palimpsest.models.relevance import RelevanceResolver
 from palimpsest.platform import HashingEmbedder, Ledger, Runtime
 from palimpsest.platform.embedding import Embedder
 from palimpsest.platform.types import PalimpsestError
@@ -40,6 +41,8 @@ def tokenizer_spec(name: str) -> str:
 
 
 def open_runtime(ledger: str | Path, embedder: str = "minilm", tokenizer: str = "smollm2", wrap=None) -> Runtime:
-    """A runtime over ``ledger``; ``wrap`` (e.g. a timing wrapper) is applied to the embedder."""
+    """A runtime over ``ledger``; ``wrap`` (e.g. a timing wrapper) is applied to the embedder. A policy that names a
+    relevance predictor finds it in MLflow (or a bundle directory), else scores by the cosine."""
     emb = make_embedder(embedder)
-    return Runtime(Ledger(ledger, tokenizer=tokenizer_spec(tokenizer)), embedder=wrap(emb) if wrap else emb)
+    return Runtime(Ledger(ledger, tokenizer=tokenizer_spec(tokenizer)), embedder=wrap(emb) if wrap else emb,
+                   relevance=RelevanceResolver())

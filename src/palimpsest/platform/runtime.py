@@ -73,7 +73,7 @@ class Runtime:
 
     def __init__(self, ledger: Ledger, embedder: Embedder | None = None, summarizer: Summarizer | None = None,
                  glimpse_limit: int = 3, chat=None, leases: bool | None = None, lease_s: float = 60.0,
-                 snapshot_cache_bytes: int = 512 << 20, cached_rate: float = 0.1):
+                 snapshot_cache_bytes: int = 512 << 20, cached_rate: float = 0.1, relevance=None):
         self.ledger = ledger
         if ledger.prefix_cost is None:  # the ledger prices a session's fixed prefix as this prompt renders it
             ledger.prefix_cost = functools.partial(prefix_tokens, ledger.tokenizer)
@@ -85,7 +85,8 @@ class Runtime:
         self.embedder = embedder or HashingEmbedder()
         self.summarizer = summarizer or RuleSummarizer()
         self.glimpse_limit = glimpse_limit
-        self.deps = PolicyDeps(embedder=self.embedder, tokenizer=ledger.tokenizer, chat=chat)
+        # ``relevance``: finds a relevance predictor by reference for the policies that name one (the cosine without)
+        self.deps = PolicyDeps(embedder=self.embedder, tokenizer=ledger.tokenizer, chat=chat, relevance=relevance)
         self._lock = threading.Lock()
         self._boundaries: OrderedDict[int, Boundary] = OrderedDict()  # decoded boundaries by ledger row
         # The last audited turn's ids per (session, policy and budget): what a prefix cache holds of the next

@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 from fastapi import Request
 
+from palimpsest.models.relevance import RelevanceResolver
 from palimpsest.platform import Ledger, Runtime
 from palimpsest.platform.abstraction import RuleSummarizer
 from palimpsest.platform.chat import MEMORY_READ_VERSION
@@ -169,6 +170,7 @@ class Replica:
         tokenizer = get_tokenizer(info["tokenizer"], info.get("chat_template"))
         ledger = await asyncio.to_thread(Ledger, self.cfg.ledger, tokenizer, pool_size=self.cfg.ledger_pool_size)
         self.runtime = Runtime(ledger, embedder=HandleEmbedder(self.embedder_h, emb["name"]), summarizer=RuleSummarizer(),
+                               relevance=RelevanceResolver(),  # a policy's relevance predictor (MLflow), if named
                                glimpse_limit=self.cfg.limits.glimpses_per_turn,
                                chat=ActorChat(self.actor, self.cfg.summarizer.timeout_s, lambda messages, n: sent_ids(
                                    tokenizer, messages, info["max_model_len"], n)),

@@ -46,6 +46,9 @@ class PolicyDeps:
     # A served language model, when there is one: chat message lists in, one reply each out (None where a
     # reply failed or timed out). The LLM elasticizer of `ace` uses it; it is absent offline.
     chat: Callable[[list[list[dict]]], list[str | None]] | None = None
+    # Finds a relevance predictor by its reference (``platform.relevance``; None where none is registered), for
+    # the policies whose config names one; absent, they score by the cosine.
+    relevance: Callable[[str], object] | None = None
 
 
 class PolicyConfigBase(BaseModel):
@@ -64,6 +67,8 @@ class PolicyConfigBase(BaseModel):
         data = self.model_dump(mode="json")
         if self.retain.empty:  # what every config had before retain existed: the same hash
             data.pop("retain")
+        if data.get("relevance", 0) is None:  # likewise for a policy that names no relevance predictor
+            data.pop("relevance")
         blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

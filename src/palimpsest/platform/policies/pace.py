@@ -34,6 +34,7 @@ from palimpsest.platform.policies.base import (
     relative_softmax,
     scored_plan_start,
 )
+from palimpsest.platform.relevance import RelevanceSection, predicted
 from palimpsest.platform.types import RenderPlan, Resolution
 
 if TYPE_CHECKING:
@@ -59,6 +60,8 @@ class PaceConfig(PolicyConfigBase):
     length_pressure_max: float | None = Field(
         1.0, gt=0.0, description="the most the length term t/T_max adds to pressure (None: unbounded, the paper). "
         "Old history's cost is bounded by the fold, so past T_max the budget term |C|/B_max measures pressure")
+    relevance: RelevanceSection | None = Field(None, description="a learned relevance predictor scoring old steps "
+                                               "in place of the cosine (platform.relevance); None: the cosine")
 
     @model_validator(mode="after")
     def _ordered(self) -> "PaceConfig":
@@ -94,9 +97,17 @@ class PacePolicy:
         return query_text(snap, self.cfg.recent, self.cfg.query)
 
     def relative_weights(self, snap: "SessionSnapshot", old: np.ndarray) -> np.ndarray:
-        """w~ = M · softmax(cos(q, k) / tau) over the old steps that have a key."""
-        s = query_relevance(snap, self.cfg.recent, self.cfg.query, self.deps.embedder)[old]  # (M,) cosine
-        return relative_softmax(s, self.cfg.tau)
+        """w~ = M · softmax(cos(q, k) / tau) over the old steps that have a key (with a ``relevance`` predictor
+        found, its probabilities in place of the cosine)."""
+        return self.weighted(snap, old)[0]
+
+    def weighted(self, snap: "SessionSnapshot", old: np.ndarray) -> tuple[np.ndarray, str]:
+        """(w~, what scored the steps: the predictor's reference or "cosine")."""
+        s, tau, source = predicted(snap, old, self.cfg.relevance, self.deps,
+                                   lambda n: query_text(snap, n, "recent_first"))
+        if s is None:
+            s = query_relevance(snap, self.cfg.recent, self.cfg.query, self.deps.embedder)[old]  # (M,) cosine
+        return relative_softmax(s, tau or self.cfg.tau), source
 
     def plan(self, snap: "SessionSnapshot", budget: int) -> RenderPlan:
         m, n = snap.t, self.cfg.recent
@@ -105,8 +116,9 @@ class PacePolicy:
         p = self.pressure(snap, budget)
         alpha, beta, gamma = self.thresholds(p)
         old = np.flatnonzero(snap.has_key[: max(0, m - n)])
+        source = "cosine"
         if old.size:
-            wt = self.relative_weights(snap, old)
+            wt, source = self.weighted(snap, old)
             score[old] = wt
             level = np.full(old.size, Resolution.PLACEHOLDER, dtype=np.int8)
             level[wt > alpha] = Resolution.BRIEF
@@ -119,5 +131,6 @@ class PacePolicy:
                 codes[old[level == r]] = reasons(text)
         fallback_missing(snap, budget, res, score, codes, reasons, Resolution.PLACEHOLDER)
         return new_plan(self.name, self.config_hash, snap, res, score, codes, reasons,
-                        info={"pressure": p, "thresholds": [alpha, beta, gamma], "scored": int(old.size)},
+                        info={"pressure": p, "thresholds": [alpha, beta, gamma], "scored": int(old.size),
+                              "relevance": source},
                         history=self.cfg.history)

@@ -36,10 +36,12 @@ from palimpsest.platform.policies.base import (
     new_plan,
     query_relevance,
     query_steps,
+    query_text,
     query_texts,
     relative_softmax,
     scored_plan_start,
 )
+from palimpsest.platform.relevance import RelevanceSection, predicted
 from palimpsest.platform.types import RenderPlan, Resolution
 
 if TYPE_CHECKING:
@@ -76,6 +78,8 @@ class PacePlusConfig(PolicyConfigBase):
     # fill and price the cheapest grid point within 0.005 of the best label-free action-identifier recall.
     coverage: tuple[float, float, float, float] = Field(
         (0.182, 0.62, 0.869, 1.0), description="expected share of a step's facts kept at placeholder, brief, detailed, full")
+    relevance: RelevanceSection | None = Field(None, description="a learned relevance predictor whose probabilities "
+                                               "replace the hybrid score (platform.relevance); None: the hybrid")
 
     @field_validator("coverage")
     @classmethod
@@ -152,25 +156,32 @@ class PacePlusPolicy:
         ids, paths, urls, _ = extract_salient("\n".join(texts))
         return texts, frozenset(ids) | frozenset(paths) | frozenset(urls)
 
-    def relevance(self, snap: "SessionSnapshot", old: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(r, n_ids): relative relevance (mean 1) and the number of identifiers each step holds."""
-        _, q_ids = self._query(snap)
-        cos = query_relevance(snap, self.cfg.recent, self.cfg.query, self.deps.embedder)[old]  # (M,)
+    def relevance(self, snap: "SessionSnapshot", old: np.ndarray) -> tuple[np.ndarray, np.ndarray, str]:
+        """(r, n_ids, source): relative relevance (mean 1), the number of identifiers each step holds, and what
+        scored them. With a relevance predictor found, its probabilities (which read the overlap and the step's age
+        themselves) are the score, else the hybrid."""
         index = snap.salient_index()
         n_ids = index.sizes[old].astype(np.float64)
+        p, tau, source = predicted(snap, old, self.cfg.relevance, self.deps,
+                                   lambda n: query_text(snap, n, "recent_first"))
+        if p is not None:
+            return relative_softmax(p, tau or self.cfg.tau), n_ids, source
+        _, q_ids = self._query(snap)
+        cos = query_relevance(snap, self.cfg.recent, self.cfg.query, self.deps.embedder)[old]  # (M,)
         shared = index.overlap(q_ids)[old].astype(np.float64)
         overlap = shared / np.sqrt(np.maximum(n_ids, 1.0) * max(len(q_ids), 1))
         age = (snap.t - 1 - old).astype(np.float64)
         s = cos + self.cfg.eta * overlap + self.cfg.kappa * np.exp2(-age / self.cfg.half_life)
-        return relative_softmax(s, self.cfg.tau), n_ids
+        return relative_softmax(s, self.cfg.tau), n_ids, "hybrid"
 
     def plan(self, snap: "SessionSnapshot", budget: int) -> RenderPlan:
         m, n = snap.t, self.cfg.recent
         res, score, codes, reasons, recent = scored_plan_start(snap, n, self.deps.embedder, self.name)
         old = np.flatnonzero(snap.has_key[: max(0, m - n)])
+        source = "hybrid"
         capacity = self.cfg.fill * budget - snap.prefix_tokens - float(snap.tokens[recent, Resolution.FULL].sum())
         if old.size:
-            r, n_ids = self.relevance(snap, old)
+            r, n_ids, source = self.relevance(snap, old)
             score[old] = r
             costs = np.zeros((old.size, len(_LEVELS)))  # (M, 5); dropping costs nothing
             costs[:, 1:] = np.stack([snap.tokens[old, lv] for lv in _LEVELS[1:]], axis=1)
@@ -185,5 +196,5 @@ class PacePlusPolicy:
                 codes[old[level == lv]] = reasons(f"knapsack: {lv.label} (value per token)")
         fallback_missing(snap, budget, res, score, codes, reasons, Resolution.PLACEHOLDER)
         return new_plan(self.name, self.config_hash, snap, res, score, codes, reasons, fold_ranges=True,
-                        info={"capacity": capacity, "scored": int(old.size)},
+                        info={"capacity": capacity, "scored": int(old.size), "relevance": source},
                         history=self.cfg.history)
