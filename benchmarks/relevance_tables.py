@@ -13,6 +13,8 @@ refuses to run when none is found, so a row never silently falls back to the cos
 are reserved for the reply; billed = uncached + 0.1 x cached, against the previous turn's ids (a prefix cache
 holds their common prefix in 16-token blocks). Writes `epochs.json` (one summary per budget, what
 `benchmarks/loss_table.py` reads), `epochs.md` and the per-step Parquet under --out.
+
+    .venv/bin/python benchmarks/relevance_tables.py --table DIR [DIR ...]   # one table from several runs
 """
 
 from __future__ import annotations
@@ -57,7 +59,40 @@ def configs(names: list[str], predictor: str | None) -> dict:
     return out
 
 
+def combined(dirs: list[Path]) -> str:
+    """One table per budget from several runs' ``epochs.json`` (a half each): per half and policy, recall, billed and
+    uncached ids per turn against `full`'s, and the lost far needs by how their source step was shown."""
+    by_budget: dict[int, list[dict]] = {}
+    for d in dirs:
+        for s in json.loads((d / "epochs.json").read_text()):
+            by_budget.setdefault(int(s["budget"]), []).append(s)
+    out = []
+    for budget, runs in sorted(by_budget.items(), reverse=True):
+        out += [f"**Budget {budget:,}** (128 reserved; billed = uncached + 0.1 x cached, per turn; x full: against "
+                "`full` on the same half)", "",
+                "| half | policy | strong | far | billed/turn (x full) | uncached/turn (x full) | lost far: detailed / "
+                "brief / placeholder / hidden / full |", "|---|---|---|---|---|---|---|"]
+        for s in runs:
+            pols = s["policies"]
+            full = pols.get("full", {})
+            for name, m in pols.items():
+                if name == "full":
+                    continue
+                lost = m["far_lost"]
+                out.append(f"| {s['part']} ({s['data']['trajectories']}) | {name} | {m['need_recall_strong']:.3f} | "
+                           f"{m['need_recall_far']:.3f} | {m['billed_per_turn']:,.0f} "
+                           f"({m['billed_per_turn'] / full['billed_per_turn']:.2f}) | {m['uncached_per_turn']:,.0f} "
+                           f"({m['uncached_per_turn'] / full['uncached_per_turn']:.2f}) | "
+                           + " / ".join(str(lost.get(k, 0)) for k in ("detailed", "brief", "placeholder", "drop", "full"))
+                           + " |")
+        out.append("")
+    return "\n".join(out)
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--table"]:  # the combined table of runs already written
+        print(combined([Path(d) for d in sys.argv[2:]]))
+        return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", type=Path, default=default_data())
     ap.add_argument("--half", choices=("fit", "report", "all"), default="report")
