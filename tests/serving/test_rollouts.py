@@ -174,8 +174,6 @@ def test_a_dark_candidate_the_gate_promotes_becomes_a_canary_then_is_promoted_on
 def test_the_gate_withdraws_a_memory_that_measured_worse(tmp_path):
     """With the statistics' own gate: sessions where the candidate's KL is clearly above the control's end its
     dark stage as withdrawn, with the test's evidence in the ledger."""
-    if not hasattr(ab_stats, "gate_decision"):
-        pytest.skip("pipelines.ab_stats.gate_decision is not there yet")
     replica = _Routed(_config("dark"), Ledger(str(tmp_path / "l.db")))
     c = replica.service.judged[0]
     _pairs(replica.service.ledger, c, 60, control_kl=0.2, candidate_kl=lambda i: 0.5 + 0.05 * ((i * 7) % 5 - 2))

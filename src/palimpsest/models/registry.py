@@ -273,15 +273,24 @@ def register_bundle(bundle: Path, run_id: str, register_as: str | None, tags: di
     if not register_as:
         return None
     # the bundle as it is (state dict + record), no pickled module: the version's source is the logged checkpoint
+    return register_version(register_as, run_id, "checkpoint",
+                            {**tags, "policy_hash": policy.get("hash"), "architecture": ARCHITECTURE})
+
+
+def register_version(name: str, run_id: str, artifact: str, tags: dict) -> str:
+    """A new version of registered model ``name`` (created on first use) from run ``run_id``'s ``artifact``
+    folder, tagged with every non-empty tag; returns its ``models:/`` URI."""
+    import mlflow  # heavy: the registry's callers import it only when they register
+
     client = mlflow.MlflowClient()
     try:
-        client.create_registered_model(register_as)
+        client.create_registered_model(name)
     except mlflow.exceptions.MlflowException as e:
         if "RESOURCE_ALREADY_EXISTS" not in str(e.error_code):
             raise
     run = client.get_run(run_id)
-    version = str(client.create_model_version(register_as, f"{run.info.artifact_uri}/checkpoint", run_id=run_id).version)
-    for key, value in {**tags, "policy_hash": policy.get("hash"), "architecture": ARCHITECTURE}.items():
+    version = str(client.create_model_version(name, f"{run.info.artifact_uri}/{artifact}", run_id=run_id).version)
+    for key, value in tags.items():
         if value:
-            client.set_model_version_tag(register_as, version, key, value)
-    return f"models:/{register_as}/{version}"
+            client.set_model_version_tag(name, version, key, str(value))
+    return f"models:/{name}/{version}"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from palimpsest.models.registry import tracking_uri
+from palimpsest.models.registry import register_version, tracking_uri
 from palimpsest.platform.relevance import ARCHITECTURE, FEATURES_VERSION, SCALARS, RelevanceHead
 from palimpsest.platform.types import ConfigError
 
@@ -108,18 +108,8 @@ def register_head(bundle: Path, run_id: str, register_as: str | None, tags: dict
         mlflow.log_artifacts(str(bundle), artifact_path="relevance")
     if not register_as:
         return None
-    client = mlflow.MlflowClient()
-    try:
-        client.create_registered_model(register_as)
-    except mlflow.exceptions.MlflowException as e:
-        if "RESOURCE_ALREADY_EXISTS" not in str(e.error_code):
-            raise
-    run = client.get_run(run_id)
-    version = str(client.create_model_version(register_as, f"{run.info.artifact_uri}/relevance", run_id=run_id).version)
-    for key, value in {**tags, "architecture": ARCHITECTURE, "features_version": FEATURES_VERSION}.items():
-        if value:
-            client.set_model_version_tag(register_as, version, key, str(value))
-    return f"models:/{register_as}/{version}"
+    return register_version(register_as, run_id, "relevance",
+                            {**tags, "architecture": ARCHITECTURE, "features_version": FEATURES_VERSION})
 
 
 __all__ = ["REGISTERED_RELEVANCE", "RelevanceResolver", "load_head", "read_head", "register_head", "write_head"]
