@@ -119,8 +119,7 @@ def test_the_embedded_serve_default_is_the_complete_local_configuration(monkeypa
     assert ActorConfig(model="/models/other").chat_template is None
 
 
-@pytest.mark.parametrize("path", sorted(p for p in CONFIGS.glob("train/*.yaml") if p.name != "relevance.yaml"),
-                         ids=lambda p: p.name)  # relevance.yaml: tests/training/test_relevance.py
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("train/*.yaml")), ids=lambda p: p.name)
 def test_train_configs_reach_the_data_builder_and_the_network_whole(path):
     """The ``data:`` section is the data builder's one config: what the builder gets is that section, with only
     the derived fields (soft slots, seed) filled in; its memory section is a valid MemoryConfig whole."""

@@ -70,3 +70,17 @@ def test_the_trigger_counts_input_tokens_whatever_the_reply_reserves(runtime, se
         report = applied(ContextEdits(kind="compaction", trigger_tokens=size - 100), turn.plan, turn.snapshot, below,
                          budget, True, reserve)
         assert report["high_tokens"] == size - 100 and report["applied"]
+
+
+@pytest.mark.parametrize("field,value", [("keep_tool_uses", 1_000_001), ("trigger_tool_uses", 1_000_001),
+                                         ("trigger_tokens", 0), ("trigger_tokens", (1 << 40) + 1),
+                                         ("clear_at_least_tokens", -1)])
+def test_an_edit_beyond_what_a_policy_holds_is_refused_where_it_is_read(field, value):
+    """An edit is checked where a request is read: one the retain section or the clear_tool_uses policy could not
+    hold would otherwise fail inside the turn."""
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=field):
+        ContextEdits(kind="clear_tool_uses_20250919", **{field: value})
+    edits = ContextEdits(kind="clear_tool_uses_20250919", keep_tool_uses=1_000_000, trigger_tokens=1 << 40)
+    assert edited_config(parse_policy_config({"type": "pace"}), edits, 4096).retain.tool_uses == 1_000_000

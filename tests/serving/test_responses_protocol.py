@@ -10,10 +10,13 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from palimpsest.serving import errors
 from palimpsest.serving.openai_protocol import parse_messages
+from palimpsest.serving import responses_protocol, responses_proxy
 from palimpsest.serving.responses_protocol import ResponsesInputError, input_messages, read_request
 from palimpsest.serving.schemas import ChatIn
 
@@ -25,6 +28,26 @@ def recorded(name: str) -> dict:
 
 
 # -- the Responses API -----------------------------------------------------------------------------------
+
+
+def test_the_documented_body_is_what_the_reader_reads_and_the_recorded_request_fits_it():
+    """``/openapi.json`` declares the body of ``POST /v1/responses`` (clients and the fuzzer generate from it): the
+    fields and item kinds it names are the ones ``read_request`` reads, and Codex's recorded request is valid."""
+    import jsonschema
+
+    doc = responses_proxy.documented({"paths": {"/v1/responses": {"post": {}}}}, ["m"])
+    body = doc["paths"]["/v1/responses"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    schema = {**doc["components"]["schemas"]["ResponsesRequest"], "components": doc["components"]}
+    assert body == {"$ref": "#/components/schemas/ResponsesRequest"}
+    assert set(schema["properties"]) == responses_protocol.FIELDS
+    items = schema["properties"]["input"]["anyOf"][1]["items"]["anyOf"]
+    assert {i["properties"]["type"]["enum"][0]: set(i["properties"]) for i in items} == \
+        responses_protocol.ITEM_FIELDS
+    assert schema["properties"]["model"]["enum"] == ["m"]
+    sent = {**recorded("codex_0.171.0_responses.json")["body"], "model": "m"}
+    jsonschema.validate(sent, schema)
+    with pytest.raises(jsonschema.ValidationError, match="unread"):
+        jsonschema.validate({**sent, "unread": 1}, schema)
 
 
 def test_codex_request_is_read_whole_into_the_chat_form_the_recorder_takes():
@@ -229,7 +252,10 @@ def test_clear_tool_uses_maps_onto_the_compaction_and_what_cannot_be_honoured_is
     for bad, field in ((absent, "context_management.edits[0].clear_tool_inputs"),
                        ({**edit, "clear_tool_inputs": False}, "context_management.edits[0].clear_tool_inputs"),
                        ({**edit, "trigger": {"type": "tool_uses", "value": 3}}, "context_management.edits[0].trigger"),
-                       ({"type": "compact_20260112"}, "context_management.edits[0]")):
+                       ({"type": "compact_20260112"}, "context_management.edits[0]"),
+                       ({**edit, "trigger": {"type": "input_tokens", "value": 0}},
+                        "context_management.edits[0].trigger"),
+                       ({**edit, "keep": {"type": "tool_uses", "value": 10**17}}, "context_management.edits[0].keep")):
         with pytest.raises(anthropic_protocol.AnthropicInputError) as e:
             anthropic_protocol.read_request({**base, "context_management": {"edits": [bad]}})
         assert str(e.value).startswith(field), str(e.value)
@@ -238,7 +264,8 @@ def test_clear_tool_uses_maps_onto_the_compaction_and_what_cannot_be_honoured_is
 def test_the_responses_compaction_entry_sets_the_boundary():
     req = read_request({"input": "x", "context_management": [{"type": "compaction", "compact_threshold": 2000}]})
     assert req.edits.kind == "compaction" and req.edits.trigger_tokens == 2000
-    for bad in ([{"type": "compaction", "compact_threshold": 0}], [{"type": "other"}], {"type": "compaction"}):
+    for bad in ([{"type": "compaction", "compact_threshold": 0}], [{"type": "compaction", "compact_threshold": 1 << 41}],
+                [{"type": "other"}], {"type": "compaction"}):
         with pytest.raises(ResponsesInputError, match="context_management"):
             read_request({"input": "x", "context_management": bad})
 
@@ -339,3 +366,37 @@ def test_a_literal_clear_tool_uses_edit_is_the_policy_with_its_parameters():
     cfg = edited_config(None, edits, 6000)
     assert (cfg.name, cfg.trigger, cfg.trigger_type, cfg.keep, cfg.exclude_tools, cfg.clear_tool_inputs) == (
         "clear_tool_uses", 4, "tool_uses", 1, ("Read",), False)
+
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner,
+                                                                                  max_size=3), max_leaves=8)
+
+
+def _paths(value, at=()):
+    yield at
+    children = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in children:
+        yield from _paths(v, (*at, k))
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_a_mutated_codex_request_is_read_or_refused_by_name_never_an_error(data):
+    """Any value anywhere in Codex's recorded body: read into a valid chat request, or refused with the reader's
+    own error; nothing else raises (a server error is a bug)."""
+    body = copy.deepcopy(recorded("codex_0.171.0_responses.json")["body"])
+    for _ in range(data.draw(st.integers(1, 3))):
+        path = data.draw(st.sampled_from([p for p in _paths(body) if p]))
+        parent = body
+        for k in path[:-1]:
+            parent = parent[k]
+        parent[path[-1]] = data.draw(_JSON)
+    try:
+        req = read_request(body)
+    except ResponsesInputError:
+        return
+    try:
+        ChatIn.model_validate({"messages": req.input_messages, **{k: v for k, v in req.chat.items() if v is not None}})
+    except ValidationError:
+        pass  # the route answers 400 naming the field

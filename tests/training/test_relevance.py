@@ -105,7 +105,7 @@ def test_the_shipped_config_trains_on_the_fit_half():
 
     from palimpsest.training.relevance import load_config
 
-    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "train" / "relevance.yaml")
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "relevance" / "train.yaml")
     assert cfg.half == "fit" and cfg.tracking.register_as == "palimpsest-relevance" and cfg.num_workers == 1
 
 

@@ -11,7 +11,7 @@ from palimpsest.cli.common import _json_stdout
 from palimpsest.training.relevance import launch, load_config
 
 
-def train_relevance(config: Path = typer.Option(..., "--config", help="configs/train/relevance.yaml"),
+def train_relevance(config: Path = typer.Option(..., "--config", help="configs/relevance/train.yaml"),
                     track: bool = typer.Option(True, "--mlflow/--no-mlflow", help="log and register in MLflow")) -> None:
     """Train the relevance predictor on Ray Train (the fit half) and register it as palimpsest-relevance."""
     import json as _json

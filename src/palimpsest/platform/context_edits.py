@@ -30,6 +30,10 @@ if TYPE_CHECKING:
     from palimpsest.platform.ledger.snapshot import SessionSnapshot
     from palimpsest.platform.types import RenderPlan
 
+MAX_TOKENS = 1 << 40  # an amount of input tokens an edit may name
+MAX_TOOL_USES = 1_000_000  # as the retain section and the clear_tool_uses policy bound theirs
+
+
 class ContextEdits(BaseModel):
     """One request's context-management edit, read from its protocol (``kind``: the edit's own name). ``literal``:
     the client asked for the edit's own rule (the ``clear_tool_uses`` policy with its parameters) instead of the
@@ -37,10 +41,10 @@ class ContextEdits(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     kind: str
-    trigger_tokens: int | None = Field(None, ge=1)
-    trigger_tool_uses: int | None = Field(None, ge=1)
-    clear_at_least_tokens: int | None = Field(None, ge=0)
-    keep_tool_uses: int | None = Field(None, ge=0)
+    trigger_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
+    trigger_tool_uses: int | None = Field(None, ge=1, le=MAX_TOOL_USES)
+    clear_at_least_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS)
+    keep_tool_uses: int | None = Field(None, ge=0, le=MAX_TOOL_USES)
     exclude_tools: tuple[str, ...] = ()
     clear_tool_inputs: bool | tuple[str, ...] = True
     literal: bool = False

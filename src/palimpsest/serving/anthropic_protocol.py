@@ -20,7 +20,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from palimpsest.platform.context_edits import ContextEdits
+from palimpsest.platform.context_edits import MAX_TOKENS, MAX_TOOL_USES, ContextEdits
 from palimpsest.platform.types import PalimpsestError
 from palimpsest.serving.errors import unread_field
 
@@ -163,10 +163,12 @@ CLEAR_TOOL_USES = "clear_tool_uses_20250919"
 LITERAL_HEADER = "x-palimpsest-context-edits"
 
 
-def _amount(value: Any, where: str, unit: str) -> int:
+def _amount(value: Any, where: str, unit: str, minimum: int = 0, maximum: int = MAX_TOKENS) -> int:
     if not (isinstance(value, dict) and value.get("type") == unit and set(value) <= {"type", "value"}
-            and isinstance(value.get("value"), int) and not isinstance(value["value"], bool) and value["value"] >= 0):
-        raise AnthropicInputError(f"{where}: {{\"type\": \"{unit}\", \"value\": N}} is served")
+            and isinstance(value.get("value"), int) and not isinstance(value["value"], bool)
+            and minimum <= value["value"] <= maximum):
+        raise AnthropicInputError(f"{where}: {{\"type\": \"{unit}\", \"value\": N}} is served, "
+                                  f"{minimum} <= N <= {maximum}")
     return value["value"]
 
 
@@ -192,12 +194,15 @@ def context_edit(edit: dict, where: str, literal: bool = False) -> ContextEdits:
         raise AnthropicInputError(f"{where}.exclude_tools: a list of tool names is needed")
     trigger = edit.get("trigger") or {"type": "input_tokens", "value": 100_000}
     by_uses = literal and isinstance(trigger, dict) and trigger.get("type") == "tool_uses"
-    value = _amount(trigger, f"{where}.trigger", "tool_uses" if by_uses else "input_tokens")
+    unit = "tool_uses" if by_uses else "input_tokens"
+    value = _amount(trigger, f"{where}.trigger", unit, minimum=1, maximum=MAX_TOOL_USES if by_uses else MAX_TOKENS)
     return ContextEdits(
         kind=CLEAR_TOOL_USES, literal=literal, clear_tool_inputs=inputs if isinstance(inputs, bool) else tuple(inputs),
         trigger_tokens=None if by_uses else value, trigger_tool_uses=value if by_uses else None,
-        keep_tool_uses=_amount(edit["keep"], f"{where}.keep", "tool_uses") if "keep" in edit else 3,
-        clear_at_least_tokens=_amount(edit["clear_at_least"], f"{where}.clear_at_least", "input_tokens")
+        keep_tool_uses=_amount(edit["keep"], f"{where}.keep", "tool_uses", maximum=MAX_TOOL_USES) if "keep" in edit
+        else 3,
+        clear_at_least_tokens=_amount(edit["clear_at_least"], f"{where}.clear_at_least", "input_tokens",
+                                      maximum=MAX_TOKENS)
         if "clear_at_least" in edit else None,
         exclude_tools=tuple(tools))
 

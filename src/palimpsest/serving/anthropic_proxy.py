@@ -28,7 +28,7 @@ from palimpsest.serving import anthropic_protocol, openai_proxy, sessions
 from palimpsest.serving.errors import anthropic_error
 from palimpsest.serving.http import ARM_HEADER, SESSION_HEADER, HTTPProblem, stream_turn, unsent
 from palimpsest.serving.openai_protocol import parse_messages, plain
-from palimpsest.serving.schemas import ChatIn, TurnIn
+from palimpsest.serving.schemas import ChatIn, TurnIn, valid_text
 
 
 def stop_reason(turn) -> str:
@@ -229,8 +229,11 @@ async def read(replica, request: Request, counting: bool = False) -> tuple[Any, 
     chat-completions form validated as the chat proxy's."""
     try:
         raw = await request.json()
+        valid_text(raw)  # a lone surrogate reaches no tokenizer and no database
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise HTTPProblem(400, "the body is not JSON") from None
+    except ValueError as e:
+        raise HTTPProblem(400, str(e)) from None
     if counting and isinstance(raw, dict):
         raw = {**raw, "max_tokens": raw.get("max_tokens", 1)}  # count_tokens takes no max_tokens
     mode = request.headers.get(anthropic_protocol.LITERAL_HEADER, "compaction")

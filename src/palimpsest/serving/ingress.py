@@ -19,7 +19,13 @@ from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from ray import serve
 
-from palimpsest.serving import anthropic_protocol, anthropic_proxy, openai_proxy, responses_proxy, sessions
+from palimpsest.serving import (
+    anthropic_protocol,
+    anthropic_proxy,
+    openai_proxy,
+    responses_proxy,
+    sessions,
+)
 from palimpsest.serving.http import HTTPProblem, app
 from palimpsest.serving.replica import Replica
 from palimpsest.serving.schemas import (
@@ -38,8 +44,8 @@ from palimpsest.serving.schemas import (
 
 
 def _openapi(self: FastAPI) -> dict:
-    """The served document (``/openapi.json``), with the request bodies the Messages routes read raw: vLLM's
-    protocol models (imported by the replica before it is ready) and the served model names (known once it is).
+    """The served document (``/openapi.json``), with the request bodies the Messages and Responses routes read
+    raw: vLLM's protocol models (imported by the replica before it is ready) and the served model names (known once it is).
     Asked for before the replica is ready, the document comes without those two bodies and is not kept: the
     event loop never waits for that import."""
     if self.openapi_schema is None:
@@ -49,7 +55,7 @@ def _openapi(self: FastAPI) -> dict:
             self.openapi_schema = None  # FastAPI.openapi keeps what it built: this one must not be kept
             return doc
         try:
-            self.openapi_schema = anthropic_proxy.documented(doc, models)
+            self.openapi_schema = responses_proxy.documented(anthropic_proxy.documented(doc, models), models)
         except Exception:
             self.openapi_schema = None  # never keep the document without the two bodies
             raise

@@ -32,7 +32,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from palimpsest.platform.context_edits import ContextEdits
+from palimpsest.platform.context_edits import MAX_TOKENS, ContextEdits
 from palimpsest.platform.types import PalimpsestError
 from palimpsest.serving.errors import unread_field
 
@@ -51,7 +51,7 @@ HOSTED_TOOLS = {"web_search", "web_search_preview", "file_search", "code_interpr
                 "computer_use_preview", "mcp", "local_shell", "shell", "apply_patch", "tool_search"}
 NAMESPACE_SEP = "__"  # vLLM's flat name of a namespaced tool
 
-_ITEM_FIELDS = {
+ITEM_FIELDS = {
     "message": {"type", "id", "role", "content", "status"},
     "function_call": {"type", "id", "call_id", "name", "arguments", "status", "namespace"},
     "function_call_output": {"type", "id", "call_id", "output", "status"},
@@ -59,7 +59,7 @@ _ITEM_FIELDS = {
     "custom_tool_call_output": {"type", "id", "call_id", "output", "status"},
     "reasoning": {"type", "id", "summary", "content", "encrypted_content", "status"},
 }
-_TEXT_PARTS = {"input_text", "output_text"}
+TEXT_PARTS = {"input_text", "output_text"}
 _NAME = re.compile(r"^[\w.:/@+-]{1,200}$")
 
 
@@ -93,6 +93,7 @@ def _text_of(content: Any, where: str, parts: set[str]) -> str:
     out = []
     for j, p in enumerate(content):
         kind = p.get("type") if isinstance(p, dict) else type(p).__name__
+        kind = kind if isinstance(kind, str) else type(kind).__name__
         if kind == "refusal" and kind in parts and isinstance(p.get("refusal"), str) and set(p) <= {"type", "refusal"}:
             out.append(p["refusal"])  # the model's refusal, echoed back: its text
             continue
@@ -109,7 +110,7 @@ def _text_of(content: Any, where: str, parts: set[str]) -> str:
 
 
 def _check_fields(item: dict, kind: str, where: str) -> None:
-    extra = {k for k in set(item) - _ITEM_FIELDS[kind] if item[k] not in (None, "", [], {})}
+    extra = {k for k in set(item) - ITEM_FIELDS[kind] if item[k] not in (None, "", [], {})}
     if extra:
         raise ResponsesInputError(f"{where}.{sorted(extra)[0]}: not read by this endpoint (nothing is ignored "
                                   "silently; remove the field)")
@@ -148,16 +149,16 @@ def input_messages(items: Any) -> list[dict]:
         if not isinstance(item, dict):
             raise ResponsesInputError(f"{where}: an object is needed")
         kind = item.get("type", "message" if "role" in item else None)
-        if kind not in _ITEM_FIELDS:
+        if not isinstance(kind, str) or kind not in ITEM_FIELDS:
             raise ResponsesInputError(f"{where}.type: a {kind!r} item is not served (served: "
-                                      f"{', '.join(sorted(_ITEM_FIELDS))}; compaction items name a boundary)")
+                                      f"{', '.join(sorted(ITEM_FIELDS))}; compaction items name a boundary)")
         _check_fields(item, kind, where)
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise ResponsesInputError(f"{where}.role: user, system, developer or assistant")
             text = _text_of(item.get("content"), f"{where}.content",
-                            {"output_text", "refusal"} if role == "assistant" else _TEXT_PARTS)
+                            {"output_text", "refusal"} if role == "assistant" else TEXT_PARTS)
             if role == "assistant" and out and out[-1]["role"] == "assistant" and not out[-1].get("content"):
                 out[-1]["content"] = text  # text after the same turn's calls: one assistant message
                 continue
@@ -179,13 +180,22 @@ def input_messages(items: Any) -> list[dict]:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind in ("function_call_output", "custom_tool_call_output"):
             output = item.get("output")
-            text = _text_of(output, f"{where}.output", _TEXT_PARTS) if not isinstance(output, str) else output
+            text = _text_of(output, f"{where}.output", TEXT_PARTS) if not isinstance(output, str) else output
             out.append({"role": "tool", "content": text, "tool_call_id": _call_id(item, where)})
         else:  # reasoning: the actor writes none; an echo with no content is nothing to record
             if item.get("content") or item.get("encrypted_content") or item.get("summary"):
                 raise ResponsesInputError(f"{where}: a reasoning item with content cannot be read by this actor "
                                           "(it writes no reasoning; leave the item out)")
     return out
+
+
+def _check_tool(t: dict, where: str) -> None:
+    """The types of a function or custom tool's fields (the actor's template reads them as these)."""
+    for key, kind, what in (("description", str, "a string"), ("parameters", dict, "a JSON schema object"),
+                            ("strict", bool, "a boolean"), ("defer_loading", bool, "a boolean"),
+                            ("format", dict, "an object")):
+        if t.get(key) is not None and not isinstance(t[key], kind):
+            raise ResponsesInputError(f"{where}.{key}: {what} is needed")
 
 
 def chat_tools(tools: Any) -> tuple[list[dict], dict, set, list[dict]]:
@@ -202,6 +212,7 @@ def chat_tools(tools: Any) -> tuple[list[dict], dict, set, list[dict]]:
             raise ResponsesInputError(f"{where}.{sorted(extra)[0]}: not read by this endpoint")
         if not isinstance(t.get("name"), str) or not t["name"]:
             raise ResponsesInputError(f"{where}.name: a non-empty string is needed")
+        _check_tool(t, where)
         name = f"{ns}{NAMESPACE_SEP}{t['name']}" if ns else t["name"]
         if name in names:
             raise ResponsesInputError(f"{where}.name: {name!r} is declared twice (a namespace's tools are declared "
@@ -218,6 +229,7 @@ def chat_tools(tools: Any) -> tuple[list[dict], dict, set, list[dict]]:
     for k, t in enumerate(tools):
         where = f"tools[{k}]"
         kind = t.get("type") if isinstance(t, dict) else None
+        kind = kind if isinstance(kind, str) else None
         if kind == "function":
             function(t, where)
         elif kind == "namespace":
@@ -230,6 +242,10 @@ def chat_tools(tools: Any) -> tuple[list[dict], dict, set, list[dict]]:
         elif kind == "custom":
             if not isinstance(t.get("name"), str) or not t["name"]:
                 raise ResponsesInputError(f"{where}.name: a non-empty string is needed")
+            extra = set(t) - {"type", "name", "description", "format", "defer_loading"}
+            if extra:
+                raise ResponsesInputError(f"{where}.{sorted(extra)[0]}: not read by this endpoint")
+            _check_tool(t, where)
             custom.add(t["name"])
             fmt = t.get("format")
             desc = (t.get("description") or "") + (f"\n(input format: {json.dumps(fmt, sort_keys=True)})" if fmt else "")
@@ -268,11 +284,10 @@ def read_request(raw: Any) -> ResponsesRequest:
         raise ResponsesInputError("background: background responses are not served (send the request and wait)")
     if raw.get("top_logprobs"):
         raise ResponsesInputError("top_logprobs: log probabilities are not served")
-    for name in ("include",):
-        bad = [v for v in raw.get(name) or [] if v not in INCLUDE]
-        if not isinstance(raw.get(name) or [], list) or bad:
-            raise ResponsesInputError(f"include: {bad[0] if bad else raw[name]!r} is not served (served: "
-                                      f"{', '.join(sorted(INCLUDE))})")
+    include = raw.get("include") or []
+    bad = [v for v in include if not isinstance(v, str) or v not in INCLUDE] if isinstance(include, list) else [include]
+    if bad:
+        raise ResponsesInputError(f"include: {bad[0]!r} is not served (served: {', '.join(sorted(INCLUDE))})")
     text = raw.get("text")
     if text is not None:
         fmt = text.get("format") if isinstance(text, dict) else None
@@ -347,8 +362,9 @@ def _compaction(entries: Any) -> ContextEdits | None:
             raise ResponsesInputError(f"context_management[{k}]: only {{\"type\": \"compaction\", "
                                       "\"compact_threshold\": N} is served")
         n = e.get("compact_threshold")
-        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
-            raise ResponsesInputError(f"context_management[{k}].compact_threshold: a positive integer is needed")
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_TOKENS):
+            raise ResponsesInputError(f"context_management[{k}].compact_threshold: an integer from 1 to "
+                                      f"{MAX_TOKENS} is needed")
         out = ContextEdits(kind="compaction", trigger_tokens=n)
     return out
 

@@ -34,7 +34,7 @@ from palimpsest.serving.errors import openai_error
 from palimpsest.serving.http import SESSION_HEADER, HTTPProblem, stream_turn, unsent
 from palimpsest.serving.openai_proxy import extension
 from palimpsest.serving.responses_protocol import ResponsesRequest
-from palimpsest.serving.schemas import ChatIn, TurnIn
+from palimpsest.serving.schemas import ChatIn, TurnIn, valid_text
 
 
 def _id(prefix: str) -> str:
@@ -223,14 +223,76 @@ async def _history(replica, tenant, previous: str) -> tuple[list[dict], str]:
     return first + [m for r in chain for m in r["messages"] + r["output"]], tenant.external(chain[-1]["session_id"])
 
 
+def documented(doc: dict, models: list[str] | None = None) -> dict:
+    """The served OpenAPI document with the body of ``POST /v1/responses``, which the route reads raw (every field
+    is checked by ``responses_protocol.read_request``): the request fields read (``FIELDS``), the input items
+    (``ITEM_FIELDS``) and tool types served, and once the app knows them the ``models`` it serves. Values are not
+    narrowed further: the endpoint still refuses some the schema allows (``background`` true, a ``text.format``
+    other than text). Clients and the fuzzer read the body from here."""
+    string, integer, boolean = ({"type": t} for t in ("string", "integer", "boolean"))
+    obj = {"type": "object"}
+    protocol = responses_protocol
+    part = {"type": "object", "required": ["type", "text"], "additionalProperties": False,
+            "properties": {"type": {"type": "string", "enum": sorted(protocol.TEXT_PARTS)}, "text": string}}
+    content = {"anyOf": [string, {"type": "array", "items": part}]}
+    fields = {"type": string, "id": string, "role": {"type": "string", "enum": ["user", "system", "developer",
+                                                                                "assistant"]},
+              "content": content, "status": string, "call_id": string, "name": string, "arguments": string,
+              "namespace": string, "output": content, "input": string, "summary": {"type": "array", "items": obj},
+              "encrypted_content": string}
+    items = []
+    for kind, names in sorted(protocol.ITEM_FIELDS.items()):
+        props = {k: fields[k] for k in sorted(names)}
+        props["type"] = {"type": "string", "enum": [kind]}
+        items.append({"type": "object", "required": ["type"], "additionalProperties": False, "properties": props})
+    tool_kinds = ["function", "namespace", "custom", *sorted(protocol.HOSTED_TOOLS)]
+    tool = {"type": "object", "required": ["type"],
+            "properties": {"type": {"type": "string", "enum": tool_kinds}, "name": string, "description": string,
+                           "parameters": obj, "strict": boolean, "defer_loading": boolean,
+                           "tools": {"type": "array", "items": obj}, "format": obj}}
+    props = {
+        "model": {"type": "string", "enum": list(models)} if models else string,
+        "input": {"anyOf": [string, {"type": "array", "minItems": 1, "items": {"anyOf": items}}]},
+        "instructions": string, "tools": {"type": "array", "items": tool},
+        "tool_choice": {"anyOf": [{"type": "string", "enum": ["auto", "none", "required"]},
+                                  {"type": "object", "required": ["type", "name"],
+                                   "properties": {"type": {"type": "string", "enum": ["function"]}, "name": string}}]},
+        "parallel_tool_calls": boolean, "max_output_tokens": {"type": "integer", "minimum": 1},
+        "temperature": {"type": "number", "minimum": 0, "maximum": 2}, "top_p": {"type": "number", "minimum": 0,
+                                                                                 "maximum": 1},
+        "store": boolean, "previous_response_id": string, "prompt_cache_key": string, "user": string,
+        "safety_identifier": string,
+        "include": {"type": "array", "items": {"type": "string", "enum": sorted(protocol.INCLUDE)}},
+        "reasoning": {"type": "object", "properties": {"effort": string, "summary": string}},
+        "text": {"type": "object", "properties": {"format": obj, "verbosity": string}},
+        "stream": boolean, "stream_options": {"type": "object", "properties": {"include_obfuscation": boolean}},
+        "metadata": obj, "client_metadata": obj, "service_tier": string, "truncation": string,
+        "context_management": {"type": "array", "maxItems": 1, "items": {
+            "type": "object", "required": ["type"], "additionalProperties": False,
+            "properties": {"type": {"type": "string", "enum": ["compaction"]},
+                           "compact_threshold": {"type": "integer", "minimum": 1}}}},
+        "max_tool_calls": integer, "background": boolean, "top_logprobs": {"type": "integer", "minimum": 0},
+    }
+    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    schemas["ResponsesRequest"] = {"type": "object", "required": ["input"], "additionalProperties": False,
+                                   "properties": props, "title": "ResponsesRequest"}
+    doc["paths"]["/v1/responses"]["post"]["requestBody"] = {
+        "required": True,
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ResponsesRequest"}}}}
+    return doc
+
+
 async def responses(replica, request: Request):
     """``POST /v1/responses``: the conversation recorded in its session, the turn served, the reply as a
     ``response`` object or as its events; stored (``store``, the default) for a later ``previous_response_id``."""
     tenant = replica.tenant(request)
     try:
         raw = await request.json()
+        valid_text(raw)  # a lone surrogate reaches no tokenizer and no database
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise HTTPProblem(400, "the body is not JSON") from None
+    except ValueError as e:
+        raise HTTPProblem(400, str(e)) from None
     try:
         req = responses_protocol.read_request(raw)
     except responses_protocol.ResponsesInputError as e:

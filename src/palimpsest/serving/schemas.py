@@ -13,7 +13,7 @@ from palimpsest.platform.types import Authority
 MAX_INT = 2**53  # JSON numbers beyond this are not integers anywhere else either
 
 
-def _valid_text(value: Any, where: str = "") -> None:
+def valid_text(value: Any, where: str = "") -> None:
     """JSON may carry lone surrogates (\\ud800); they are not text and no tokenizer or database takes them."""
     if isinstance(value, str):
         try:
@@ -22,18 +22,18 @@ def _valid_text(value: Any, where: str = "") -> None:
             raise ValueError(f"{where or 'a string'} is not valid Unicode (lone surrogate)") from None
     elif isinstance(value, dict):
         for k, v in value.items():
-            _valid_text(k, where)
-            _valid_text(v, f"{where}.{k}" if where else str(k))
+            valid_text(k, where)
+            valid_text(v, f"{where}.{k}" if where else str(k))
     elif isinstance(value, (list, tuple)):
         for v in value:
-            _valid_text(v, where)
+            valid_text(v, where)
 
 
 class _Text(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _unicode(cls, data: Any) -> Any:
-        _valid_text(data)
+        valid_text(data)
         return data
 
 

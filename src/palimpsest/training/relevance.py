@@ -1,4 +1,4 @@
-"""`palimpsest train-relevance --config configs/train/relevance.yaml`: the relevance predictor, a Ray Train job.
+"""`palimpsest train-relevance --config configs/relevance/train.yaml`: the relevance predictor, a Ray Train job.
 
 The driver builds the rows (``pipelines.relevance_data.build_rows``: the fit half's turns, each old step's
 features from the served embedder and its label from the need annotations) before any worker starts, holds out
