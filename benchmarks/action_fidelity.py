@@ -1,7 +1,7 @@
 """Action fidelity of every policy (and a memory) at two budgets, in one run: `palimpsest eval-actions`.
 
     .venv/bin/python benchmarks/action_fidelity.py [--data FILE] [--memory models:/palimpsest-memory/N]
-        [--budgets 2560,3072] [--window 8192] [--max-boundaries 20]
+        [--budgets 2560,3072] [--window 8192] [--max-boundaries 20] [--policy-config FILE]
 
 Writes benchmarks/results/dev/eval_actions_<budget>.json (the command's --json output) and prints one
 markdown table per budget: KL to the whole-history actor with its 95% interval, NLL, top-1, positions
@@ -21,12 +21,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DEV = ROOT.parent / "shared" / "data" / "trajectories" / "dev.jsonl"
 POLICIES = "last2,window,rolling_summary,pace,ace,pace_plus,pace+empty,pace+memory"
+REFERENCE = ROOT / "configs" / "replay" / "reference.yaml"
 
 
 def run(data: Path, budget: int, window: int, policies: str, memory: str | None, max_boundaries: int,
-        out: Path) -> dict:
+        out: Path, policy_config: Path = REFERENCE) -> dict:
     cmd = [sys.executable, "-m", "palimpsest.cli", "eval-actions", "--data", str(data), "--policy", policies,
-           "--policy-config", str(ROOT / "configs" / "replay" / "reference.yaml"), "--budget", str(budget),
+           "--policy-config", str(policy_config), "--budget", str(budget),
            "--window", str(window), "--max-boundaries", str(max_boundaries), "--reference", "pace", "--json"]
     if memory:
         cmd += ["--memory", memory]
@@ -69,13 +70,15 @@ def main() -> None:
     ap.add_argument("--max-boundaries", type=int, default=20)
     ap.add_argument("--policy", default=POLICIES)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "dev")
+    ap.add_argument("--policy-config", type=Path, default=REFERENCE,
+                    help="labels -> policy configs (benchmarks/served_relevance.yaml: the predictor's rows)")
     args = ap.parse_args()
     if not args.data.is_file():
         raise SystemExit(f"no trajectories at {args.data}; pass --data FILE")
     args.out.mkdir(parents=True, exist_ok=True)
     for budget in (int(b) for b in args.budgets.split(",")):
         doc = run(args.data, budget, args.window, args.policy, args.memory, args.max_boundaries,
-                  args.out / f"eval_actions_{budget}.json")
+                  args.out / f"eval_actions_{budget}.json", args.policy_config)
         n = max(p["boundaries"] for p in doc["policies"].values())
         trajectories = max(p.get("trajectories", 0) for p in doc["policies"].values())
         print(f"\n### Budget {budget:,} (window {args.window:,}): {n} boundaries from {trajectories} trajectories"

@@ -47,13 +47,30 @@ def tiny_memory(tiny_dir, tmp_path_factory):
     return d
 
 
+@pytest.fixture(scope="session")
+def tiny_relevance(tmp_path_factory):
+    """A relevance predictor's bundle as `palimpsest train-relevance` writes it: a logistic regression over the
+    scalar features with fixed, distinct weights (a served boundary must rank old steps by exactly these)."""
+    import numpy as np
+
+    from palimpsest.models.relevance import write_head
+    from palimpsest.platform.relevance import SCALARS, RelevanceHead
+
+    f = len(SCALARS)
+    head = RelevanceHead(mean=np.zeros(f), scale=np.ones(f), w1=np.zeros((0, 0)), b1=np.zeros(0),
+                         w2=np.linspace(-1.5, 2.0, f), b2=-0.5, meta={"recent": 2})
+    return write_head(tmp_path_factory.mktemp("tiny-relevance"), head)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def tiny_config(tiny_dir, memory_dir, ledger, shadow_rate: float = 0.0) -> dict:
+def tiny_config(tiny_dir, memory_dir, ledger, shadow_rate: float = 0.0, relevance_dir=None) -> dict:
+    learned = [{"name": "learned-relevance", "policy": {"type": "pace", "relevance": {"model": str(relevance_dir)}},
+                "weight": 0.0}] if relevance_dir else []
     return {
         "ledger": str(ledger), "embedder": "hashing", "budget": 900,
         "actor": {"model": str(tiny_dir), "max_model_len": 2048, "max_tokens": 6, "max_embeds_len": 2048,
@@ -68,7 +85,8 @@ def tiny_config(tiny_dir, memory_dir, ledger, shadow_rate: float = 0.0) -> dict:
                  # tool declarations cost ~750 byte-level tokens of the tiny tokenizer: a wider budget
                  {"name": "wide", "policy": {"type": "pace"}, "budget": 2000, "weight": 0.0},
                  # plans every turn anew (a turn inside an epoch plans nothing, so embeds nothing)
-                 {"name": "per-turn", "policy": {"type": "pace", "compaction": {"mode": "per_turn"}}, "weight": 0.0}],
+                 {"name": "per-turn", "policy": {"type": "pace", "compaction": {"mode": "per_turn"}}, "weight": 0.0},
+                 *learned],
         "limits": {"max_step_chars": 20_000, "glimpses_per_turn": 3},
         "ab": {"shadow_rate": shadow_rate, "shadow_queue": 8},
         "auth": {"tenants": {
@@ -91,13 +109,13 @@ def serve_overrides() -> dict:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_dir, tiny_memory, tmp_path_factory, shadow_rate, serve_overrides):
+def server(tiny_dir, tiny_memory, tiny_relevance, tmp_path_factory, shadow_rate, serve_overrides):
     """One app per test module: it is shut down (Serve and Ray) before the next module, so later tiers (Ray
     Train needs every CPU of this machine) never run beside it."""
     from palimpsest.serving.local import LocalServer
 
     ledger = tmp_path_factory.mktemp("serve") / "ledger.db"
-    cfg = tiny_config(tiny_dir, tiny_memory, ledger, shadow_rate)
+    cfg = tiny_config(tiny_dir, tiny_memory, ledger, shadow_rate, relevance_dir=tiny_relevance)
     for section, values in serve_overrides.items():
         cfg[section] = {**cfg.get(section, {}), **values}
     srv = LocalServer(cfg, port=free_port())

@@ -660,3 +660,49 @@ def test_the_anthropic_client_runs_a_tool_loop_streams_and_counts_and_every_bloc
     assert r.status_code == 200, r.text
     assert bob.get("/v1/sessions/cc-1/steps").json()["total"] == 0
     assert len(client.get("/v1/sessions/cc-1/audit").json()["turns"]) == 3
+
+
+def test_a_served_boundary_with_a_relevance_predictor_scores_old_steps_as_its_head_does(server, client, tiny_relevance):
+    """The arm's policy names a relevance bundle: the served boundary's audited scores of the old steps are the
+    head's probabilities over the features of the ledger's own snapshot, and the pace arm (the cosine) scores the
+    same history otherwise."""
+    import numpy as np
+
+    from palimpsest.models.relevance import read_head
+    from palimpsest.platform import Runtime
+    from palimpsest.platform.policies.base import query_text, relative_softmax
+    from palimpsest.platform.relevance import features
+
+    ledger = Ledger(server.cfg.ledger)
+    audits = {}
+    for arm in ("learned-relevance", "pace"):
+        sid = f"relevance-{arm}"
+        client.post("/v1/sessions", json={"session_id": sid, "task": "Fix the failing test in settings", "arm": arm})
+        for t in range(10):  # distinct files, some named again later
+            name = f"src/mod_{t % 6}/file_{t}.py"
+            r = client.post(f"/v1/sessions/{sid}/steps", json={
+                "kind": "bash", "action": f"cat {name}", "tool": "bash",
+                "observation": f"{name}:1: def f_{t}(): return load('cfg_{t % 3}')\n" + "word " * (10 + 7 * t)})
+            assert r.status_code == 200, r.text
+        deadline = time.time() + 120
+        while ledger.pending(f"alice::{sid}", "hashing-256-512") != ([], []) and time.time() < deadline:
+            time.sleep(0.5)
+        assert ledger.pending(f"alice::{sid}", "hashing-256-512") == ([], [])
+        r = client.post(f"/v1/sessions/{sid}/turn", json={"max_tokens": 2})
+        assert r.status_code == 200 and r.json()["arm"] == arm, r.text
+        audits[arm] = ledger.audit(f"alice::{sid}")[-1]
+
+    served = audits["learned-relevance"]
+    assert served["relevance"] == str(tiny_relevance) and audits["pace"]["relevance"] == "cosine"
+    rt = Runtime(ledger)  # the hashing embedder, as served
+    snap = rt.snapshot("alice::relevance-learned-relevance", at=served["plan"][-1]["t"] + 1)
+    old = np.flatnonzero(snap.has_key[: snap.t - 2])
+    assert old.size == 8
+    text = query_text(snap, 2, "recent_first")
+    head = read_head(tiny_relevance)
+    expected = relative_softmax(head.probability(head.read(features(snap, old, rt.embedder.embed([text])[0], text))),
+                                0.3)
+    scores = np.array([p["score"] for p in served["plan"]])
+    np.testing.assert_allclose(scores[old], expected, rtol=1e-5, atol=1e-7)
+    cosine = np.array([p["score"] for p in audits["pace"]["plan"]])
+    assert not np.allclose(cosine[old], expected, rtol=1e-3)

@@ -29,7 +29,9 @@ class Audit:
             head["elided"] = p.info["elided"]  # oversized steps shown head and tail
         if p.info.get("folded"):
             head["folded"] = p.info["folded"]  # old history folded into range lines
-        for k in ("compaction", "epoch"):  # a compaction boundary (what changed, why), or the epoch extended
+        # a compaction boundary (what changed, why), the epoch extended, what scored the old steps (a relevance
+        # predictor's reference, or "cosine")
+        for k in ("compaction", "epoch", "relevance"):
             if p.info.get(k):
                 head[k] = p.info[k]
         plan_blob = json.dumps(head).encode() + b"\0" + blob
@@ -77,7 +79,7 @@ class Audit:
                         "plan": plan, "degradations": json.loads(r[10]), "created": r[11],
                         "reserve": meta.get("reserve", 0), "elided": meta.get("elided", []),
                         "folded": meta.get("folded"), "compaction": meta.get("compaction"),
-                        "epoch": meta.get("epoch")})
+                        "epoch": meta.get("epoch"), "relevance": meta.get("relevance")})
         return out
 
     def record_glimpse(self, session_id: str, step_id: int, limit: int) -> bool:
