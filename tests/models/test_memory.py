@@ -27,19 +27,27 @@ def ids(n, seed=0):
 
 
 def test_the_source_is_the_actors_own_prefill(actor):
-    """The memory reads the actor's own keys and values: its functional pass over the layers is the actor's
-    forward (the last state, through the final norm, equals the model's own last hidden state)."""
+    """The memory reads the actor's own keys and values: the network's prefill (``source``) of a history holds,
+    per block of B ids (each from position 0), the keys and values the actor's own forward caches for that block
+    alone."""
     m = net(actor)
-    x = ids(16)
-    emb = actor.embed(x)[None]
-    pos = torch.arange(16)
-    rope, causal = m._rope(emb, pos[None]), (pos[None, :] <= pos[:, None])[None, None]
-    h = emb
+    x = ids(40)  # three blocks of 16: 16, 16, 8
+    src = m.source(x)
+    assert src.lengths == [16, 16, 8] and len(src.keys) == m.n_layers
     with torch.no_grad():
-        for i in range(m.n_layers):
-            h, _ = m._layer(i, h, rope, causal, None, adapt=False)
-        want = actor.model(input_ids=x[None], output_hidden_states=True).hidden_states[-1]
-    assert torch.allclose(actor.model.model.norm(h), want, atol=1e-5)
+        for b, n in enumerate(src.lengths):
+            cache = actor.model(input_ids=x[None, 16 * b: 16 * b + n], use_cache=True).past_key_values
+            for i in range(m.n_layers):
+                k, v = _cached(cache, i)
+                assert torch.allclose(src.keys[i][b, :, :n], k[0], atol=1e-5)
+                assert torch.allclose(src.values[i][b, :, :n], v[0], atol=1e-5)
+
+
+def _cached(cache, layer: int):
+    """(keys, values) of one layer of a transformers cache, whichever its version's layout."""
+    if hasattr(cache, "layers"):
+        return cache.layers[layer].keys, cache.layers[layer].values
+    return cache[layer]
 
 
 def test_the_network_holds_only_its_own_parameters_and_the_actor_stays_frozen(actor):
@@ -141,20 +149,19 @@ def test_summary_gate_starts_closed_and_its_gradient_is_not_zero(actor):
 
 
 def test_lora_starts_as_no_change(actor):
-    """B = 0: at initialisation the memory tokens run through the actor's own layers unchanged."""
+    """B = 0: at initialisation the memory tokens run through the actor's own layers unchanged. Against the same
+    network with no adapter at all (the base projections alone), not against itself; a non-zero B changes it."""
     m = net(actor)
     with torch.no_grad():
-        before = m(ids(20))
+        adapted = m(ids(20))
+        lora, m.lora = m.lora, torch.nn.ModuleList(torch.nn.ModuleDict() for _ in m.lora)
+        base = m(ids(20))  # _proj adds nothing where a layer has no adapter
+        m.lora = lora
+        assert torch.equal(adapted, base)
         for d in m.lora:
-            for lora in d.values():
-                lora.B.normal_()
-        after = m(ids(20))
-    assert not torch.allclose(before, after, atol=1e-4)
-    with torch.no_grad():
-        for d in m.lora:
-            for lora in d.values():
-                lora.B.zero_()
-        assert torch.equal(m(ids(20)), before)
+            for layer in d.values():
+                layer.B.normal_()
+        assert not torch.allclose(m(ids(20)), base, atol=1e-4)
 
 
 @pytest.mark.parametrize("kw,message", [

@@ -25,7 +25,8 @@ def setup(tmp_path_factory):
     bundle.mkdir()
     torch.save(net.state_dict(), bundle / "memory.pt")
     (bundle / "memory.json").write_text(json.dumps(bundle_record(
-        net.cfg.to_dict(), {"path": str(d / "actor"), "hidden_size": actor.hidden_size, "layers": 2})))
+        net.cfg.to_dict(), {"path": str(d / "actor"), "hidden_size": actor.hidden_size, "layers": 2,
+                            **actor.fingerprint()})))  # as training records its actor
     data = d / "d.jsonl"
     data.write_text("\n".join(json.dumps(traj(f"tr/{i}", n=8, obs=10)) for i in range(3)) + "\n")
     return d, actor, net, bundle, data
@@ -73,6 +74,28 @@ def test_a_checkpoint_that_does_not_match_its_config_or_its_actor_is_refused(set
         load_memory(tmp_path / "nothing-here", actor)
 
 
+def test_a_memory_is_refused_beside_another_actor_of_the_same_shape(setup, tmp_path):
+    """Hidden size and depth alike, other weights (another seed, as a fine-tune would be): refused by name. The
+    same actor in another dtype, and a bundle that recorded no fingerprint, load."""
+    d, actor, net, bundle, data = setup
+    other = tiny_actor(seed=11)
+    assert other.hidden_size == actor.hidden_size
+    with pytest.raises(ConfigError, match=r"trained beside another actor .*actor\.embed_(norm|probe)"):
+        load_memory(bundle, other)
+    with pytest.raises(ConfigError, match="another actor"):
+        MemoryEncoder.load(bundle, other)
+    same = tiny_actor()
+    same.model.to(torch.bfloat16)
+    assert same.differs_from(actor.fingerprint()) is None
+    unrecorded = tmp_path / "unrecorded"
+    unrecorded.mkdir()
+    (unrecorded / "memory.pt").write_bytes((bundle / "memory.pt").read_bytes())
+    record = json.loads((bundle / "memory.json").read_text())
+    record["actor"] = {k: v for k, v in record["actor"].items() if k not in actor.fingerprint()}
+    (unrecorded / "memory.json").write_text(json.dumps(record))
+    load_memory(unrecorded, other)
+
+
 def test_a_bundle_holds_the_memory_alone_and_loads_back_exactly(setup):
     d, actor, net, bundle, data = setup
     state = torch.load(bundle / "memory.pt", weights_only=True)
@@ -112,7 +135,8 @@ def test_eval_memory_is_eval_actions_on_what_the_memory_did_not_train_on(setup, 
     assert res["held_out_only"] and all(p["trajectories"] == 2 for p in res["policies"].values())
     # the input control: every boundary again, with the other held-out trajectory's memory in the slot
     other = res["policies"]["pace+other"]
-    assert other["boundaries"] == res["policies"]["pace+memory"]["boundaries"] and other["kl"] == other["kl"]
+    assert other["boundaries"] == res["policies"]["pace+memory"]["boundaries"]
+    assert 0.0 <= other["kl"] < float("inf")  # a number (these trajectories differ by id only: the KLs agree)
     mem, empty = res["policies"]["pace+memory"], res["policies"]["pace+empty"]
     assert mem["boundaries"] == empty["boundaries"] > 0 and mem["positions"] > empty["positions"]  # the soft span
     assert res["gap_closed"]["pace"] == 0.0 and "pace+memory" in res["gap_closed"]

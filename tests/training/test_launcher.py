@@ -299,6 +299,29 @@ def test_a_run_directory_of_another_network_is_moved_aside_and_the_same_one_is_r
     assert json.loads((run / RUN_NETWORK).read_text())["memory"]["lora_rank"] == 8
 
 
+def test_a_rerun_whose_optim_changed_is_refused_not_resumed(tmp_path, actor_dir):
+    """The same network under another recipe (a learning rate, the steps, the batch): resuming would mix two
+    recipes in one checkpoint, so it is refused naming what changed; checkpoint_every alone may change. A
+    directory recorded before its optim was (network only) resumes and records it."""
+    from palimpsest.platform.types import ConfigError
+    from palimpsest.training.launcher import RUN_NETWORK, _claim_run_dir
+
+    cfg = config(tmp_path, actor_dir)
+    run = tmp_path / "runs" / "tiny" / "tiny"
+    _claim_run_dir(run, cfg)
+    (run / "checkpoint_000002").mkdir()
+    for change in ({"lr": 3e-4}, {"stage2_steps": 8}, {"stage1_batch": 2}):
+        with pytest.raises(ConfigError, match=f"optim.{next(iter(change))}"):
+            _claim_run_dir(run, config(tmp_path, actor_dir, optim=change))
+        assert (run / "checkpoint_000002").is_dir()
+    _claim_run_dir(run, config(tmp_path, actor_dir, optim={"checkpoint_every": 1}))
+    assert (run / "checkpoint_000002").is_dir()
+    record = json.loads((run / RUN_NETWORK).read_text())
+    (run / RUN_NETWORK).write_text(json.dumps({k: v for k, v in record.items() if k != "optim"}))
+    _claim_run_dir(run, cfg)  # recorded before the optim was: resumed, and now recorded
+    assert (run / "checkpoint_000002").is_dir() and "optim" in json.loads((run / RUN_NETWORK).read_text())
+
+
 def test_stage1_batches_take_every_row_once_per_epoch_and_batch_one_is_the_plain_walk():
     from palimpsest.training.prepare import curriculum_row, stage1_batch_rows
 

@@ -10,7 +10,14 @@ import pytest
 import torch
 from torch import nn
 
-from palimpsest.training.reconstruction import evaluate, paired_difference, reads_its_input, score
+from palimpsest.training.reconstruction import (
+    evaluate,
+    other_donors,
+    paired_difference,
+    reads_its_input,
+    score,
+    span_scores,
+)
 from tests.models.tiny import tiny_actor
 
 
@@ -39,6 +46,22 @@ def spans(n, length, seed=0, vocab=256, instruction=(5, 6, 7)):
     g = torch.Generator().manual_seed(seed)
     return [{"span": torch.randint(10, vocab, (length,), generator=g), "instruction": torch.tensor(instruction)}
             for _ in range(n)]
+
+
+def test_the_other_control_takes_its_memory_from_another_trajectory():
+    """A span of the same trajectory may carry what the span needs: the ``other`` memory is the next span's of
+    another trajectory, and a sample of one trajectory has no control."""
+    actor = tiny_actor()
+    samples = [{**s, "trajectory": t} for s, t in zip(spans(4, 12), ("a", "a", "b", "a"))]
+    assert other_donors(samples) == [2, 2, 3, 2]
+    assert other_donors([{}, {}, {}]) == [1, 2, 0]  # no trajectory recorded: each span its own
+    net = TextMemory(actor)
+    got = span_scores(actor, net, samples, "other")[0]
+    want = [span_scores(actor, net, [{**s, "source": samples[d]["span"]}], "own")[0][0]
+            for s, d in zip(samples, (2, 2, 3, 2))]
+    assert got == pytest.approx(want)
+    with pytest.raises(ValueError, match="2 trajectories"):
+        span_scores(actor, net, [{**s, "trajectory": "a"} for s in spans(3, 12)], "other")
 
 
 def test_the_document_has_every_field_and_a_constant_memory_scores_own_as_other():

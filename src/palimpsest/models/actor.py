@@ -16,6 +16,8 @@ from torch import nn
 
 from palimpsest.platform.types import ConfigError
 
+PROBE_ROWS = 8  # embedding rows whose norms a memory bundle records of its actor
+
 
 class FrozenActor(nn.Module):
     def __init__(self, model: nn.Module, tokenizer=None):
@@ -59,6 +61,28 @@ class FrozenActor(nn.Module):
     def embed_norm(self) -> float:
         """Mean L2 norm of the token embedding table: the scale soft tokens are given."""
         return float(self.model.get_input_embeddings().weight.detach().float().norm(dim=-1).mean())
+
+    def fingerprint(self) -> dict:
+        """What a memory bundle records of the actor it was trained beside, to be served beside that one only: the
+        mean embedding norm, the norms of ``PROBE_ROWS`` rows spread over the vocabulary (fine-tuning or another
+        seed moves them; a dtype moves them by ~1e-5), and the vocabulary size."""
+        weight = self.model.get_input_embeddings().weight.detach()
+        rows = torch.linspace(0, weight.shape[0] - 1, PROBE_ROWS).long().to(weight.device)
+        return {"embed_norm": self.embed_norm(), "embed_probe": weight[rows].float().norm(dim=-1).tolist(),
+                "vocab_size": int(weight.shape[0])}
+
+    def differs_from(self, recorded: dict, rtol: float = 1e-3) -> str | None:
+        """The first recorded ``fingerprint`` field this actor does not match, with both values; None if it
+        matches every field recorded (a bundle written before a field was recorded is not checked on it)."""
+        here = self.fingerprint()
+        for key, value in here.items():
+            want = recorded.get(key)
+            if want is None:
+                continue
+            have, want = torch.tensor(value, dtype=torch.float64), torch.tensor(want, dtype=torch.float64)
+            if have.shape != want.shape or not torch.allclose(have, want, rtol=rtol, atol=0.0):
+                return f"actor.{key}: recorded {recorded[key]!r}, this actor's {value!r}"
+        return None
 
     def forward(self, input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
                 last: int = 0) -> torch.Tensor:

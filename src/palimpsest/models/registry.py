@@ -237,7 +237,8 @@ def write_bundle(out: Path, state: dict, meta: dict) -> None:
 def load_memory(ref: str | Path, actor) -> "MemoryNetwork":
     """The memory network of a bundle directory or an MLflow model URI, beside ``actor`` (a ``FrozenActor``): the
     network runs the actor's own layers, so the actor must be the one it was trained with (its hidden size and
-    depth are checked). A bundle of another architecture is refused by name."""
+    depth, and the fingerprint of its embeddings where the bundle records it: ``FrozenActor.differs_from``). A
+    bundle of another architecture is refused by name."""
     import torch
 
     # deferred: loads torch
@@ -251,6 +252,12 @@ def load_memory(ref: str | Path, actor) -> "MemoryNetwork":
         if want.get(key) is not None and int(want[key]) != value:
             raise ConfigError(f"{ref}: the memory was trained beside an actor with {key} {want[key]}; "
                               f"this actor has {value}")
+    other = actor.differs_from(want)  # the same shape is not the same actor: its weights are checked by name
+    if other:
+        where = want.get("path") or "path not recorded"
+        raise ConfigError(f"{ref}: the memory was trained beside another actor ({where}): {other}. A memory "
+                          "reads and writes one actor's own states: serve it beside that actor, or train one "
+                          "for this actor")
     try:
         net = MemoryNetwork(MemoryConfig(**bundle.memory), actor)
         net.load_state_dict(torch.load(path / BUNDLE_WEIGHTS, weights_only=True, map_location="cpu"), strict=True)

@@ -33,7 +33,7 @@ from palimpsest.models.registry import (
     write_bundle,
 )
 from palimpsest.pipelines.tracking import check, configure
-from palimpsest.platform.types import PalimpsestError
+from palimpsest.platform.types import ConfigError, PalimpsestError
 from palimpsest.training.config import TrainConfig, group_lrs
 from palimpsest.training.prepare import (
     TEACHERS,
@@ -209,7 +209,7 @@ def _export_bundle(cfg: TrainConfig, module, actor, out: Path, engine, data_dir:
     meta = bundle_record(
         cfg.memory.to_dict(),
         {**cfg.actor.model_dump(), "hidden_size": actor.hidden_size,
-         "layers": int(actor.model.config.num_hidden_layers), "embed_norm": actor.embed_norm()},
+         "layers": int(actor.model.config.num_hidden_layers), **actor.fingerprint()},
         policy_config=cfg.tracking.policy_config, name=cfg.name,
         # the resolved policy config the samples were compiled with (content and hash)
         policy={"file": cfg.tracking.policy_config, **(report.get("policy") or {})},
@@ -223,17 +223,34 @@ STAGE1_BUNDLE = "stage1"  # in a tracked run with a Stage II: the bundle at the 
 RUN_NETWORK = "network.json"  # in a run's directory: the network its checkpoints hold
 
 
+#: optim fields a resumed run may change: they change when checkpoints are written, not what is trained
+RESUMABLE_OPTIM = frozenset({"checkpoint_every"})
+
+
 def _claim_run_dir(run_dir: Path, cfg: TrainConfig) -> None:
-    """A rerun of the same config resumes from its latest checkpoint; a run directory whose checkpoints hold
+    """A rerun of the same config resumes from its latest checkpoint. A run directory whose checkpoints hold
     another network (another architecture or memory config, or one written before the directory recorded it)
-    cannot be resumed: it is moved aside, and the move is said on stderr, so the new run starts from step 0."""
+    cannot be resumed: it is moved aside, and the move is said on stderr, so the new run starts from step 0.
+    The same network under another recipe (``optim``, but for ``RESUMABLE_OPTIM``) is refused, naming what
+    changed: resuming would train one checkpoint under two recipes."""
     import sys
 
     want = {"architecture": ARCHITECTURE, "memory": cfg.memory.to_dict(), "actor": cfg.actor.model_dump()}
+    optim = cfg.optim.model_dump()
     marker = run_dir / RUN_NETWORK
     if run_dir.is_dir() and any(run_dir.iterdir()):
         have = json.loads(marker.read_text()) if marker.is_file() else None
-        if have == want:
+        if have is not None and {k: have.get(k) for k in want} == want:
+            recorded = have.get("optim")
+            changed = sorted(k for k in set(optim) | set(recorded or {})
+                             if k not in RESUMABLE_OPTIM and (recorded or {}).get(k) != optim.get(k))
+            if recorded is not None and changed:
+                raise ConfigError(
+                    f"{run_dir} holds checkpoints of this network trained with another recipe: "
+                    + "; ".join(f"optim.{k} was {recorded.get(k)!r}, the config says {optim.get(k)!r}"
+                                for k in changed)
+                    + ". Give the run another name, or move the directory away to start from step 0")
+            marker.write_text(json.dumps({**want, "optim": optim}, indent=2))
             return
         stamp, n = time.strftime("%Y%m%d-%H%M%S"), 0
         aside = run_dir.with_name(f"{run_dir.name}.replaced-{stamp}")
@@ -244,7 +261,7 @@ def _claim_run_dir(run_dir: Path, cfg: TrainConfig) -> None:
         print(f"{run_dir} held checkpoints of another network ({'unrecorded' if have is None else have.get('architecture')}"
               f"); moved to {aside}, training starts from step 0", file=sys.stderr)
     run_dir.mkdir(parents=True, exist_ok=True)
-    marker.write_text(json.dumps(want, indent=2))
+    marker.write_text(json.dumps({**want, "optim": optim}, indent=2))
 
 
 def _data_report(data_dir: str | None) -> dict:

@@ -51,9 +51,29 @@ def trajectory_spans(path: Path, tokenizer, span_tokens: int = 64, n: int = 64, 
     return out
 
 
-def as_tensors(samples: list[dict], device="cpu") -> list[dict[str, torch.Tensor]]:
+def as_tensors(samples: list[dict], device="cpu") -> list[dict]:
+    """The samples' ids as tensors on ``device``; the trajectory each came from is kept (the ``other`` control
+    takes its memory from another one)."""
     return [{"span": torch.tensor(s["span"], dtype=torch.long, device=device),
-             "instruction": torch.tensor(s["instruction"], dtype=torch.long, device=device)} for s in samples]
+             "instruction": torch.tensor(s["instruction"], dtype=torch.long, device=device),
+             **({"trajectory": s["trajectory"]} if "trajectory" in s else {})} for s in samples]
+
+
+def other_donors(samples: list[dict], groups: list[str] | None = None) -> list[int]:
+    """For each span, the span whose memory is its ``other`` control: the next one, in order, from another
+    trajectory (``groups``, else each sample's ``trajectory``; a span with neither is a group of its own). A
+    memory of the same trajectory may carry what the span needs, so it would not be a control."""
+    n = len(samples)
+    groups = groups if groups is not None else [s.get("trajectory") for s in samples]
+    if len(groups) != n:
+        raise ValueError(f"{len(groups)} groups for {n} spans")
+    out = []
+    for i, g in enumerate(groups):
+        j = next(((i + k) % n for k in range(1, n) if g is None or groups[(i + k) % n] != g), None)
+        if j is None:
+            raise ValueError("the 'other' control needs spans of at least 2 trajectories")
+        out.append(j)
+    return out
 
 
 @torch.no_grad()
@@ -76,22 +96,25 @@ def greedy(actor, net, sample: dict, n: int, source: torch.Tensor | None = None)
 @torch.no_grad()
 def score(actor, net, samples: list[dict], mode: str) -> dict:
     """NLL per token and token accuracy of ``samples`` (tensors) under ``mode``: none, own or other (the memory
-    of the next span in the list: a derangement, so no span is given its own)."""
+    of a span of another trajectory, :func:`other_donors`; never the span's own)."""
     nll, hits, tokens = span_scores(actor, net, samples, mode)
     total = sum(tokens)
     return {"nll": sum(nll) / max(total, 1), "acc": sum(hits) / max(total, 1)}
 
 
 @torch.no_grad()
-def span_scores(actor, net, samples: list[dict], mode: str) -> tuple[list[float], list[int], list[int]]:
-    """Per span of ``samples``: the summed NLL, the hits and the tokens under ``mode`` (see :func:`score`)."""
+def span_scores(actor, net, samples: list[dict], mode: str,
+                groups: list[str] | None = None) -> tuple[list[float], list[int], list[int]]:
+    """Per span of ``samples``: the summed NLL, the hits and the tokens under ``mode`` (see :func:`score`;
+    ``other``: the memory of a span of another trajectory, :func:`other_donors`)."""
     if mode not in ("none", "own", "other"):
         raise ValueError(f"mode must be none, own or other, got {mode!r}")
     if mode == "other" and len(samples) < 2:
         raise ValueError("the 'other' control needs at least 2 spans")
+    donors = other_donors(samples, groups) if mode == "other" else range(len(samples))
     nll, hits, tokens = [], [], []
     for i, s in enumerate(samples):
-        donor = samples[(i + 1) % len(samples)]
+        donor = samples[donors[i]]
         source = donor.get("source", donor["span"]) if mode == "other" else None
         logits = stage1_logits(None if mode == "none" else net, actor, s, source=source).float()
         nll.append(float(F.cross_entropy(logits, s["span"], reduction="sum")))
@@ -175,7 +198,7 @@ def evaluate(actor, net, samples: list[dict], exact_tokens: int = 32, groups: li
     was = net.training
     net.eval()
     try:
-        per = {mode: span_scores(actor, net, samples, mode) for mode in ("none", "own", "other")}
+        per = {mode: span_scores(actor, net, samples, mode, groups) for mode in ("none", "own", "other")}
         tokens = per["own"][2]
         total = max(sum(tokens), 1)
         scored = {mode: {"nll": sum(nll) / total, "acc": sum(hits) / total} for mode, (nll, hits, _) in per.items()}
