@@ -1,7 +1,7 @@
 """Action fidelity of every policy (and a memory) at two budgets, in one run: `palimpsest eval-actions`.
 
     .venv/bin/python benchmarks/action_fidelity.py [--data FILE] [--memory models:/palimpsest-memory/N]
-        [--budgets 2560,3072] [--window 8192] [--max-boundaries 20] [--policy-config FILE]
+        [--budgets 2560,3072] [--window 8192] [--max-boundaries 20] [--policy-config FILE] [--half report]
 
 Writes benchmarks/results/dev/eval_actions_<budget>.json (the command's --json output) and prints one
 markdown table per budget: KL to the whole-history actor with its 95% interval, NLL, top-1, positions
@@ -16,7 +16,10 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+
+from palimpsest.pipelines.trajectories import hash_halves
 
 ROOT = Path(__file__).resolve().parents[1]
 DEV = ROOT.parent / "shared" / "data" / "trajectories" / "dev.jsonl"
@@ -70,12 +73,16 @@ def main() -> None:
     ap.add_argument("--max-boundaries", type=int, default=20)
     ap.add_argument("--policy", default=POLICIES)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "dev")
+    ap.add_argument("--half", choices=("all", "fit", "report"), default="all",
+                    help="a hash half of --data (pipelines.trajectories.hash_halves; relevance rows: report)")
     ap.add_argument("--policy-config", type=Path, default=REFERENCE,
                     help="labels -> policy configs (benchmarks/served_relevance.yaml: the predictor's rows)")
     args = ap.parse_args()
     if not args.data.is_file():
         raise SystemExit(f"no trajectories at {args.data}; pass --data FILE")
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.half != "all":
+        args.data = hash_halves(args.data, tempfile.mkdtemp(prefix="halves-"))[args.half]
     for budget in (int(b) for b in args.budgets.split(",")):
         doc = run(args.data, budget, args.window, args.policy, args.memory, args.max_boundaries,
                   args.out / f"eval_actions_{budget}.json", args.policy_config)
