@@ -160,7 +160,44 @@ def test_eval_reconstruction_scores_the_split_asked_for(setup, tmp_path):
         doc = json.loads(r.stdout)
         assert doc["split"] == split and doc["trajectories"] == want and doc["held_out_only"] == (split == "held-out")
         assert len(doc["differences"]["own_minus_none"]["by_trajectory"]) == want  # the spans' own trajectories
+        # spans of one trajectory (train: tr/0) have no other trajectory's memory to compare: left out, and said
+        assert (doc["other"]["nll"] is None) == (want == 1) and ("own_minus_other" in doc["differences"]) == (want > 1)
         seen[split] = doc["own"]["nll"]
     assert len(set(seen.values())) == 3  # three samples of spans, not one
     r = run("--split", "val")
     assert r.returncode == 2 and "--split" in r.stderr and "'val' is not one of held-out, train, all" in r.stderr
+
+
+def test_a_served_boundary_and_its_evaluation_give_the_memory_the_same_soft_span(setup, tmp_path):
+    """One boundary through both paths: serving's read (``turn_memory`` with the serve config's memory section)
+    encoded by the memory deployment, and eval-actions' arm (``memory_arm``: the bundle as it was trained to
+    read, the serve config's values where it records none) on the same compiled turn."""
+    import asyncio
+
+    from palimpsest.pipelines.environment import open_runtime
+    from palimpsest.pipelines.replay_sessions import prepare_sessions, walk_turns
+    from palimpsest.pipelines.trajectories import read_trajectories
+    from palimpsest.platform.budget import Budget
+    from palimpsest.platform.policies import parse_policy_config
+    from palimpsest.serving.config import MemoryConfigServe
+    from palimpsest.serving.memory_encoder import MemoryEncoder as Deployment
+    from palimpsest.serving.turn import turn_memory
+    from palimpsest.training.actions import memory_arm
+
+    d, actor, net, bundle, data = setup
+    rt = open_runtime(tmp_path / "l.db", "hashing", str(d / "actor"))
+    sessions = prepare_sessions(rt, read_trajectories(data).trajectories, False, "sha", [])
+    serve_memory = MemoryConfigServe()
+    arm = memory_arm(str(bundle), actor, serve_memory.model_dump())
+    deployment = Deployment.func_or_class(str(d / "actor"), {"default": str(bundle)},
+                                          max_history_tokens=serve_memory.max_history_tokens)
+    compared = 0
+    for _, _, turn, _ in walk_turns(rt, sessions[0], parse_policy_config({"type": "pace"}), Budget(700, 8, arm.slots)):
+        read = turn_memory(rt, turn, serve_memory) if not isinstance(turn, Exception) else None
+        if read is None:
+            continue
+        assert read == arm.read(rt.ledger.tokenizer, turn)
+        served = asyncio.run(deployment.encode("default", sessions[0].session_id, *read))["soft"]
+        assert torch.equal(served, arm.encode(read).float())
+        compared += 1
+    assert compared >= 3, compared

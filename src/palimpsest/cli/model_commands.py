@@ -154,12 +154,11 @@ def _eval_actions_run(data, names, configs, budget, memory, include_train, max_t
                       ledger, embedder, tokenizer, mlflow, max_boundaries, reference, device="cpu"):
     # deferred: loads torch
     from palimpsest.models.actor import FrozenActor
-    from palimpsest.training.actions import Arm, MemoryArm, TeacherCache, evaluate_actions
+    from palimpsest.training.actions import Arm, TeacherCache, evaluate_actions, memory_arm
     from palimpsest.training.teachers import actor_key
 
     serve_mem = MemoryConfigServe()
     ref, trained_on = None, None
-    mem_tokens, mem_chars = serve_mem.max_history_tokens, serve_mem.max_field_chars
     if any(n != _memory_base(n) for n in names):
 
         ref = resolve_memory_ref(memory or "auto")
@@ -170,17 +169,10 @@ def _eval_actions_run(data, names, configs, budget, memory, include_train, max_t
         if trained_on is None and not include_train:
             raise PalimpsestError(f"memory model {ref} records no training split, so its held-out trajectories are "
                                   "unknown: pass --include-train to score every trajectory")
-        # Read as the memory was trained to read (serving's memory.* should say the same).
-        mem_tokens = bundle.memory_tokens or mem_tokens
-        mem_chars = bundle.max_field_chars or mem_chars
     actor_path = str(resolve_actor_path("smollm2" if tokenizer == "smollm2" else tokenizer))
     act = FrozenActor.from_pretrained(actor_path, device=device)
-    mem_arm = None
-    if ref is not None:
-        # deferred: loads torch
-        from palimpsest.models.encoder import MemoryEncoder
-
-        mem_arm = MemoryArm(MemoryEncoder.load(ref, act), mem_tokens, mem_chars)
+    # read as the memory was trained to read (serving's memory.* should say the same)
+    mem_arm = None if ref is None else memory_arm(ref, act, serve_mem.model_dump())
     arms = [Arm(n, configs[_memory_base(n)], mem_arm if n != _memory_base(n) else None, inject=not n.endswith("+empty"),
                 donor=n.endswith("+other")) for n in names]
 
@@ -334,7 +326,10 @@ def eval_reconstruction(
         table.add_column(c)
     table.add_row("none", f"{doc['none']['nll']:.3f}", f"{doc['none']['acc']:.3f}", "")
     table.add_row("own", f"{doc['own']['nll']:.3f}", f"{doc['own']['acc']:.3f}", f"{doc['own']['exact']:.2f}")
-    table.add_row("other span's", f"{doc['other']['nll']:.3f}", f"{doc['other']['acc']:.3f}", "")
+    if doc["other"]["nll"] is None:
+        table.add_row("another trajectory's", doc["other"]["skipped"], "", "")
+    else:
+        table.add_row("another trajectory's", f"{doc['other']['nll']:.3f}", f"{doc['other']['acc']:.3f}", "")
     out.print(table)
     for name, d in doc["differences"].items():
         out.print(f"{name.replace('_minus_', ' - ')}: {d['value']:+.3f} nats per token, 95% interval "

@@ -32,6 +32,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from palimpsest.models.encoder import MemoryEncoder
+from palimpsest.models.registry import read_bundle
 from palimpsest.pipelines.replay_sessions import teacher_boundaries, walk_turns
 from palimpsest.platform.budget import Budget
 from palimpsest.platform.chat import memory_read
@@ -50,6 +52,27 @@ class MemoryArm:
     @property
     def slots(self) -> int:
         return self.encoder.slots_for(self.max_history_tokens)
+
+    def read(self, tok, turn) -> tuple[list[int], list[int]] | None:
+        """What the memory reads of a compiled turn (the call serving makes, ``serving.turn.turn_memory``): the
+        ids of what the prompt left out and of the context before the slot; None where it left nothing out."""
+        return memory_read(tok, turn, self.max_field_chars, self.max_history_tokens)
+
+    def encode(self, read: tuple[list[int], list[int]]) -> torch.Tensor:
+        """The soft span of a read (S, d), as the memory deployment encodes it."""
+        history, summary = read
+        with torch.inference_mode():
+            return self.encoder.encode(torch.tensor(history, dtype=torch.long), torch.tensor(summary, dtype=torch.long))
+
+
+def memory_arm(ref: str, actor, reads: dict | None = None) -> MemoryArm:
+    """The memory of bundle ``ref`` beside ``actor``, reading as it was trained (the bundle's recorded
+    ``memory_tokens`` and ``max_observation_chars``; ``reads``, the serve config's ``memory.max_history_tokens``
+    and ``max_field_chars``, where the bundle records none): what ``eval-actions`` and ``eval-memory`` score."""
+    bundle, reads = read_bundle(ref), reads or {}
+    return MemoryArm(MemoryEncoder.load(ref, actor),
+                     bundle.memory_tokens or reads.get("max_history_tokens") or MemoryArm.max_history_tokens,
+                     bundle.max_field_chars or reads.get("max_field_chars") or MemoryArm.max_field_chars)
 
 
 @dataclass
@@ -157,7 +180,7 @@ def evaluate_actions(rt, sessions, arms: list[Arm], budget: int, actor, *, data_
                 parts = [actor.embed(torch.tensor(context, dtype=torch.long))]
                 n_soft = 0
                 if arm.memory is not None and arm.donor:  # its own read is another row's donor
-                    read = memory_read(tok, turn, arm.memory.max_field_chars, arm.memory.max_history_tokens)
+                    read = arm.memory.read(tok, turn)
                     if read is None:  # NAME+memory sends no soft span here: a donor's would not be its control
                         rows.append({**row, "skipped": "the prompt left nothing out: no memory at this turn"})
                         continue
@@ -165,12 +188,9 @@ def evaluate_actions(rt, sessions, arms: list[Arm], budget: int, actor, *, data_
                     pending.append((arm, row, context, bridge, target, teachers[rs.t]))
                     continue
                 if arm.memory is not None and arm.inject:
-                    read = memory_read(tok, turn, arm.memory.max_field_chars, arm.memory.max_history_tokens)
+                    read = arm.memory.read(tok, turn)
                     if read is not None:
-                        history, summary = read
-                        with torch.inference_mode():
-                            mem = arm.memory.encoder.encode(torch.tensor(history, dtype=torch.long),
-                                                            torch.tensor(summary, dtype=torch.long))
+                        mem = arm.memory.encode(read)
                         parts.append(mem.to(parts[0].dtype))
                         n_soft = int(mem.shape[0])
                 if bridge:
@@ -204,11 +224,8 @@ def _donor_rows(actor, pending: list, reads: dict[str, list]) -> list[dict]:
         donor = next((d for d in others if d > sid), others[0])
         k = seen.get(sid, 0)
         seen[sid] = k + 1
-        history, summary = reads[donor][k % len(reads[donor])]
         parts = [actor.embed(torch.tensor(context, dtype=torch.long))]
-        with torch.inference_mode():
-            mem = arm.memory.encoder.encode(torch.tensor(history, dtype=torch.long),
-                                            torch.tensor(summary, dtype=torch.long))
+        mem = arm.memory.encode(reads[donor][k % len(reads[donor])])
         parts.append(mem.to(parts[0].dtype))
         if bridge:
             parts.append(actor.embed(torch.tensor(bridge, dtype=torch.long)))
@@ -262,4 +279,4 @@ def summarize_actions(rows: list[dict], labels: list[str], reference: str | None
 
 
 __all__ = ["ActionsResult", "Arm", "MemoryArm", "TOP_K", "Teacher", "TeacherCache", "bootstrap_ci",
-           "evaluate_actions", "score", "summarize_actions", "teacher_of", "turn_kind"]
+           "evaluate_actions", "memory_arm", "score", "summarize_actions", "teacher_of", "turn_kind"]

@@ -184,6 +184,8 @@ def reads_its_input(doc: dict, below_other: float, below_none: float = 0.0) -> b
     """Whether a reconstruction document shows a memory that carries its span: own NLL at least ``below_other``
     nats per token under another span's memory and ``below_none`` under no memory (rung 3: 1.0; rung 4: 0.3 and
     0.5)."""
+    if doc["other"]["nll"] is None:  # spans of one trajectory: the control that says it reads was not run
+        return False
     return (doc["own"]["nll"] <= doc["other"]["nll"] - below_other
             and doc["own"]["nll"] <= doc["none"]["nll"] - below_none)
 
@@ -198,10 +200,15 @@ def evaluate(actor, net, samples: list[dict], exact_tokens: int = 32, groups: li
     was = net.training
     net.eval()
     try:
-        per = {mode: span_scores(actor, net, samples, mode, groups) for mode in ("none", "own", "other")}
+        kinds = {s.get("trajectory") for s in samples} if groups is None else set(groups)
+        # spans of one trajectory have no memory of another to compare with: the other control is left out, said
+        modes = ("none", "own", "other") if len(kinds) > 1 or None in kinds else ("none", "own")
+        per = {mode: span_scores(actor, net, samples, mode, groups) for mode in modes}
         tokens = per["own"][2]
         total = max(sum(tokens), 1)
         scored = {mode: {"nll": sum(nll) / total, "acc": sum(hits) / total} for mode, (nll, hits, _) in per.items()}
+        scored.setdefault("other", {"nll": None, "acc": None,
+                                    "skipped": "every span is of one trajectory: no other trajectory's memory"})
         k = min(exact_tokens, min(int(s["span"].numel()) for s in samples))
         exact = sum(greedy(actor, net, s, k) == s["span"][:k].tolist() for s in samples) / len(samples)
         doc = {"spans": len(samples),
@@ -211,7 +218,7 @@ def evaluate(actor, net, samples: list[dict], exact_tokens: int = 32, groups: li
                "own": {**scored["own"], "exact": exact, "exact_tokens": k},
                "other": scored["other"],
                "differences": {f"own_minus_{c}": paired_difference(per["own"][0], per[c][0], tokens, groups)
-                               for c in ("other", "none")}}
+                               for c in ("other", "none") if c in per}}
     finally:
         net.train(was)
     return doc
