@@ -59,7 +59,7 @@ def test_generated_requests_never_get_a_server_error(server, anchor, tmp_path):
     report = tmp_path / "events.ndjson"
     exe = Path(sys.executable).with_name("st")
     cmd = [str(exe), "run", f"{server.url}/openapi.json", "--checks", "not_a_server_error", "-n", str(per_operation),
-           "--seed", "7", "--workers", "2", "--request-timeout", "120", "-H", f"Authorization: Bearer {KEYS['alice']}",
+           "--seed", "7", "--generation-deterministic", "--workers", "2", "--request-timeout", "120", "-H", f"Authorization: Bearer {KEYS['alice']}",
            "--suppress-health-check", "all", "--report", "ndjson", "--report-ndjson-path", str(report),
            "--phases", "examples,fuzzing", "--no-color"]
     for attempt in range(2):
