@@ -347,7 +347,9 @@ def main() -> None:
                    tokens=n, own=score(actor, net, one, "own"), none=none, curve=curve[-50:])
         if args.rung == 2:
             out["control_other_source_matched"] = sum(a == b for a, b in zip(ctrl, target))
-            out["other"] = {"nll": score(actor, net, one + other, "other")["nll"]}
+            # rung 2's control is the other span's memory whatever its source: one group per span
+            out["other"] = {"nll": score(actor, net, [{k: v for k, v in s.items() if k != "trajectory"}
+                                                      for s in one + other], "other")["nll"]}
         out["passed"] = state["prefix"] == n
     elif args.model:
         from palimpsest.models.registry import load_memory, read_bundle
@@ -376,7 +378,9 @@ def main() -> None:
             doc = evaluate(actor, net, eval_train if args.rung == 3 else eval_val)
             evals.append({"step": step, **doc})
             print(f"  step {step}: own {doc['own']['nll']:.3f} acc {doc['own']['acc']:.3f} exact "
-                  f"{doc['own']['exact']:.2f} | other {doc['other']['nll']:.3f} | none {doc['none']['nll']:.3f}",
+                  f"{doc['own']['exact']:.2f} | other "
+                  f"{'n/a' if doc['other']['nll'] is None else format(doc['other']['nll'], '.3f')} | "
+                  f"none {doc['none']['nll']:.3f}",
                   flush=True)
             return args.until_passed and step > 0 and passes(doc)
 

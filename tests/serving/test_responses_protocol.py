@@ -255,7 +255,9 @@ def test_clear_tool_uses_maps_onto_the_compaction_and_what_cannot_be_honoured_is
                        ({"type": "compact_20260112"}, "context_management.edits[0]"),
                        ({**edit, "trigger": {"type": "input_tokens", "value": 0}},
                         "context_management.edits[0].trigger"),
-                       ({**edit, "keep": {"type": "tool_uses", "value": 10**17}}, "context_management.edits[0].keep")):
+                       ({**edit, "keep": {"type": "tool_uses", "value": 10**17}}, "context_management.edits[0].keep"),
+                       ({**edit, "trigger": {}}, "context_management.edits[0].trigger"),
+                       ({"type": []}, "context_management.edits[0]"), ({"type": {}}, "context_management.edits[0]")):
         with pytest.raises(anthropic_protocol.AnthropicInputError) as e:
             anthropic_protocol.read_request({**base, "context_management": {"edits": [bad]}})
         assert str(e.value).startswith(field), str(e.value)
@@ -264,6 +266,9 @@ def test_clear_tool_uses_maps_onto_the_compaction_and_what_cannot_be_honoured_is
 def test_the_responses_compaction_entry_sets_the_boundary():
     req = read_request({"input": "x", "context_management": [{"type": "compaction", "compact_threshold": 2000}]})
     assert req.edits.kind == "compaction" and req.edits.trigger_tokens == 2000
+    for flag in ("stream", "store"):
+        with pytest.raises(ResponsesInputError, match=flag):
+            read_request({"input": "x", flag: "false"})
     for bad in ([{"type": "compaction", "compact_threshold": 0}], [{"type": "compaction", "compact_threshold": 1 << 41}],
                 [{"type": "other"}], {"type": "compaction"}):
         with pytest.raises(ResponsesInputError, match="context_management"):

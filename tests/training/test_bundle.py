@@ -84,6 +84,11 @@ def test_a_memory_is_refused_beside_another_actor_of_the_same_shape(setup, tmp_p
         load_memory(bundle, other)
     with pytest.raises(ConfigError, match="another actor"):
         MemoryEncoder.load(bundle, other)
+    tuned = tiny_actor()  # the same embeddings, one layer moved by 1%: a fine-tune that left them alone
+    with torch.no_grad():
+        tuned.model.model.layers[0].mlp.down_proj.weight.mul_(1.01)
+    with pytest.raises(ConfigError, match=r"actor\.weight_norms"):
+        load_memory(bundle, tuned)
     same = tiny_actor()
     same.model.to(torch.bfloat16)
     assert same.differs_from(actor.fingerprint()) is None
@@ -185,10 +190,18 @@ def test_a_served_boundary_and_its_evaluation_give_the_memory_the_same_soft_span
     from palimpsest.training.actions import memory_arm
 
     d, actor, net, bundle, data = setup
+    trained = tmp_path / "trained"  # the bundle, its record saying how it was trained to read
+    trained.mkdir()
+    (trained / "memory.pt").write_bytes((bundle / "memory.pt").read_bytes())
+    record = json.loads((bundle / "memory.json").read_text())
+    (trained / "memory.json").write_text(json.dumps({**record, "data": {"memory_tokens": 200,
+                                                                        "max_observation_chars": 150}}))
+    bundle = trained
     rt = open_runtime(tmp_path / "l.db", "hashing", str(d / "actor"))
     sessions = prepare_sessions(rt, read_trajectories(data).trajectories, False, "sha", [])
-    serve_memory = MemoryConfigServe()
-    arm = memory_arm(str(bundle), actor, serve_memory.model_dump())
+    arm = memory_arm(str(bundle), actor, MemoryConfigServe().model_dump())
+    assert (arm.max_history_tokens, arm.max_field_chars) == (200, 150)  # as trained, not the serve defaults
+    serve_memory = MemoryConfigServe(max_history_tokens=200, max_field_chars=150)  # served as it was trained
     deployment = Deployment.func_or_class(str(d / "actor"), {"default": str(bundle)},
                                           max_history_tokens=serve_memory.max_history_tokens)
     compared = 0

@@ -309,6 +309,8 @@ def test_a_rerun_whose_optim_changed_is_refused_not_resumed(tmp_path, actor_dir)
     cfg = config(tmp_path, actor_dir)
     run = tmp_path / "runs" / "tiny" / "tiny"
     _claim_run_dir(run, cfg)
+    _claim_run_dir(run, config(tmp_path, actor_dir, optim={"lr": 3e-4}))  # no checkpoint yet: nothing to mix
+    _claim_run_dir(run, cfg)
     (run / "checkpoint_000002").mkdir()
     for change in ({"lr": 3e-4}, {"stage2_steps": 8}, {"stage1_batch": 2}):
         with pytest.raises(ConfigError, match=f"optim.{next(iter(change))}"):
@@ -320,6 +322,14 @@ def test_a_rerun_whose_optim_changed_is_refused_not_resumed(tmp_path, actor_dir)
     (run / RUN_NETWORK).write_text(json.dumps({k: v for k, v in record.items() if k != "optim"}))
     _claim_run_dir(run, cfg)  # recorded before the optim was: resumed, and now recorded
     assert (run / "checkpoint_000002").is_dir() and "optim" in json.loads((run / RUN_NETWORK).read_text())
+    # a field this version added to optim, at its default, is no change (its default was in force)
+    record = json.loads((run / RUN_NETWORK).read_text())
+    del record["optim"]["kl_decay"]
+    (run / RUN_NETWORK).write_text(json.dumps(record))
+    _claim_run_dir(run, cfg)
+    with pytest.raises(ConfigError, match="optim.kl_decay was 0.05"):
+        (run / RUN_NETWORK).write_text(json.dumps(record))
+        _claim_run_dir(run, config(tmp_path, actor_dir, optim={"kl_decay": 0.1}))
 
 
 def test_stage1_batches_take_every_row_once_per_epoch_and_batch_one_is_the_plain_walk():

@@ -64,12 +64,14 @@ class FrozenActor(nn.Module):
 
     def fingerprint(self) -> dict:
         """What a memory bundle records of the actor it was trained beside, to be served beside that one only: the
-        mean embedding norm, the norms of ``PROBE_ROWS`` rows spread over the vocabulary (fine-tuning or another
-        seed moves them; a dtype moves them by ~1e-5), and the vocabulary size."""
+        mean embedding norm, the norms of ``PROBE_ROWS`` rows spread over the vocabulary (another seed moves
+        them; a dtype by ~1e-5), the vocabulary size, and the L2 norm of each weight tensor (a fine-tune that
+        leaves the embeddings alone moves those it trained; a dtype moves each by ~1e-4 at most)."""
         weight = self.model.get_input_embeddings().weight.detach()
         rows = torch.linspace(0, weight.shape[0] - 1, PROBE_ROWS).long().to(weight.device)
         return {"embed_norm": self.embed_norm(), "embed_probe": weight[rows].float().norm(dim=-1).tolist(),
-                "vocab_size": int(weight.shape[0])}
+                "vocab_size": int(weight.shape[0]),
+                "weight_norms": [float(p.detach().float().norm()) for p in self.model.parameters()]}
 
     def differs_from(self, recorded: dict, rtol: float = 1e-3) -> str | None:
         """The first recorded ``fingerprint`` field this actor does not match, with both values; None if it
@@ -80,8 +82,14 @@ class FrozenActor(nn.Module):
             if want is None:
                 continue
             have, want = torch.tensor(value, dtype=torch.float64), torch.tensor(want, dtype=torch.float64)
-            if have.shape != want.shape or not torch.allclose(have, want, rtol=rtol, atol=0.0):
-                return f"actor.{key}: recorded {recorded[key]!r}, this actor's {value!r}"
+            tol = 0.0 if key == "vocab_size" else rtol  # a count: equal, or another vocabulary
+            if have.shape != want.shape:
+                return f"actor.{key}: {want.numel()} recorded, this actor has {have.numel()}"
+            off = (~torch.isclose(have, want, rtol=tol, atol=0.0)).flatten().nonzero()
+            if off.numel():
+                i = int(off[0])
+                was, now = want.flatten()[i].item(), have.flatten()[i].item()
+                return f"actor.{key}{f'[{i}]' if have.dim() else ''}: recorded {was:.6g}, this actor's {now:.6g}"
         return None
 
     def forward(self, input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,

@@ -107,6 +107,7 @@ def check_request(raw: Any, literal: bool = False) -> None:
         seen = 0
         for k, e in enumerate(edits.get("edits", [])):
             kind = e.get("type") if isinstance(e, dict) else None
+            kind = kind if isinstance(kind, str) else None
             if kind == CLEAR_TOOL_USES:
                 seen += 1
                 if seen > 1:
@@ -189,10 +190,10 @@ def context_edit(edit: dict, where: str, literal: bool = False) -> ContextEdits:
         raise AnthropicInputError(f"{where}.clear_tool_inputs: send true (the gateway's compaction abstracts a "
                                   "degraded step's call with its result; keeping inputs verbatim, the default, is "
                                   f"the edit's own rule: send the header {LITERAL_HEADER}: literal)")
-    tools = edit.get("exclude_tools") or []
+    tools = [] if edit.get("exclude_tools") is None else edit["exclude_tools"]
     if not (isinstance(tools, list) and all(isinstance(t, str) and t for t in tools)):
         raise AnthropicInputError(f"{where}.exclude_tools: a list of tool names is needed")
-    trigger = edit.get("trigger") or {"type": "input_tokens", "value": 100_000}
+    trigger = {"type": "input_tokens", "value": 100_000} if edit.get("trigger") is None else edit["trigger"]
     by_uses = literal and isinstance(trigger, dict) and trigger.get("type") == "tool_uses"
     unit = "tool_uses" if by_uses else "input_tokens"
     value = _amount(trigger, f"{where}.trigger", unit, minimum=1, maximum=MAX_TOOL_USES if by_uses else MAX_TOKENS)

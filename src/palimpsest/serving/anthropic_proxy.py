@@ -232,6 +232,8 @@ async def read(replica, request: Request, counting: bool = False) -> tuple[Any, 
         valid_text(raw)  # a lone surrogate reaches no tokenizer and no database
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise HTTPProblem(400, "the body is not JSON") from None
+    except RecursionError:
+        raise HTTPProblem(400, "the body is nested too deeply") from None
     except ValueError as e:
         raise HTTPProblem(400, str(e)) from None
     if counting and isinstance(raw, dict):

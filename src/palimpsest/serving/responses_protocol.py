@@ -246,6 +246,9 @@ def chat_tools(tools: Any) -> tuple[list[dict], dict, set, list[dict]]:
             if extra:
                 raise ResponsesInputError(f"{where}.{sorted(extra)[0]}: not read by this endpoint")
             _check_tool(t, where)
+            if t.get("defer_loading"):  # as a deferred function tool: recorded, not declared
+                deferred.append(t["name"])
+                continue
             custom.add(t["name"])
             fmt = t.get("format")
             desc = (t.get("description") or "") + (f"\n(input format: {json.dumps(fmt, sort_keys=True)})" if fmt else "")
@@ -307,6 +310,9 @@ def read_request(raw: Any) -> ResponsesRequest:
     for name in ("metadata", "client_metadata"):
         if raw.get(name) is not None and not isinstance(raw[name], dict):
             raise ResponsesInputError(f"{name}: an object is needed")
+    for name in ("stream", "store", "parallel_tool_calls", "background"):
+        if raw.get(name) is not None and not isinstance(raw[name], bool):
+            raise ResponsesInputError(f"{name}: true or false is needed")
     for name in ("user", "prompt_cache_key", "previous_response_id", "instructions", "model", "safety_identifier"):
         if raw.get(name) is not None and not isinstance(raw[name], str):
             raise ResponsesInputError(f"{name}: a string is needed")

@@ -232,9 +232,13 @@ def documented(doc: dict, models: list[str] | None = None) -> dict:
     string, integer, boolean = ({"type": t} for t in ("string", "integer", "boolean"))
     obj = {"type": "object"}
     protocol = responses_protocol
+    empty = {"type": "array", "maxItems": 0}  # as the replies carry them: nothing to read
     part = {"type": "object", "required": ["type", "text"], "additionalProperties": False,
-            "properties": {"type": {"type": "string", "enum": sorted(protocol.TEXT_PARTS)}, "text": string}}
-    content = {"anyOf": [string, {"type": "array", "items": part}]}
+            "properties": {"type": {"type": "string", "enum": sorted(protocol.TEXT_PARTS)}, "text": string,
+                           "annotations": empty, "logprobs": empty}}
+    refusal = {"type": "object", "required": ["type", "refusal"], "additionalProperties": False,
+               "properties": {"type": {"type": "string", "enum": ["refusal"]}, "refusal": string}}
+    content = {"anyOf": [string, {"type": "array", "items": {"anyOf": [part, refusal]}}]}
     fields = {"type": string, "id": string, "role": {"type": "string", "enum": ["user", "system", "developer",
                                                                                 "assistant"]},
               "content": content, "status": string, "call_id": string, "name": string, "arguments": string,
@@ -244,7 +248,9 @@ def documented(doc: dict, models: list[str] | None = None) -> dict:
     for kind, names in sorted(protocol.ITEM_FIELDS.items()):
         props = {k: fields[k] for k in sorted(names)}
         props["type"] = {"type": "string", "enum": [kind]}
-        items.append({"type": "object", "required": ["type"], "additionalProperties": False, "properties": props})
+        # a message may leave its type out ({"role", "content"}, as the SDKs write it)
+        required = ["role", "content"] if kind == "message" else ["type"]
+        items.append({"type": "object", "required": required, "additionalProperties": False, "properties": props})
     tool_kinds = ["function", "namespace", "custom", *sorted(protocol.HOSTED_TOOLS)]
     tool = {"type": "object", "required": ["type"],
             "properties": {"type": {"type": "string", "enum": tool_kinds}, "name": string, "description": string,
@@ -291,6 +297,8 @@ async def responses(replica, request: Request):
         valid_text(raw)  # a lone surrogate reaches no tokenizer and no database
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise HTTPProblem(400, "the body is not JSON") from None
+    except RecursionError:
+        raise HTTPProblem(400, "the body is nested too deeply") from None
     except ValueError as e:
         raise HTTPProblem(400, str(e)) from None
     try:

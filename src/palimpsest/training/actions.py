@@ -65,14 +65,13 @@ class MemoryArm:
             return self.encoder.encode(torch.tensor(history, dtype=torch.long), torch.tensor(summary, dtype=torch.long))
 
 
-def memory_arm(ref: str, actor, reads: dict | None = None) -> MemoryArm:
+def memory_arm(ref: str, actor, reads: dict) -> MemoryArm:
     """The memory of bundle ``ref`` beside ``actor``, reading as it was trained (the bundle's recorded
     ``memory_tokens`` and ``max_observation_chars``; ``reads``, the serve config's ``memory.max_history_tokens``
     and ``max_field_chars``, where the bundle records none): what ``eval-actions`` and ``eval-memory`` score."""
-    bundle, reads = read_bundle(ref), reads or {}
-    return MemoryArm(MemoryEncoder.load(ref, actor),
-                     bundle.memory_tokens or reads.get("max_history_tokens") or MemoryArm.max_history_tokens,
-                     bundle.max_field_chars or reads.get("max_field_chars") or MemoryArm.max_field_chars)
+    bundle = read_bundle(ref)
+    return MemoryArm(MemoryEncoder.load(ref, actor), bundle.memory_tokens or reads["max_history_tokens"],
+                     bundle.max_field_chars or reads["max_field_chars"])
 
 
 @dataclass

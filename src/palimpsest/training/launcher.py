@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -222,19 +223,16 @@ def _export_bundle(cfg: TrainConfig, module, actor, out: Path, engine, data_dir:
 STAGE1_BUNDLE = "stage1"  # in a tracked run with a Stage II: the bundle at the end of Stage I (runs:/ID/stage1)
 RUN_NETWORK = "network.json"  # in a run's directory: the network its checkpoints hold
 
-
-#: optim fields a resumed run may change: they change when checkpoints are written, not what is trained
-RESUMABLE_OPTIM = frozenset({"checkpoint_every"})
+#: optim fields a resumed run may change: when checkpoints are written and what is cached, not what is trained
+RESUMABLE_OPTIM = frozenset({"checkpoint_every", "prefix_cache_rows"})
 
 
 def _claim_run_dir(run_dir: Path, cfg: TrainConfig) -> None:
     """A rerun of the same config resumes from its latest checkpoint. A run directory whose checkpoints hold
     another network (another architecture or memory config, or one written before the directory recorded it)
     cannot be resumed: it is moved aside, and the move is said on stderr, so the new run starts from step 0.
-    The same network under another recipe (``optim``, but for ``RESUMABLE_OPTIM``) is refused, naming what
-    changed: resuming would train one checkpoint under two recipes."""
-    import sys
-
+    The same network under another recipe (``optim``, but for ``RESUMABLE_OPTIM``) is refused once it holds a
+    checkpoint, naming what changed: resuming would train one checkpoint under two recipes."""
     want = {"architecture": ARCHITECTURE, "memory": cfg.memory.to_dict(), "actor": cfg.actor.model_dump()}
     optim = cfg.optim.model_dump()
     marker = run_dir / RUN_NETWORK
@@ -242,13 +240,13 @@ def _claim_run_dir(run_dir: Path, cfg: TrainConfig) -> None:
         have = json.loads(marker.read_text()) if marker.is_file() else None
         if have is not None and {k: have.get(k) for k in want} == want:
             recorded = have.get("optim")
-            changed = sorted(k for k in set(optim) | set(recorded or {})
-                             if k not in RESUMABLE_OPTIM and (recorded or {}).get(k) != optim.get(k))
-            if recorded is not None and changed:
-                raise ConfigError(
-                    f"{run_dir} holds checkpoints of this network trained with another recipe: "
-                    + "; ".join(f"optim.{k} was {recorded.get(k)!r}, the config says {optim.get(k)!r}"
-                                for k in changed)
+            defaults = type(cfg.optim)().model_dump()  # a field added since the record: its default was in force
+            changed = sorted(k for k in optim if k not in RESUMABLE_OPTIM
+                             and (recorded or {}).get(k, defaults.get(k)) != optim[k])
+            checkpoints = any(p.name.startswith("checkpoint_") for p in run_dir.iterdir())
+            if recorded is not None and changed and checkpoints:
+                raise ConfigError(f"{run_dir} holds checkpoints of this network trained with another recipe: " + "; ".join(
+                    f"optim.{k} was {recorded.get(k, defaults.get(k))!r}, the config says {optim[k]!r}" for k in changed)
                     + ". Give the run another name, or move the directory away to start from step 0")
             marker.write_text(json.dumps({**want, "optim": optim}, indent=2))
             return
@@ -335,6 +333,8 @@ def launch(cfg: TrainConfig, fault: dict | None = None, track: bool = True) -> d
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    # before the data and the teachers are built: a run this config may not resume is refused first
+    _claim_run_dir(Path(cfg.storage).expanduser().resolve() / cfg.name / cfg.name, cfg)
     t_prep = time.perf_counter()
     prep = prepare(cfg)
     timings = {"prepare_s": round(time.perf_counter() - t_prep, 1)}  # data rows (the serving code) + teachers
@@ -348,7 +348,6 @@ def launch(cfg: TrainConfig, fault: dict | None = None, track: bool = True) -> d
             run_id = mlflow.start_run(experiment_id=exp, run_name=cfg.name).info.run_id
             mlflow.end_run()
         mlflow_spec = {"uri": tracking_uri(), "run_id": run_id}
-    _claim_run_dir(Path(prep.storage) / cfg.name, cfg)
     if os.environ.get("RAY_TMPDIR"):
         Path(os.environ["RAY_TMPDIR"]).mkdir(parents=True, exist_ok=True)
     if not ray.is_initialized():
