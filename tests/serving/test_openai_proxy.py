@@ -262,6 +262,10 @@ def test_the_served_document_asked_for_before_the_replica_is_ready_is_not_kept(m
     async def count(request: Request) -> dict:
         return {}
 
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> dict:
+        return {}
+
     app.openapi = types.MethodType(_openapi, app)
     monkeypatch.setattr(anthropic_protocol, "_served", [])
     early = app.openapi()
@@ -270,6 +274,7 @@ def test_the_served_document_asked_for_before_the_replica_is_ready_is_not_kept(m
     anthropic_protocol.serve_models(["served-model"])
     later = app.openapi()
     assert later["paths"]["/v1/messages"]["post"]["requestBody"]["required"] is True
+    assert later["paths"]["/v1/responses"]["post"]["requestBody"]["required"] is True
 
 
 def test_errors_keep_their_protocols_shape_under_a_route_prefix():
