@@ -18,7 +18,7 @@ from typing import Callable, Literal, Sequence
 import numpy as np
 
 from palimpsest.pipelines.replay_sessions import Skipped, appears, prepare_sessions
-from palimpsest.pipelines.trajectories import Trajectory, file_sha256, read_trajectories, split_of
+from palimpsest.pipelines.trajectories import Trajectory, file_sha256, half_of, read_trajectories
 from palimpsest.platform.policies.base import query_text
 from palimpsest.platform.relevance import features
 from palimpsest.platform.render import own_words
@@ -26,11 +26,6 @@ from palimpsest.platform.runtime import Runtime
 from palimpsest.platform.types import PalimpsestError
 
 Half = Literal["fit", "report", "all"]
-
-
-def half_of(trajectory_id: str) -> str:
-    """``fit`` or ``report``: the half ``trajectories.hash_halves`` puts a trajectory in."""
-    return "fit" if split_of(trajectory_id, 0.5) == "val" else "report"
 
 
 def labels(traj: Trajectory, t: int, old: np.ndarray, horizon: int, recent: int = 2) -> np.ndarray:

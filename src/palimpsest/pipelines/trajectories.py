@@ -184,6 +184,11 @@ def split_of(trajectory_id: str, val_fraction: float) -> str:
     return "val" if h < val_fraction else "train"
 
 
+def half_of(trajectory_id: str) -> str:
+    """``fit`` or ``report``: the hash half of a trajectory (``split_of(id, 0.5)``: ``val`` is the fit half)."""
+    return "fit" if split_of(trajectory_id, 0.5) == "val" else "report"
+
+
 def hash_halves(data: str | Path, out: str | Path) -> dict[str, Path]:
     """The file's lines split by a hash of each trajectory's id into ``fit`` (``split_of(id, 0.5) == "val"``) and
     ``report`` halves, written as ``<stem>-fit.jsonl`` and ``<stem>-report.jsonl`` under ``out``: fit on one, report
@@ -197,7 +202,7 @@ def hash_halves(data: str | Path, out: str | Path) -> dict[str, Path]:
         except (ValueError, AttributeError):
             continue
         if isinstance(tid, str):
-            lines["fit" if split_of(tid, 0.5) == "val" else "report"].append(line)
+            lines[half_of(tid)].append(line)
     paths = {k: out / f"{src.stem}-{k}.jsonl" for k in lines}
     for k, p in paths.items():
         p.write_text("".join(x + "\n" for x in lines[k]), encoding="utf-8")

@@ -18,21 +18,19 @@ import time
 from pathlib import Path
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
 from palimpsest.models.registry import mlflow_experiment, tracking_errors, tracking_uri
 from palimpsest.models.relevance import REGISTERED_RELEVANCE, register_head, write_head
 from palimpsest.pipelines.environment import open_runtime
-from palimpsest.pipelines.relevance_data import Rows, build_rows, half_of, ranking
+from palimpsest.pipelines.relevance_data import Rows, build_rows, ranking
 from palimpsest.pipelines.tracking import check, configure
-from palimpsest.pipelines.trajectories import split_of
+from palimpsest.pipelines.trajectories import half_of, split_of
 from palimpsest.platform.config import problems, read_yaml
 from palimpsest.platform.relevance import FEATURES_VERSION, SCALARS, RelevanceHead
 from palimpsest.platform.types import ConfigError, PalimpsestError
+from palimpsest.training.config import _Strict
 
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class RelevanceTracking(_Strict):
