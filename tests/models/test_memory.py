@@ -55,7 +55,7 @@ def test_the_network_holds_only_its_own_parameters_and_the_actor_stays_frozen(ac
     names = set(m.state_dict())
     assert names and not any(n.startswith(("_actor", "model.")) for n in names)
     assert sum(p.numel() for p in m.parameters()) == m.num_parameters() < m.actor_parameters()
-    assert set(m.parameter_groups()) == {"lora", "slots", "readout", "summary"}
+    assert set(m.parameter_groups()) == {"lora", "slots", "readout", "summary", "span_gate"}
     m(ids(20)).sum().backward()
     assert all(p.grad is None for p in actor.parameters())
     m.train()

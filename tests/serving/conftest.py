@@ -37,7 +37,8 @@ def tiny_memory(tiny_dir, tmp_path_factory):
     from palimpsest.models.registry import BUNDLE_META, BUNDLE_WEIGHTS, bundle_record
 
     actor = FrozenActor.from_pretrained(tiny_dir)
-    cfg = MemoryConfig(block_size=32, queries=4, max_slots=16, lora_rank=4, summary_layers=1)
+    # the span gate open (its starting logit +4): served turns carry the span, through the gate's code path
+    cfg = MemoryConfig(block_size=32, queries=4, max_slots=16, lora_rank=4, summary_layers=1, gate_bias=4.0)
     torch.manual_seed(0)
     net = MemoryNetwork(cfg, actor)
     d = tmp_path_factory.mktemp("tiny-memory")

@@ -42,6 +42,21 @@ def test_encoder_turns_history_and_summary_into_the_soft_span(setup):
         enc.encode(torch.zeros(0, dtype=torch.long))
 
 
+def test_a_bundle_recorded_before_the_span_gate_loads_without_one(setup, tmp_path):
+    """A bundle whose memory record has no ``span_gate`` was trained without the gate: it loads as it was trained
+    (strictly, and sending its span), not as a gated network missing its gate's weights."""
+    d, actor, net, bundle, data = setup
+    old = tmp_path / "before-gate"
+    old.mkdir()
+    meta = json.loads((bundle / "memory.json").read_text())
+    meta["memory"] = {k: v for k, v in meta["memory"].items() if k not in ("span_gate", "gate_bias")}
+    (old / "memory.json").write_text(json.dumps(meta))
+    (old / "memory.pt").write_bytes((bundle / "memory.pt").read_bytes())
+    loaded = load_memory(old, actor)
+    assert not loaded.cfg.span_gate and not hasattr(loaded, "span_gate")
+    assert MemoryEncoder.load(old, actor).encode(torch.arange(40)).shape[0] == loaded.slots_for(40)
+
+
 def test_a_bundle_of_the_old_architecture_is_refused_by_name(setup, tmp_path):
     """A bundle the resampler network wrote (its record has no architecture, its config d_model and friends) is
     refused when it is read, when it is loaded, and by the encoder: by name, with what to do."""

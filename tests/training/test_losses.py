@@ -8,6 +8,7 @@ from palimpsest.training.losses import (
     reverse_kl,
     stage1_loss,
     stage2_loss,
+    stage2_student,
     student_logits,
     teacher_logits,
 )
@@ -15,9 +16,11 @@ from palimpsest.training.step import LocalBackend, Step, init_stage2_from_stage1
 from tests.models.tiny import tiny_actor
 
 
-def memnet(actor, seed=0):
+def memnet(actor, seed=0, **kw):
+    """A tiny memory network; without the span gate unless asked (the loss's other parts are under test)."""
     torch.manual_seed(seed)
-    cfg = MemoryConfig(block_size=16, queries=4, max_slots=16, lora_rank=4, summary_layers=1)
+    cfg = MemoryConfig(**{"block_size": 16, "queries": 4, "max_slots": 16, "lora_rank": 4, "summary_layers": 1,
+                          "span_gate": False, **kw})
     return MemoryNetwork(cfg, actor)
 
 
@@ -322,3 +325,36 @@ def test_a_step_under_autocast_updates_fp32_weights_and_an_unknown_precision_is_
     for bad in ("int8", "float16"):
         with pytest.raises(ValueError, match="autocast"):
             Step(LocalBackend(net, lr=1e-2), actor, autocast=bad)
+
+
+def test_the_span_gate_opens_where_the_memory_beats_the_text_alone_and_closes_where_it_does_not():
+    """With the span gate, Stage II's loss is KL(memory) + g KL(memory) + (1 - g) KL(text alone), the last two
+    without gradient: the gate logit's gradient is g (1 - g) (KL(memory) - KL(text alone)), the memory's own
+    gradient is its KL's, and the text alone's KL is computed once per row when a prefix cache keeps it."""
+    from palimpsest.training.step import PrefixCache
+
+    actor = tiny_actor()
+    s = sample2()
+    gated, plain = memnet(actor, span_gate=True), memnet(actor)  # the same seed: the same memory
+    w = position_weights(s["target"].shape[0])
+    p = teacher_logits(actor, s)
+    mem = gated(s["memory"], actor.embed(s["summary"]))
+    with torch.no_grad():
+        kl_mem = float(reverse_kl(stage2_student(plain, actor, s), p, w))
+    kl_alone = float(reverse_kl(student_logits(actor, torch.cat([actor.embed(s["context"]), actor.embed(s["bridge"])]),
+                                               s["target"]), p, w))
+    g = float(gated.openness(mem))
+    assert g == pytest.approx(torch.sigmoid(torch.tensor(-4.0)).item(), rel=1e-5)  # closed as it starts
+    assert gated.sent(mem).shape == (0, actor.hidden_size) and plain.sent(mem).shape == mem.shape
+    cache = PrefixCache(rows=2)
+    loss = stage2_loss(gated, actor, s, prefix=cache)
+    assert float(loss) == pytest.approx(kl_mem + g * kl_mem + (1 - g) * kl_alone, rel=1e-4)
+    loss.backward()
+    assert float(gated.span_gate.bias.grad) == pytest.approx(g * (1 - g) * (kl_mem - kl_alone), rel=1e-3)
+    assert abs(kl_mem - kl_alone) > 1e-4  # the gradient has a sign to check
+    plain_loss = stage2_loss(plain, actor, s)
+    plain_loss.backward()  # the memory learns from its own KL, whatever the gate says
+    assert torch.allclose(gated.readout.weight.grad, plain.readout.weight.grad, rtol=1e-4, atol=1e-8)
+    misses = cache.misses
+    stage2_loss(gated, actor, s, prefix=cache)
+    assert cache.misses == misses  # the context's cache, the memory's features and the text alone's KL: kept

@@ -18,7 +18,8 @@ from palimpsest.platform.types import ConfigError
 
 class MemoryEncoder:
     """(history ids, summary ids) -> soft span (S, d_actor) in the actor's input-embedding space. The network runs
-    the actor's own layers (LoRA beside them), so it is built beside the actor that serves."""
+    the actor's own layers (LoRA beside them), so it is built beside the actor that serves. Where the network's
+    span gate is closed the span is empty (0, d): the actor sees the text alone (``MemoryNetwork.sent``)."""
 
     def __init__(self, memory: MemoryNetwork, actor: FrozenActor):
         if memory.d != actor.hidden_size:
@@ -35,7 +36,7 @@ class MemoryEncoder:
         if history.dim() != 1 or history.numel() == 0:
             raise ValueError("history must be a non-empty 1-D tensor of token ids")
         summary_embeds = self.actor.embed(summary) if summary is not None and summary.numel() else None
-        return self.memory(history.to(self.actor.device), summary_embeds)
+        return self.memory.sent(self.memory(history.to(self.actor.device), summary_embeds))
 
     def slots_for(self, positions: int) -> int:
         return self.memory.slots_for(positions)

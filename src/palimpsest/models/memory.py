@@ -7,6 +7,7 @@ architecture is and why: see ``models/memory_network.py``.
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -38,6 +39,11 @@ class MemoryConfig(BaseModel):
                                                      "per-slot vector to: the embedding of the source token at the "
                                                      "end of its share (share_end), or the mean vocabulary "
                                                      "embedding (mean: every slot of a block starts alike)")
+    span_gate: bool = Field(True, description="a learned gate on the whole span, closed as the network starts: "
+                            "where it is closed no soft span is sent and the actor sees the text alone (the "
+                            "memory's neutral state; MemoryNetwork.openness)")
+    gate_bias: float = Field(-4.0, ge=-20.0, le=20.0, description="the span gate's starting logit (-4: open with "
+                             "probability 0.018; the gate sends the span at >= 0.5)")
 
     @model_validator(mode="after")
     def _sizes(self) -> "MemoryConfig":
@@ -50,6 +56,16 @@ class MemoryConfig(BaseModel):
         if unknown:
             raise ValueError(f"lora_targets: unknown projections {unknown} (known: {', '.join(LORA_TARGETS)})")
         return self
+
+    def first_level(self, positions: int) -> int:
+        """Soft tokens a history of ``positions`` source positions yields before any merge: Q per block of B."""
+        return math.ceil(max(positions, 1) / self.block_size) * self.queries
+
+    def slots_for(self, positions: int) -> int:
+        """How many soft tokens a history of ``positions`` source positions yields: one block of B positions gives
+        Q tokens, up to ``max_slots`` (never fewer for a longer history). The one formula: the network, the data
+        builder, the training config's checks and the served turn's room all ask it."""
+        return min(self.first_level(positions), self.max_slots)
 
     def to_dict(self) -> dict:
         return self.model_dump(mode="json")

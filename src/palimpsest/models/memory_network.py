@@ -20,6 +20,9 @@ The seed's description, element by element, and how it is built here (architectu
   actor's token embeddings.
 - **The summary.** A gated cross-attention (tanh gate at 0) before ``summary_layers`` evenly spaced layers,
   its projections copied from that layer's self-attention, so the gate gets a meaningful gradient at once.
+- **The span gate** (``span_gate``; docs/methods.md): a logistic gate on the span's mean decides whether it is
+  sent. It starts closed: the network as it starts sends nothing, the actor sees the text alone; Stage II opens
+  it where the memory's KL beats the text alone's (``training.losses.stage2_loss``).
 - **Hierarchical merges.** When the history needs more than ``max_slots`` soft tokens, the oldest ones are read
   again by the same network (the frozen actor prefills them as a source) into ``queries`` tokens per block,
   with their own slot vectors, until they fit (``merges``).
@@ -156,6 +159,11 @@ class MemoryNetwork(nn.Module):
         self.summary_at = sorted({round((j + 1) * self.n_layers / (k + 1)) for j in range(k)})  # distinct layers
         self.summary_attn = nn.ModuleDict({str(i): GatedSummaryAttention(base.layers[i], self.n_heads, self.n_kv,
                                                                         self.head_dim) for i in self.summary_at})
+        if cfg.span_gate:
+            self.span_gate = nn.Linear(self.d, 1, dtype=emb.dtype)
+            with torch.no_grad():
+                self.span_gate.weight.zero_()
+                self.span_gate.bias.fill_(cfg.gate_bias)
         self.to(emb.device)
 
     # -------------------------------------------------------------------------------- the actor's layers
@@ -277,14 +285,22 @@ class MemoryNetwork(nn.Module):
         return out
 
     def slots_for(self, positions: int) -> int:
-        """How many soft tokens a history of ``positions`` source positions yields: one block of B positions
-        gives Q tokens, up to ``max_slots`` (never fewer for a longer history)."""
-        B, Q, m = self.cfg.block_size, self.cfg.queries, self.cfg.max_slots
-        return min(math.ceil(max(positions, 1) / B) * Q, m)
+        """How many soft tokens a history of ``positions`` source positions yields (``MemoryConfig.slots_for``)."""
+        return self.cfg.slots_for(positions)
 
     def merge_passes(self, positions: int) -> int:
-        B, Q = self.cfg.block_size, self.cfg.queries
-        return len(self.merges(math.ceil(max(positions, 1) / B) * Q))
+        return len(self.merges(self.cfg.first_level(positions)))
+
+    def openness(self, span: torch.Tensor) -> torch.Tensor:
+        """P(``span`` (S, d) is sent): the gate on its mean / embed_norm, no gradient into the span; 1 without it."""
+        if not self.cfg.span_gate:
+            return span.new_ones((), dtype=torch.float32)
+        x = (span.detach().float().mean(0) / self.embed_norm.float()).to(self.span_gate.weight.dtype)
+        return torch.sigmoid(self.span_gate(x).float()).reshape(())
+
+    def sent(self, span: torch.Tensor) -> torch.Tensor:
+        """What is sent of ``span``: all of it where the gate is open (openness >= 0.5), else nothing (0, d)."""
+        return span if float(self.openness(span)) >= 0.5 else span[:0]
 
     # -------------------------------------------------------------------------------- forward
 
@@ -323,7 +339,13 @@ class MemoryNetwork(nn.Module):
             idle = idle + 0.0 * self._read(self._prefill(mem[: self.cfg.queries + 1]), self.merge_slots, summary).sum()
         if not passes and torch.is_grad_enabled():
             idle = idle + 0.0 * self.merge_slots.sum()
-        return mem + idle
+        return mem + idle + self._gate_idle(mem)
+
+    def _gate_idle(self, mem: torch.Tensor) -> torch.Tensor:
+        """The span gate in every step's graph, contributing zero (DDP buckets, ZeRO-3 calls) where no loss reads it."""
+        if not (self.cfg.span_gate and torch.is_grad_enabled()):
+            return mem.new_zeros(())
+        return 0.0 * self.span_gate(mem.new_zeros(1, self.d)).sum()
 
     def _forward_many(self, histories: list, summary: torch.Tensor | None) -> list[torch.Tensor]:
         if not histories:
@@ -340,16 +362,17 @@ class MemoryNetwork(nn.Module):
             x, kv = mem.new_zeros(1, 1, self.d), mem.new_zeros(1, self.d)
             mem = mem + 0.0 * (self.merge_slots.sum() + sum(
                 m(x, kv, self._base.layers[int(k)].input_layernorm).sum() for k, m in self.summary_attn.items()))
-        return list(mem.split(counts, 0))
+        return list((mem + self._gate_idle(mem)).split(counts, 0))
 
     # -------------------------------------------------------------------------------- bookkeeping
 
     def parameter_groups(self) -> dict[str, list[nn.Parameter]]:
-        """The optimiser's groups: ``lora``, ``slots``, ``readout``, ``summary`` (gates and their attention)."""
-        groups: dict[str, list[nn.Parameter]] = {"lora": [], "slots": [], "readout": [], "summary": []}
+        """The optimiser's groups: ``lora``, ``slots``, ``readout``, ``summary`` (gates and their attention),
+        ``span_gate``."""
+        groups: dict[str, list[nn.Parameter]] = {k: [] for k in ("lora", "slots", "readout", "summary", "span_gate")}
+        alias = {"merge_slots": "slots", "summary_attn": "summary"}
         for name, p in self.named_parameters():
-            top = name.split(".")[0]
-            groups["slots" if top in ("slots", "merge_slots") else "summary" if top == "summary_attn" else top].append(p)
+            groups[alias.get(name.split(".")[0], name.split(".")[0])].append(p)
         return {k: v for k, v in groups.items() if v}
 
     def gates(self) -> list[nn.Parameter]:
@@ -372,7 +395,6 @@ def _rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     cos, sin = cos[:, None], sin[:, None]
 
     def half(x):
-        a, b = x.chunk(2, dim=-1)
-        return torch.cat([-b, a], -1)
+        return torch.cat([-x.chunk(2, dim=-1)[1], x.chunk(2, dim=-1)[0]], -1)
 
     return q * cos + half(q) * sin, k * cos + half(k) * sin

@@ -259,7 +259,8 @@ def load_memory(ref: str | Path, actor) -> "MemoryNetwork":
                           "reads and writes one actor's own states: serve it beside that actor, or train one "
                           "for this actor")
     try:
-        net = MemoryNetwork(MemoryConfig(**bundle.memory), actor)
+        # a bundle recorded before the span gate existed was trained without one
+        net = MemoryNetwork(MemoryConfig(**{"span_gate": False, **bundle.memory}), actor)
         net.load_state_dict(torch.load(path / BUNDLE_WEIGHTS, weights_only=True, map_location="cpu"), strict=True)
     except (TypeError, ValueError, RuntimeError) as e:
         raise ConfigError(f"{ref}: the checkpoint does not match a memory network of its config: {e}") from None

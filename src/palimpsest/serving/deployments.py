@@ -83,6 +83,8 @@ class Actor:
             turn = self.tools.turn(request["tools"], request.get("tool_choice"), request.get("parallel_tool_calls"))
             params.update(turn.sampling())
         soft = memory["soft"] if memory else None
+        if soft is not None and soft.shape[0] == 0:  # a closed span gate sends nothing: the text alone, by ids
+            soft = None
         if "embeds" in request:
             source = self.engine.stream(embeds=request["embeds"], **params)
         elif soft is not None:

@@ -173,7 +173,7 @@ class RemoteEngine:
         """Events as :meth:`palimpsest.serving.engine.ActorEngine.stream` gives them (``delta``/``content``,
         then the result with ``done``); ``live=False`` asks the upstream for one whole reply."""
         soft = memory.get("soft") if memory else None
-        chat = soft is None
+        chat = soft is None or soft.shape[0] == 0  # a closed span gate sends nothing: the text alone
         body = self._chat_body(request, live) if chat else self._embeds_body(request, memory, live)
         path = "/v1/chat/completions" if chat else "/v1/completions"
         t0 = time.perf_counter()

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
+from palimpsest.models.memory import MemoryConfig
 from palimpsest.platform.budget import Budget
 from palimpsest.platform.chat import declared_tools, glimpse_call, memory_read, with_glimpse
 from palimpsest.platform.context_edits import applied
@@ -276,10 +276,10 @@ class TurnService:
         return key if models[key]["enabled"] else None
 
     def soft_positions(self, mem: str, history: int) -> int:
-        """The soft positions memory model ``mem`` yields for a read of ``history`` ids: one block of
-        ``block_size`` positions gives ``queries``, up to ``max_slots`` (``MemoryNetwork.slots_for``)."""
+        """The soft positions memory model ``mem`` yields for a read of ``history`` ids (``MemoryConfig.slots_for``,
+        up to ``max_slots``: what a read of ``memory.max_history_tokens`` yields, the room reserved)."""
         m = self.memory_info["models"][mem]
-        return min(math.ceil(max(history, 1) / m["block_size"]) * m["queries"], m["max_slots"])
+        return MemoryConfig(block_size=m["block_size"], queries=m["queries"], max_slots=m["max_slots"]).slots_for(history)
 
     def size(self, armcfg, budget: int | None, max_tokens: int | None) -> tuple[Budget, str | None]:
         """(budget, memory key) of a turn on this arm; a BudgetError (422) when the budget exceeds the actor's

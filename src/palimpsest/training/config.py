@@ -29,6 +29,8 @@ class OptimSection(_Strict):
     lr_slots: float = Field(1e-3, gt=0, description="the per-slot input vectors'")
     lr_readout: float = Field(1e-5, gt=0, description="the readout's (it starts at identity)")
     lr_summary: float = Field(1e-4, gt=0, description="the summary attention's and its gates'")
+    lr_span_gate: float = Field(0.05, gt=0, description="the span gate's (Adam moves its logit ~lr a step: at "
+                                "0.05 it can open from -4 within ~100 steps where the memory helps)")
     warmup_steps: int = Field(0, ge=0, description="linear warmup at the start of each stage")
     schedule: Literal["constant", "cosine"] = Field("cosine", description="the learning rate over each stage's "
                                                     "steps after warmup: constant, or cosine to 0 "
@@ -82,7 +84,8 @@ class TrackingSection(_Strict):
 
 def group_lrs(o: OptimSection) -> dict[str, float]:
     """The learning rate of each parameter group of ``models.memory_network.MemoryNetwork.parameter_groups``."""
-    return {"lora": o.lr, "slots": o.lr_slots, "readout": o.lr_readout, "summary": o.lr_summary}
+    return {"lora": o.lr, "slots": o.lr_slots, "readout": o.lr_readout, "summary": o.lr_summary,
+            "span_gate": o.lr_span_gate}
 
 
 class TrainConfig(_Strict):
@@ -128,7 +131,7 @@ class TrainConfig(_Strict):
     @model_validator(mode="after")
     def _stage1_batch(self) -> "TrainConfig":
         m = self.memory  # a batch reads its spans in one pass, which a span needing a merge cannot join
-        slots = -(-self.data.span_tokens // m.block_size) * m.queries
+        slots = m.first_level(self.data.span_tokens)
         if self.optim.stage1_batch > 1 and slots > m.max_slots:
             raise ValueError(f"optim.stage1_batch ({self.optim.stage1_batch}) needs spans that need no merge: "
                              f"data.span_tokens {self.data.span_tokens} gives {slots} soft tokens > "
@@ -151,7 +154,7 @@ def load_train_config(path: str | Path) -> TrainConfig:
 
 
 #: fields of ``data:`` a training config derives (``training.prepare.data_config``): a file may not set them
-DERIVED_DATA = {"soft_slots": "memory (MemoryNetwork.slots_for(data.memory_tokens))", "seed": "optim.seed"}
+DERIVED_DATA = {"soft_slots": "memory (MemoryConfig.slots_for(data.memory_tokens))", "seed": "optim.seed"}
 
 
 def parse_train_config(data, where: str = "config") -> TrainConfig:

@@ -163,8 +163,13 @@ def stage2_student(memnet: MemoryNetwork, actor: FrozenActor, sample: StageIISam
     """(R, V) the student's logits on the target: [context; memory; bridge; target]. The context (the ids before
     the soft slot) does not depend on the memory: it is prefilled without a graph (once per row when ``prefix``
     keeps it) and the gradient runs through the soft span, the bridge and the target only."""
-    mem = memory_of(memnet, actor, sample["memory"], sample["summary"], min_passes, prefix)
-    parts = [mem]  # the soft slot: after the summary part, before the recent turns
+    return _student(actor, sample, memory_of(memnet, actor, sample["memory"], sample["summary"], min_passes, prefix),
+                    prefix)
+
+
+def _student(actor: FrozenActor, sample: StageIISample, mem: torch.Tensor | None, prefix=None) -> torch.Tensor:
+    """(R, V) the student's logits with the soft span ``mem`` at its slot (None: the text alone)."""
+    parts = [] if mem is None else [mem]  # the soft slot: after the summary part, before the recent turns
     if sample.get("bridge") is not None and sample["bridge"].numel():
         parts.append(actor.embed(sample["bridge"]))
     target = sample["target"]
@@ -184,10 +189,29 @@ def stage2_loss(memnet: MemoryNetwork, actor: FrozenActor, sample: StageIISample
     """Reverse KL of the student [context; memory; bridge] against the teacher [whole history]: over the full
     vocabulary from a teacher pass, or, given ``teacher`` (its cached top-k and tail mass, a
     ``training.teachers.Teacher``), over the partition {the teacher's top-k, the rest}. ``prefix``: a
-    ``training.step.PrefixCache`` for rows visited again (the context's KV cache, the memory's features)."""
-    q = stage2_student(memnet, actor, sample, min_passes, prefix)
-    w = position_weights(sample["target"].shape[0], decay, q.device)
-    if teacher is not None:
+    ``training.step.PrefixCache`` for rows visited again (the context's KV cache, the memory's features).
 
-        return (w * coarse_kl(q, teacher)).sum()
-    return reverse_kl(q, teacher_logits(actor, sample), w)
+    With a span gate (``MemoryConfig.span_gate``) the loss adds what serving would cost under the gate's
+    decision, g KL(memory) + (1 - g) KL(text alone), both without gradient: the gate's gradient is
+    g (1 - g) (KL(memory) - KL(text alone)), so it opens where the memory beats the text alone and closes
+    where it does not; the memory itself learns from its own KL whatever the gate says."""
+    net = memnet.module if hasattr(memnet, "module") else memnet
+    mem = memory_of(memnet, actor, sample["memory"], sample["summary"], min_passes, prefix)
+    w = position_weights(sample["target"].shape[0], decay, mem.device)
+
+    def kl_of(q: torch.Tensor) -> torch.Tensor:
+        return (w * coarse_kl(q, teacher)).sum() if teacher is not None else reverse_kl(q, teacher_logits(actor, sample), w)
+
+    kl = kl_of(_student(actor, sample, mem, prefix))
+    if not net.cfg.span_gate:
+        return kl
+
+    def alone() -> torch.Tensor:
+        with torch.no_grad():
+            return kl_of(_student(actor, sample, None, prefix)).detach()
+
+    ids = [sample[k] for k in ("context", "bridge", "target") if sample.get(k) is not None]
+    key = ("alone", *(int(t.numel()) for t in ids), hash(tuple(torch.cat(ids).tolist())))
+    none = prefix.get(key, alone) if prefix is not None else alone()
+    g = net.openness(mem)
+    return kl + g * kl.detach() + (1 - g) * none

@@ -4,7 +4,6 @@ and config)."""
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,7 +69,7 @@ def data_config(cfg: TrainConfig) -> DataConfig:
     """The data builder's config of a training config: its ``data:`` section, with the two fields derived from the
     rest (the soft positions the memory takes, ``MemoryNetwork.slots_for``, and the run's seed)."""
     d, m = cfg.data, cfg.memory
-    slots = min(math.ceil(d.memory_tokens / m.block_size) * m.queries, m.max_slots)  # MemoryNetwork.slots_for
+    slots = m.slots_for(d.memory_tokens)
     return d.replace(soft_slots=slots, seed=cfg.optim.seed)
 
 

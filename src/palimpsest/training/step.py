@@ -74,7 +74,7 @@ def optimizer_groups(net: MemoryNetwork, lrs: dict[str, float], weight_decay: fl
         if name not in lrs:
             raise ValueError(f"no learning rate for parameter group {name!r} (have {sorted(lrs)})")
         out.append({"params": params, "lr": lrs[name], "name": name,
-                    "weight_decay": 0.0 if name in ("slots", "summary") else weight_decay})
+                    "weight_decay": 0.0 if name in ("slots", "summary", "span_gate") else weight_decay})
     return out
 
 
@@ -258,7 +258,8 @@ class PrefixCache:
     each span's features in a Stage I batch).
     Bounded by ``rows`` (least recently used out): a KV cache of 2K SmolLM2 positions is ~90 MB."""
 
-    KINDS = 2  # entries per row: the context's KV cache and the actor's prefill of what the memory reads
+    KINDS = 3  # entries per row: the context's KV cache, the actor's prefill of what the memory reads and the
+    # text-alone student's KL (what the span gate weighs the memory against)
 
     def __init__(self, rows: int = 4):
         self.rows = rows
