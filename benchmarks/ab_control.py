@@ -4,7 +4,7 @@ stay quiet where there is none?
     .venv/bin/python benchmarks/ab_control.py [--demo] [--limit N] [--max-turns 1] [--first 8] [--budget B]
         [--window W] [--out FILE]
 
-Runs `palimpsest demo --control` (pipelines/ab_controls.py): the dev trajectories through the composed app,
+Runs `palimpsest demo --control` (experiments/controls.py): the dev trajectories through the composed app,
 each once per arm: the weak `last2` (only the two previous steps, per turn), `pace` as users run it
 (compaction epochs), `pace-per-turn`, and `pace-aa` (`pace` again), every turn scored for shadow fidelity
 (the exact KL against the full-history reference). The positive controls are `pace` − `last2` and

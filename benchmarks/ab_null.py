@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from palimpsest.pipelines.ab_stats import mean_ci, sign_flip_p
+from palimpsest.experiments.stats import mean_ci, sign_flip_p
 
 ROOT = Path(__file__).resolve().parents[1]
 

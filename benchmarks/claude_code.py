@@ -117,7 +117,8 @@ def openai_checks(url: str, model: str) -> dict:
             {"role": "user", "content": "List the files in the current directory."}]
     r = oc.chat.completions.create(model=model, messages=msgs, tools=tools, tool_choice="required", max_tokens=64,
                                    temperature=0, user="openai-tools")
-    calls = [{"name": c.function.name, "arguments": c.function.arguments} for c in r.choices[0].message.tool_calls or []]
+    calls = [{"name": c.function.name, "arguments": c.function.arguments}
+             for c in r.choices[0].message.tool_calls or []]
     chunks, text = 0, ""
     for chunk in oc.chat.completions.create(model=model, messages=msgs, tools=tools, max_tokens=16, temperature=0,
                                             user="openai-stream", stream=True):
@@ -180,7 +181,8 @@ def main() -> None:
                     result = json.loads(stdout)
                 except ValueError:
                     result = stdout[-2000:]
-                out["runs"].append({"continue": again, "cli_exit": rc, "cli_seconds": round(time.perf_counter() - t0, 1),
+                out["runs"].append({"continue": again, "cli_exit": rc,
+                                    "cli_seconds": round(time.perf_counter() - t0, 1),
                                     "cli_result": result, "cli_stderr": stderr[-2000:]})
         rec.shutdown()
         out["requests"] = [{"method": r["method"], "path": r["path"], "status": r["status"], "seconds": r["seconds"],
@@ -197,7 +199,8 @@ def main() -> None:
                            "calls": (s.calls or "")[:300],
                            "observation": (s.observation or "")[:200]} for s in steps],
                 "turns": [{k: r.get(k) for k in ("t", "arm", "tokens_context", "tokens_prompt", "tokens_cached",
-                                                 "tool_calls", "streamed", "requested_thinking", "requested_output_config",
+                                                 "tool_calls", "streamed", "requested_thinking",
+                                                 "requested_output_config",
                                                  "requested_context_management", "requested_user_id", "requested_beta",
                                                  "requested_deferred_tools", "requested_cache_control")}
                           for r in led.served() if r["session_id"] == sid]})

@@ -35,7 +35,8 @@ from claude_code import Recorder, gateway_config, run_record  # noqa: E402  (the
 ROOT = Path(__file__).resolve().parents[1]
 CLI = ROOT / ".cache" / "npm" / "node_modules" / ".bin" / "codex"
 CLI_VERSION = "0.171.0"
-INSTRUCTIONS = "You are a coding agent in a terminal. Answer briefly.\nRun shell commands with exec_command when needed.\n"
+INSTRUCTIONS = ("You are a coding agent in a terminal. Answer briefly.\n"
+                "Run shell commands with exec_command when needed.\n")
 #: What the run turns off so that the CLI's request fits SmolLM2's budget (each a `-c` override)
 TRIM = ["features.multi_agent=false", "features.goals=false", "features.view_image=false",
         "features.skill_search=false", "features.image_generation=false", 'web_search="disabled"']
@@ -136,7 +137,8 @@ def main() -> None:
         served = led.served()
         codex = sorted({r["session_id"] for r in served if not r["session_id"].startswith(("chat-", "messages-"))})
         out["ledger"] = [{"session": sid, "steps": [{"t": s.t, "kind": s.kind, "authority": str(s.authority),
-                                                     "action": s.action[:200], "observation": (s.observation or "")[:200]}
+                                                     "action": s.action[:200],
+                                                     "observation": (s.observation or "")[:200]}
                                                     for s in led.steps(sid, 0, led.count(sid))],
                           "turns": [{k: r.get(k) for k in ("t", "tokens_prompt", "tokens_cached", "total_ms",
                                                            "actor_ms", "tool_calls", "streamed", "requested_include",

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from replay_dev import RESERVE, default_data, runtime  # noqa: E402
 
-from palimpsest.pipelines.replay import run_replay, write_outputs  # noqa: E402
+from palimpsest.evaluation.replay import run_replay, write_outputs  # noqa: E402
 from palimpsest.platform.policies import parse_policy_config  # noqa: E402
 
 POLICIES = ["window", "rolling_summary", "pace", "ace", "pace_plus"]
@@ -119,7 +119,8 @@ def long_table(summary: dict) -> str:
              f"steps; billed = uncached + {summary['cached_rate']:g} x cached; `{matched}` is the window row at "
              "pace's mean ids", "",
              "| policy | strong | far | 1-4 back | 1-4 back, worst window | worst window | windows below `window` | "
-             "mean ids | uncached/turn | billed/turn | compactions/100 |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "mean ids | uncached/turn | billed/turn | compactions/100 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, m in pols.items():
         wins = wins_of(m)
         below = sum(1 for a, b in zip(wins, base) if a is not None and b is not None and a < b)

@@ -35,9 +35,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "demo_breakdown.json")
     args = ap.parse_args()
     from palimpsest.demo import DEMO_TRAJECTORIES, busy_markdown, fitting
-    from palimpsest.pipelines.live_ab import drive
-    from palimpsest.serving.config import load_serve_config
+    from palimpsest.experiments.live import drive
     from palimpsest.serving.local import LocalServer
+    from palimpsest.serving.serve_config import load_serve_config
 
     cfg = load_serve_config(args.config)
     if args.full:

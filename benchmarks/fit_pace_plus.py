@@ -28,13 +28,13 @@ from pathlib import Path
 
 import numpy as np
 
-from palimpsest.pipelines.remory_data import split_of
-from palimpsest.pipelines.replay import run_replay
+from palimpsest.evaluation.replay import run_replay
 from palimpsest.pipelines.trajectories import import_trajectory, read_trajectories
 from palimpsest.platform.abstraction import extract_salient
 from palimpsest.platform.policies import parse_policy_config
 from palimpsest.platform.policies.pace_plus import FITTED_ON
 from palimpsest.platform.types import Resolution
+from palimpsest.training.remory_data import split_of
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from replay_dev import RESERVE, default_data, runtime  # noqa: E402
@@ -134,7 +134,8 @@ def main() -> None:
     for budget in budgets:
         s = run_replay(rt, report, policies, budget, timer=timer, reserve=RESERVE).summary
         result["report"][budget] = s["policies"]
-        print(f"\nreport half at {budget}:\n| policy | mean tokens | strong recall | far recall | 20+ | action-id recall |")
+        print(f"\nreport half at {budget}:\n"
+              "| policy | mean tokens | strong recall | far recall | 20+ | action-id recall |")
         print("|---|---|---|---|---|---|")
         for name, m in s["policies"].items():
             print(f"| {name} | {m['mean_tokens']} | {m['need_recall_strong']} | {m['need_recall_far']} | "

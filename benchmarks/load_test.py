@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from palimpsest.pipelines.ab_stats import percentile as pct
+from palimpsest.experiments.stats import percentile as pct
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,7 +29,8 @@ def worker(url, sid, traj, deadline, max_tokens, stats, lock):
     from palimpsest.pipelines.trajectories import to_record
 
     with httpx.Client(base_url=url, timeout=600) as c:
-        r = c.post("/v1/sessions", json={"session_id": sid, "task": traj.task, "system": traj.system, "tools": traj.tools})
+        r = c.post("/v1/sessions", json={"session_id": sid, "task": traj.task, "system": traj.system,
+                                         "tools": traj.tools})
         with lock:
             stats["status"][r.status_code] += 1
         if r.status_code != 200:
@@ -73,8 +74,8 @@ def main() -> None:
     args = ap.parse_args()
     from palimpsest.pipelines.trajectories import read_trajectories
     from palimpsest.platform import Ledger
-    from palimpsest.serving.config import load_serve_config
     from palimpsest.serving.local import LocalServer
+    from palimpsest.serving.serve_config import load_serve_config
 
     if not args.data.is_file():
         sys.exit(f"no trajectories at {args.data}; pass --data FILE")
@@ -109,8 +110,10 @@ def main() -> None:
         "machine": f"{os.cpu_count()} CPU cores, no GPU", "sessions": args.sessions, "seconds": args.seconds,
         "wall_s": wall, "requests": total, "status": {str(k): v for k, v in sorted(stats["status"].items())},
         "error_rate": errors / max(total, 1), "turns": len(stats["turn_ms"]),
-        "turns_per_s": len(stats["turn_ms"]) / wall, "turn_ms": {"p50": pct(stats["turn_ms"], 0.5), "p95": pct(stats["turn_ms"], 0.95)},
-        "steps_acknowledged": sum(stats["acked"].values()), "steps_stored": sum(stored.values()), "steps_verified": verified,
+        "turns_per_s": len(stats["turn_ms"]) / wall,
+        "turn_ms": {"p50": pct(stats["turn_ms"], 0.5), "p95": pct(stats["turn_ms"], 0.95)},
+        "steps_acknowledged": sum(stats["acked"].values()), "steps_stored": sum(stored.values()),
+        "steps_verified": verified,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))

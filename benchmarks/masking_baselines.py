@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from palimpsest.pipelines.replay import run_replay, summary_markdown
+from palimpsest.evaluation.replay import run_replay, summary_markdown
 from palimpsest.pipelines.trajectories import hash_halves
 from palimpsest.platform.policies import parse_policy_config
 
@@ -95,7 +95,8 @@ def matched(pols: dict) -> list[str]:
             continue
         k, p = peer
         lines.append(f"| {ours} | {m['billed_per_turn']:,.0f} | {m['need_recall_strong']:.3f} / "
-                     f"{m['need_recall_far']:.3f} | {k} | {p['billed_per_turn']:,.0f} | {p['need_recall_strong']:.3f} / "
+                     f"{m['need_recall_far']:.3f} | {k} | {p['billed_per_turn']:,.0f} | "
+                     f"{p['need_recall_strong']:.3f} / "
                      f"{p['need_recall_far']:.3f} | {m['need_recall_far'] - p['need_recall_far']:+.3f} |")
     return lines
 

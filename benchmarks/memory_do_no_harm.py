@@ -3,7 +3,8 @@ r"""What a soft span that carries nothing learned costs the actor, held out: the
 registered memory's slot, scored by `palimpsest eval-memory` on the trajectories the registered memory held out.
 
     .venv/bin/python benchmarks/memory_do_no_harm.py [--model models:/palimpsest-memory/latest] \
-        [--data ../shared/data/trajectories/dev.jsonl] [--window 8192] [--max-boundaries 16] [--span-gate on|off] [--out FILE]
+        [--data ../shared/data/trajectories/dev.jsonl] [--window 8192] [--max-boundaries 16] \
+        [--span-gate on|off] [--out FILE]
 
 ``--span-gate off`` is the network without its span gate (what every bundle was before the gate); ``on`` (the
 default of a new network) starts with the gate closed, so its rows should be the text alone exactly.

@@ -35,8 +35,8 @@ def main() -> None:
     from palimpsest.models.actor import FrozenActor
     from palimpsest.models.encoder import MemoryEncoder
     from palimpsest.models.memory_network import MemoryNetwork
-    from palimpsest.training.config import load_train_config
     from palimpsest.training.prepare import resolve_actor
+    from palimpsest.training.train_config import load_train_config
 
     cfg = load_train_config(args.config)
     actor = FrozenActor.from_pretrained(resolve_actor(cfg), device=args.device, dtype=cfg.actor.dtype)

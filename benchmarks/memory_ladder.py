@@ -14,9 +14,10 @@ Spans are ``--tokens`` (64) ids of Stage I text: the dev trajectories' actions a
 interpreter's standard library (``pipelines.remory_data.stage1_rows``), split by file or trajectory (the
 config's ``val_fraction``). The network is ``--config``'s ``memory:`` with ``block_size`` = the span and
 ``queries`` = ``--slots`` (8: 8 source tokens per soft token), trained with the launcher's own step
-(``training.step.Step``, Stage I, ``LocalBackend``; ``--batch`` spans per step in one actor pass and
+(``training.step.TrainStep``, Stage I, ``LocalBackend``; ``--batch`` spans per step in one actor pass and
 ``--autocast bfloat16`` for mixed precision, as ``optim.stage1_batch`` / ``optim.autocast`` train them) and
-scored in fp32 by ``training.reconstruction`` (none / own / other). Results: ``benchmarks/results/memory_ladder/rungN.json``.
+scored in fp32 by ``training.reconstruction`` (none / own / other). Results:
+``benchmarks/results/memory_ladder/rungN.json``.
 
 What each rung asks, and its control:
 - 0: the slots of one memory differ (mean pairwise cosine < 0.9) and reversing the source changes the memory
@@ -53,10 +54,10 @@ OUT = ROOT / "benchmarks" / "results" / "memory_ladder"
 def stage1_spans(cfg, actor_path: str, tokens: int, chunks: int) -> tuple[list[dict], list[dict]]:
     """(train, val) Stage I spans of exactly ``tokens`` ids."""
 
-    from palimpsest.pipelines.remory_data import stage1_rows
     from palimpsest.pipelines.trajectories import read_trajectories
     from palimpsest.platform.tokens import get_tokenizer
     from palimpsest.training.prepare import data_config
+    from palimpsest.training.remory_data import stage1_rows
 
     dcfg = data_config(cfg).replace(span_tokens=tokens, stage1_corpus="stdlib", stage1_chunks=chunks)
     rows = [r for r in stage1_rows(read_trajectories(Path(cfg.data.file)).trajectories,
@@ -106,11 +107,11 @@ def train(net, actor, samples, steps: int, lrs: dict, warmup: int, seed: int, lo
     """Stage I steps of ``batch`` spans each on ``samples`` (tensors), shuffled passes; ``check(step)`` every
     ``check_every`` steps may stop the run early by returning True. Each span's prefill is kept for its next
     visit when spans are visited again and few enough to keep (the actor is frozen)."""
-    from palimpsest.training.step import LocalBackend, PrefixCache, Step, lr_at
+    from palimpsest.training.step import LocalBackend, PrefixCache, TrainStep, lr_at
 
     backend = LocalBackend(net, lrs, 0.0, 1.0)
     revisits = steps * batch > len(samples) and len(samples) <= 2000  # ~3 MB a span (64 ids): bounded
-    step = Step(backend, actor, continuation=continuation, autocast=autocast,
+    step = TrainStep(backend, actor, continuation=continuation, autocast=autocast,
                 prefix=PrefixCache(rows=len(samples)) if batch > 1 and revisits else None)
     rng = random.Random(seed)
     order: list[int] = []
@@ -178,8 +179,8 @@ def rung5(args, actor, network, train_rows, val_rows, lrs) -> dict:
     value greedily on training needles and on held-out ones (filler from validation files, new values)."""
     import torch
 
+    from palimpsest.evaluation.reconstruction import greedy, score
     from palimpsest.platform.tokens import get_tokenizer
-    from palimpsest.training.reconstruction import greedy, score
 
     tok = get_tokenizer(args.actor_path)
     train_n = needle_rows(train_rows, args.spans, args.tokens, tok, args.seed)
@@ -205,7 +206,8 @@ def rung5(args, actor, network, train_rows, val_rows, lrs) -> dict:
         doc = {"step": step, "train": recovered(train_n[: args.eval], train_t[: args.eval]),
                "held_out": recovered(held_n, held_t)}
         evals.append(doc)
-        print(f"  step {step}: exact train {doc['train']['exact']:.2f} (another source {doc['train']['other_source_exact']:.2f})"
+        print(f"  step {step}: exact train {doc['train']['exact']:.2f} "
+              f"(another source {doc['train']['other_source_exact']:.2f})"
               f", held-out {doc['held_out']['exact']:.2f} (another source {doc['held_out']['other_source_exact']:.2f})",
               flush=True)
         return args.until_passed and step > 0 and doc["train"]["exact"] >= 0.5 and doc["held_out"]["exact"] >= 0.5
@@ -259,11 +261,7 @@ def main() -> None:
 
     import torch
 
-    from palimpsest.models.actor import FrozenActor
-    from palimpsest.models.memory_network import MemoryNetwork
-    from palimpsest.training.config import group_lrs, load_train_config
-    from palimpsest.training.prepare import resolve_actor
-    from palimpsest.training.reconstruction import (
+    from palimpsest.evaluation.reconstruction import (
         as_tensors,
         evaluate,
         greedy,
@@ -272,6 +270,10 @@ def main() -> None:
         score,
         slot_stats,
     )
+    from palimpsest.models.actor import FrozenActor
+    from palimpsest.models.memory_network import MemoryNetwork
+    from palimpsest.training.prepare import resolve_actor
+    from palimpsest.training.train_config import group_lrs, load_train_config
 
     cfg = load_train_config(args.config)
     lrs = group_lrs(cfg.optim)

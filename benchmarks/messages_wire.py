@@ -77,7 +77,8 @@ def main() -> None:
                   "404 a model not served": post(base("e-1") | {"model": "claude-sonnet-4-5"}),
                   "404 an unknown route": post({}, "/v1/messages/batches"),
                   "413 a body over limits.max_request_bytes": http.post(
-                      "/v1/messages", content=b" " * (8 * 1024 * 1024 + 1), headers={"content-type": "application/json"})}
+                      "/v1/messages", content=b" " * (8 * 1024 * 1024 + 1),
+                      headers={"content-type": "application/json"})}
         history = [{"role": "user", "content": TASK}, {"role": "assistant", "content": "ls"},
                    {"role": "user", "content": "README.md setup.py"}]
         post({**base("e-2"), "messages": history})
@@ -91,7 +92,8 @@ def main() -> None:
         stop = next((c for c in text[1:] if c.isalnum()), text[1:3])
         whole = post({**base("s-1"), "max_tokens": 32, "stop_sequences": [stop]}).json()
         streamed = events(post({**base("s-2"), "max_tokens": 32, "stop_sequences": [stop], "stream": True}).text)
-        out["stop_sequence"] = {"free_text": text, "stop": stop, "free": {k: free[k] for k in ("stop_reason", "stop_sequence")},
+        out["stop_sequence"] = {"free_text": text, "stop": stop,
+                                "free": {k: free[k] for k in ("stop_reason", "stop_sequence")},
                                 "whole": {k: whole[k] for k in ("stop_reason", "stop_sequence", "content")},
                                 "streamed_delta": next(d for e, d in streamed if e == "message_delta")["delta"]}
 

@@ -25,7 +25,8 @@ from palimpsest.platform import Ledger, Runtime, StepRecord
 
 POLICIES = ["full", "window", "rolling_summary", "pace", "ace", "pace_plus"]
 TASK = "Fix the KeyError raised by parse_config in settings/loader.py when DATABASE_URL is missing from the env file."
-WORDS = ["parse_config", "database_url", "settings/loader.py", "pool_size", "KeyError", "env_file", "tests/test_loader.py",
+WORDS = ["parse_config", "database_url", "settings/loader.py", "pool_size", "KeyError", "env_file",
+         "tests/test_loader.py",
          "load_dotenv", "Config", "os.environ", "validate_url", "retry_count", "logging.getLogger", "schema_v2"]
 
 
@@ -104,15 +105,18 @@ def main() -> None:
             results["sizes"][m] = r
             led.close()
             if not args.json:
-                print(f"M={m:>7,}: built+enriched in {build_s:.1f}s, snapshot load {r['snapshot_load_ms']} ms", flush=True)
+                print(f"M={m:>7,}: built+enriched in {build_s:.1f}s, snapshot load {r['snapshot_load_ms']} ms",
+                      flush=True)
     if args.json:
         print(json.dumps(results, indent=2))
         return
-    print(f"\nplan + compile per turn, p50 (p95) ms, budget {args.budget}, {args.repeat} turns each; {results['machine']}")
+    print(f"\nplan + compile per turn, p50 (p95) ms, budget {args.budget}, {args.repeat} turns each; "
+          f"{results['machine']}")
     print("| policy | " + " | ".join(f"M = {m:,}" for m in sizes) + " |")
     print("|---|" + "---|" * len(sizes))
     for name in POLICIES:
-        cells = [f"{results['sizes'][m]['policies'][name]['p50_ms']} ({results['sizes'][m]['policies'][name]['p95_ms']})"
+        cells = [f"{results['sizes'][m]['policies'][name]['p50_ms']} "
+                 f"({results['sizes'][m]['policies'][name]['p95_ms']})"
                  for m in sizes]
         print(f"| {name} | " + " | ".join(cells) + " |")
     print("| snapshot load (once per session, not per turn) | "

@@ -11,7 +11,8 @@ the other, in sessions of their own: the chat proxy as assistant text and ``tool
 - proxy overhead per turn: the client's wall time minus the actor's generation time as the server reports
   it (recording the history, compiling the context, waiting for the query embedding, HTTP and Serve hops).
 
-    .venv/bin/python benchmarks/proxy_stream.py [--data FILE] [--turns 40] [--budget 6000] [--out benchmarks/results/proxy_stream.json]
+    .venv/bin/python benchmarks/proxy_stream.py [--data FILE] [--turns 40] [--budget 6000]
+        [--out benchmarks/results/proxy_stream.json]
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ def history(traj, upto: int, limit: int) -> list[dict]:
             {"role": "user", "content": traj.task}]
     for s in traj.steps[:upto]:
         rec = to_record(s)
-        msgs.append({"role": "assistant", "content": ((rec.thought + "\n") if rec.thought else "") + rec.action[:limit]})
+        msgs.append({"role": "assistant",
+                     "content": ((rec.thought + "\n") if rec.thought else "") + rec.action[:limit]})
         msgs.append({"role": "tool", "content": (rec.observation or "")[:limit]})
     return msgs
 
@@ -153,7 +155,8 @@ def main() -> None:
                     ext, wall = res["ext"], res["wall"]
                     lat = ext["latency_ms"]
                     rows[endpoint].append({
-                        "trajectory": traj.id, "turn": turn, "stream": stream, "wall_ms": wall * 1000, "ttft_ms": res["ttft_ms"], "actor_ms": lat["actor"],
+                        "trajectory": traj.id, "turn": turn, "stream": stream, "wall_ms": wall * 1000,
+                        "ttft_ms": res["ttft_ms"], "actor_ms": lat["actor"],
                         "overhead_ms": wall * 1000 - lat["actor"], "plan_ms": lat["plan"], "embed_ms": lat["embed"],
                         "context_tokens": ext["tokens"]["context"], "messages": n})
                 turn += 1

@@ -23,11 +23,11 @@ from pathlib import Path
 
 import numpy as np
 
-from palimpsest.models.relevance import load_head
+from palimpsest.models.relevance_head import load_head
 from palimpsest.pipelines.environment import open_runtime
-from palimpsest.pipelines.relevance_data import build_rows, ranking
 from palimpsest.pipelines.trajectories import hash_halves
 from palimpsest.platform.relevance import SCALARS
+from palimpsest.training.relevance_data import build_rows, ranking
 
 
 def default_data() -> Path:

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compaction_epochs import table  # noqa: E402
 from replay_dev import RESERVE, runtime  # noqa: E402
 
-from palimpsest.pipelines.replay import run_replay, write_outputs  # noqa: E402
+from palimpsest.evaluation.replay import run_replay, write_outputs  # noqa: E402
 from palimpsest.pipelines.trajectories import hash_halves  # noqa: E402
 from palimpsest.platform.policies import parse_policy_config  # noqa: E402
 
@@ -83,7 +83,8 @@ def combined(dirs: list[Path]) -> str:
                            f"{m['need_recall_far']:.3f} | {m['billed_per_turn']:,.0f} "
                            f"({m['billed_per_turn'] / full['billed_per_turn']:.2f}) | {m['uncached_per_turn']:,.0f} "
                            f"({m['uncached_per_turn'] / full['uncached_per_turn']:.2f}) | "
-                           + " / ".join(str(lost.get(k, 0)) for k in ("detailed", "brief", "placeholder", "drop", "full"))
+                           + " / ".join(str(lost.get(k, 0))
+                                        for k in ("detailed", "brief", "placeholder", "drop", "full"))
                            + " |")
         out.append("")
     return "\n".join(out)
@@ -109,7 +110,7 @@ def main() -> None:
     data = args.data if args.half == "all" else hash_halves(args.data, tempfile.mkdtemp(prefix="halves-"))[args.half]
     rt, timer = runtime(args.ledger)
     if args.predictor:
-        from palimpsest.models.relevance import RelevanceResolver
+        from palimpsest.models.relevance_head import RelevanceResolver
 
         rt.deps.relevance = RelevanceResolver()
         if rt.deps.relevance(args.predictor) is None:

@@ -6,7 +6,7 @@
 (The reconstruction rungs 0-5 that come first are ``benchmarks/memory_ladder.py``; this is "Stage II, then".)
 
 Before a training run is scaled, it must overfit. Each rung trains the memory network of a training config
-with the launcher's own step (``training.step.Step``, here on the in-process backend) on Stage II rows built
+with the launcher's own step (``training.step.TrainStep``, here on the in-process backend) on Stage II rows built
 by the serving code (``launcher.prepare``: the policy compiled at the budget with the soft positions reserved,
 the teacher the whole history), and scores it where it trained:
 
@@ -121,20 +121,26 @@ def main() -> None:
 
     import torch
 
+    from palimpsest.evaluation.actions import (
+        Arm,
+        MemoryArm,
+        TeacherCache,
+        evaluate_actions,
+        summarize_actions,
+    )
     from palimpsest.models.actor import FrozenActor
     from palimpsest.models.encoder import MemoryEncoder
     from palimpsest.pipelines.environment import open_runtime
-    from palimpsest.pipelines.remory_data import stage2_recall
     from palimpsest.pipelines.replay_sessions import prepare_sessions
     from palimpsest.pipelines.trajectories import file_sha256, read_trajectories
     from palimpsest.platform.policies import load_policy_file
-    from palimpsest.training.actions import Arm, MemoryArm, TeacherCache, evaluate_actions, summarize_actions
-    from palimpsest.training.config import group_lrs, load_train_config
     from palimpsest.training.launcher import build_memory
     from palimpsest.training.losses import stage2_student
     from palimpsest.training.prepare import TEACHERS, _teacher_key, data_config
-    from palimpsest.training.step import LocalBackend, PrefixCache, Step, lr_at, sample_tensors
+    from palimpsest.training.remory_data import stage2_recall
+    from palimpsest.training.step import LocalBackend, PrefixCache, TrainStep, lr_at, sample_tensors
     from palimpsest.training.teachers import TOP_K, actor_key, compute_teacher, score
+    from palimpsest.training.train_config import group_lrs, load_train_config
 
     cfg = load_train_config(args.config)
     mem_over = {k: v for k, v in (("lora_rank", args.lora_rank), ("queries", args.queries)) if v is not None}
@@ -199,7 +205,7 @@ def main() -> None:
         lrs = {"slots": lr}
     backend = LocalBackend(net, lrs, cfg.optim.weight_decay, cfg.optim.grad_clip)
     kl_decay = cfg.optim.kl_decay if args.kl_decay is None else args.kl_decay
-    step = Step(backend, actor, kl_decay, prefix)
+    step = TrainStep(backend, actor, kl_decay, prefix)
     curve, evals = [], [{"step": 0, "kl_memory": memory_kl()}]
     print(f"memory network: {params:,} parameters ({params / sum(p.numel() for p in actor.parameters()):.2%} of "
           f"the actor); KL(pace+memory) at init {evals[0]['kl_memory']:.4f}", flush=True)

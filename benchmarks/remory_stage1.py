@@ -7,7 +7,7 @@ Data: the Stage I spans the training run reads (``pipelines.remory_data``: every
 dev trajectories' actions and observations, plus ``--corpus``, by default the interpreter's standard library,
 Python source that exists offline on every machine and is in no evaluation set), split by file/trajectory
 (``val_fraction`` of the config). The memory network of ``--config`` is trained on training spans with the
-launcher's own step (``training.step.Step``, stage 1, the in-process backend), one span per step.
+launcher's own step (``training.step.TrainStep``, stage 1, the in-process backend), one span per step.
 
 The check, on ``--eval`` validation spans (files never trained on), teacher-forced: token accuracy (the
 actor's argmax equals the span's next token) and NLL per token, for
@@ -35,10 +35,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def spans(cfg, actor_path: str, corpus: str | None, chunks: int) -> tuple[list[dict], dict]:
     """The Stage I rows of a training config with ``corpus`` added: (rows, counts)."""
 
-    from palimpsest.pipelines.remory_data import stage1_rows
     from palimpsest.pipelines.trajectories import read_trajectories
     from palimpsest.platform.tokens import get_tokenizer
     from palimpsest.training.prepare import data_config
+    from palimpsest.training.remory_data import stage1_rows
 
     dcfg = data_config(cfg).replace(stage1_corpus=corpus, stage1_chunks=chunks)
     rows = stage1_rows(read_trajectories(Path(cfg.data.file)).trajectories, get_tokenizer(actor_path), dcfg)
@@ -86,10 +86,10 @@ def main() -> None:
     import torch
 
     from palimpsest.models.actor import FrozenActor
-    from palimpsest.training.config import load_train_config
     from palimpsest.training.launcher import build_memory
     from palimpsest.training.prepare import resolve_actor
-    from palimpsest.training.step import LocalBackend, Step, lr_at, sample_tensors
+    from palimpsest.training.step import LocalBackend, TrainStep, lr_at, sample_tensors
+    from palimpsest.training.train_config import load_train_config
 
     cfg = load_train_config(args.config)
     lr = args.lr or cfg.optim.lr
@@ -111,7 +111,7 @@ def main() -> None:
     print(f"no memory: accuracy {baseline['token_accuracy']:.3f}, NLL {baseline['nll']:.3f}; memory at init: "
           f"accuracy {evals[0]['token_accuracy']:.3f}, NLL {evals[0]['nll']:.3f}", flush=True)
     backend = LocalBackend(net, lr, cfg.optim.weight_decay, cfg.optim.grad_clip)
-    step = Step(backend, actor, cfg.optim.kl_decay)
+    step = TrainStep(backend, actor, cfg.optim.kl_decay)
     order = random.Random(cfg.optim.seed).sample(range(len(train)), min(args.steps, len(train)))
     while len(order) < args.steps:  # more steps than spans: further passes, each shuffled
         order += random.Random(len(order)).sample(range(len(train)), min(args.steps - len(order), len(train)))
@@ -140,7 +140,8 @@ def main() -> None:
                        "per_step": round(train_s / max(args.steps, 1), 3)}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2))
-    print(f"\n| validation spans ({len(val)}, {baseline['tokens']} tokens) | token accuracy | NLL/token |\n|---|---|---|")
+    print(f"\n| validation spans ({len(val)}, {baseline['tokens']} tokens) | token accuracy | NLL/token |\n"
+          "|---|---|---|")
     print(f"| no memory (instruction only) | {baseline['token_accuracy']:.3f} | {baseline['nll']:.3f} |")
     print(f"| memory at init | {evals[0]['token_accuracy']:.3f} | {evals[0]['nll']:.3f} |")
     print(f"| memory after {args.steps} steps | {evals[-1]['token_accuracy']:.3f} | {evals[-1]['nll']:.3f} |")

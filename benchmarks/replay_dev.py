@@ -19,14 +19,15 @@ import sys
 import time
 from pathlib import Path
 
-from palimpsest.pipelines.replay import run_replay, summary_markdown, write_outputs
+from palimpsest.evaluation.replay import run_replay, summary_markdown, write_outputs
 from palimpsest.pipelines.replay_sessions import TimedEmbedder
 from palimpsest.platform import Ledger, Runtime
 from palimpsest.platform.policies import parse_policy_config
 
 POLICIES = ["full", "last2", "window", "rolling_summary", "pace", "pace_task_first", "ace", "pace_plus"]
 # The floor and the paper's query order, beside the defaults (configs/replay/reference.yaml).
-VARIANTS = {"last2": {"type": "window", "k": 2, "compaction": {"mode": "per_turn"}}, "pace_task_first": {"type": "pace", "query": "task_first"}}
+VARIANTS = {"last2": {"type": "window", "k": 2, "compaction": {"mode": "per_turn"}},
+            "pace_task_first": {"type": "pace", "query": "task_first"}}
 
 
 # Every prompt keeps room for the reply, as serving does (the serve config's default actor.max_tokens).
@@ -86,7 +87,8 @@ def main() -> None:
         print(summary_markdown(res.summary), flush=True)
         if args.no_fair:
             continue
-        win_cfg, win = match_tokens(rt, timer, args.data, budget, lambda k: parse_policy_config({"type": "window", "k": k}),
+        win_cfg, win = match_tokens(rt, timer, args.data, budget,
+                                    lambda k: parse_policy_config({"type": "window", "k": k}),
                                     [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32], target)
         rs_cfg, rs = match_tokens(
             rt, timer, args.data, budget,
@@ -109,7 +111,8 @@ def main() -> None:
             report["budgets"][budget]["concat"] = res.summary
             print(summary_markdown(res.summary))
             for name, m in res.summary["policies"].items():
-                print(f"  {name}: recall by window of 250 steps {[w['need_recall_strong'] for w in m['recall_by_window']]}")
+                print(f"  {name}: recall by window of 250 steps "
+                      f"{[w['need_recall_strong'] for w in m['recall_by_window']]}")
             print(flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "comparison.json").write_text(json.dumps(report, indent=2) + "\n")

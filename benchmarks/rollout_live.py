@@ -5,10 +5,10 @@ through the HTTP endpoint, served by `pace`, with two dark candidates judged on 
 - `pace-aa`: `pace` itself under another name (an A/A): the gate must neither withdraw it nor promote it as better.
 
 The app is `configs/serve/demo.yaml` (SmolLM2, MiniLM, every turn scored against the full-history reference up to
-its 4,096 window) at budget 3,584, with those arms and no memory. Each trajectory is one session with one turn (`--first`); the gate
-reads one difference per session, at `ab.gate_alpha` over the two candidates gated at once. The script waits
-until every sampled turn is scored and the gate has read every pair, then records the stages, every decision
-with its evidence and the pairs.
+its 4,096 window) at budget 3,584, with those arms and no memory. Each trajectory is one session with one turn
+(`--first`); the gate reads one difference per session, at `ab.gate_alpha` over the two candidates gated at once.
+The script waits until every sampled turn is scored and the gate has read every pair, then records the stages,
+every decision with its evidence and the pairs.
 
     .venv/bin/python benchmarks/rollout_live.py [--limit 40] [--first 16] [--out benchmarks/results/rollout_live.json]
 """
@@ -40,10 +40,10 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "rollout_live.json"))
     args = ap.parse_args()
 
-    from palimpsest.pipelines.live_ab import drive
-    from palimpsest.pipelines.rollouts import status
+    from palimpsest.experiments.gate import status
+    from palimpsest.experiments.live import drive
     from palimpsest.platform import Ledger
-    from palimpsest.platform.config import read_yaml
+    from palimpsest.platform.config_files import read_yaml
     from palimpsest.serving.local import LocalServer
 
     cfg = read_yaml(ROOT / "configs" / "serve" / "demo.yaml", "serve config")

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from palimpsest.pipelines.ab_stats import (
+from palimpsest.experiments.stats import (
     EXACT_PAIRS,
     _sign_flips,
     log_e_process,

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from palimpsest.pipelines.ab_stats import percentile as pct
+from palimpsest.experiments.stats import percentile as pct
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,7 +37,8 @@ def session_traffic(client, traj, sid, n_turns, max_tokens, first=4):
     """Append steps as an agent would and ask a turn after each, from step ``first`` on; returns turn replies."""
     from palimpsest.pipelines.trajectories import to_record
 
-    client.post("/v1/sessions", json={"session_id": sid, "task": traj.task, "system": traj.system, "tools": traj.tools}).raise_for_status()
+    client.post("/v1/sessions", json={"session_id": sid, "task": traj.task, "system": traj.system,
+                                      "tools": traj.tools}).raise_for_status()
     replies = []
     for s in traj.steps:
         if s.t >= first and len(replies) < n_turns:
@@ -75,8 +76,10 @@ def from_ledger(path: Path) -> dict:
     from palimpsest.platform import Ledger
 
     rows = [r for r in Ledger(path).served() if not r.get("error")]
-    as_reply = lambda r: {"latency_ms": {k: r.get(f"{k}_ms", 0.0) for k in ("plan", "embed", "memory", "actor", "total")},
-                          "tokens": {"context": r["tokens_context"], "soft": r["tokens_soft"]}}  # noqa: E731
+    def as_reply(r):
+        return {"latency_ms": {k: r.get(f"{k}_ms", 0.0) for k in ("plan", "embed", "memory", "actor", "total")},
+                "tokens": {"context": r["tokens_context"], "soft": r["tokens_soft"]}}
+
     seq = {arm: [as_reply(r) for r in rows if "-conc-" not in r["session_id"] and r["arm"] == arm]
            for arm in ("pace", "pace+memory")}
     conc_rows = [r for r in rows if "-conc-" in r["session_id"]]
@@ -98,7 +101,8 @@ def serve_phase(args, trajs):
            "actor": {"model": "smollm2", "max_tokens": args.max_tokens},
            "summarizer": {"mode": "rule"},  # LLM summaries would share the 2 cores with the turns being timed
            "memory": {"model": "auto", "max_history_tokens": 1024},
-           "arms": [{"name": "pace", "policy": {"type": "pace"}}, {"name": "pace+memory", "policy": {"type": "pace"}, "memory": True}]}
+           "arms": [{"name": "pace", "policy": {"type": "pace"}},
+                    {"name": "pace+memory", "policy": {"type": "pace"}, "memory": True}]}
     results = {}
     with LocalServer(cfg, port=args.port) as srv, httpx.Client(base_url=srv.url, timeout=600) as client:
         results["memory_model"] = srv.info["memory"]["models"]["default"]["model"]
@@ -146,8 +150,8 @@ async def prefix_cache_phase(args, trajs):
     from palimpsest.pipelines.trajectories import import_trajectory
     from palimpsest.platform.chat import chat_ids
     from palimpsest.platform.types import BudgetError
-    from palimpsest.serving.config import ActorConfig
-    from palimpsest.serving.engine import ActorEngine
+    from palimpsest.serving.models.engine import ActorEngine
+    from palimpsest.serving.serve_config import ActorConfig
 
     engine = ActorEngine(ActorConfig(model="smollm2", max_tokens=1))
     rt = open_runtime(args.work / "bench-prefix.db", "minilm", "smollm2")
@@ -211,7 +215,8 @@ def main() -> None:
     trajs = sorted(read_trajectories(args.data).trajectories, key=lambda t: -len(t.steps))
     t0 = time.perf_counter()
     results = json.loads(args.out.read_text()) if args.out.is_file() else {}
-    results.update({"machine": f"{os.cpu_count()} CPU cores, no GPU", "budget": args.budget, "max_tokens": args.max_tokens})
+    results.update({"machine": f"{os.cpu_count()} CPU cores, no GPU", "budget": args.budget,
+                    "max_tokens": args.max_tokens})
 
     def save():
         args.out.parent.mkdir(parents=True, exist_ok=True)

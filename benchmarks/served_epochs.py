@@ -88,13 +88,14 @@ def main() -> None:
                 r = client.post(f"/v1/sessions/{sid}/turn", json={"max_tokens": args.max_tokens})
                 r.raise_for_status()
                 turns[arm] += 1
-            print(f"turn {min(turns.values())}/{args.turns} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+            print(f"turn {min(turns.values())}/{args.turns} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr,
+                  flush=True)
             if min(turns.values()) >= args.turns:
                 break
         metrics = client.get("/metrics").text
     served = [r for r in Ledger(ledger).served() if not r.get("error")]
-    out = {"budget": args.budget, "max_tokens": args.max_tokens, "memory": cfg.get("memory"), "ready_s": round(ready_s, 1),
-           "wall_s": round(time.perf_counter() - t0, 1), "arms": {}}
+    out = {"budget": args.budget, "max_tokens": args.max_tokens, "memory": cfg.get("memory"),
+           "ready_s": round(ready_s, 1), "wall_s": round(time.perf_counter() - t0, 1), "arms": {}}
     for arm in arms:
         rows = [r for r in served if r["arm"] == arm]
         prompt = sum(r["tokens_prompt"] for r in rows)

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/stage1_throughput.py [--config configs/train/remory_small.yaml]
         [--batches 1,4,8] [--tokens 64] [--slots 8] [--repeat 5] [--threads 2] [--out FILE]
 
-The launcher's own step (``training.step.Step``, in-process backend, the config's learning rates) on spans of
+The launcher's own step (``training.step.TrainStep``, in-process backend, the config's learning rates) on spans of
 ``--tokens`` random ids through the config's network with ``block_size`` = the span and ``queries`` = ``--slots``
 (the ladder's shape), for each batch size (``optim.stage1_batch``: a list of spans, one actor pass) under fp32
 and under bf16 autocast (``optim.autocast``). Each cell: one warm-up step, then the median of ``--repeat``
@@ -38,11 +38,11 @@ def main() -> None:
     from palimpsest.models.actor import FrozenActor
     from palimpsest.models.memory import MemoryConfig
     from palimpsest.models.memory_network import MemoryNetwork
-    from palimpsest.pipelines.remory_data import REPEAT_INSTRUCTION
     from palimpsest.platform.tokens import get_tokenizer
-    from palimpsest.training.config import group_lrs, load_train_config
     from palimpsest.training.prepare import resolve_actor
-    from palimpsest.training.step import LocalBackend, Step
+    from palimpsest.training.remory_data import REPEAT_INSTRUCTION
+    from palimpsest.training.step import LocalBackend, TrainStep
+    from palimpsest.training.train_config import group_lrs, load_train_config
 
     torch.set_num_threads(args.threads)
     cfg = load_train_config(args.config)
@@ -60,7 +60,7 @@ def main() -> None:
         for b in batches:
             torch.manual_seed(0)
             net = MemoryNetwork(mcfg, actor)
-            step = Step(LocalBackend(net, group_lrs(cfg.optim)), actor, autocast=autocast)
+            step = TrainStep(LocalBackend(net, group_lrs(cfg.optim)), actor, autocast=autocast)
             rows = spans[:b] if b > 1 else spans[0]
             step(rows, 1)  # warm-up
             times = []

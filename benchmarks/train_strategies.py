@@ -14,7 +14,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from palimpsest.training.config import load_train_config
+from palimpsest.training.train_config import load_train_config
 
 
 def main() -> None:
@@ -49,7 +49,8 @@ def main() -> None:
     print("\n| strategy | wall s | s/step (last) | tokens/s per worker | peak RSS per worker (MB) |")
     print("|---|---|---|---|---|")
     for k, r in results.items():
-        print(f"| {k} | {r['wall_s']} | {r['last_step_s']} | {r['tokens_per_s_per_worker']} | {r['max_rss_mb_per_worker']} |")
+        print(f"| {k} | {r['wall_s']} | {r['last_step_s']} | {r['tokens_per_s_per_worker']} | "
+              f"{r['max_rss_mb_per_worker']} |")
 
 
 if __name__ == "__main__":

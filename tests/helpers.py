@@ -31,8 +31,10 @@ STEPS = [
     ("whoami", "builder"),
     ("uptime", "up 3 days, load average 0.10 0.20 0.30"),
     ("python -c 'from settings.loader import parse_config; parse_config({})'",
-     "Traceback (most recent call last):\n  File \"settings/loader.py\", line 2, in parse_config\nKeyError: 'database_url'"),
-    ("grep -n database_url settings/loader.py", "2:    url = env['database_url']  # KeyError when the env file is empty"),
+     "Traceback (most recent call last):\n  File \"settings/loader.py\", line 2, in parse_config\n"
+     "KeyError: 'database_url'"),
+    ("grep -n database_url settings/loader.py",
+     "2:    url = env['database_url']  # KeyError when the env file is empty"),
 ]
 
 
@@ -64,9 +66,9 @@ def same_snapshot(a, b) -> None:
 
 def error_message(r) -> str:
     """The message of an error response, once its body is checked to have the shape of the protocol its route
-    speaks (``palimpsest.serving.errors``): Anthropic's on the Messages routes, OpenAI's on the chat and
+    speaks (``palimpsest.serving.http.errors``): Anthropic's on the Messages routes, OpenAI's on the chat and
     completion routes, Palimpsest's one-line body elsewhere."""
-    from palimpsest.serving import errors
+    from palimpsest.serving.http import errors
 
     body = r.json()
     protocol = errors.protocol_of(r.request.url.path, "anthropic-version" in r.request.headers)

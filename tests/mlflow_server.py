@@ -24,7 +24,8 @@ def mlflow_server(root: Path, timeout_s: float = 120.0) -> Iterator[str]:
     proc = subprocess.Popen(
         [str(exe), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
          "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}", "--artifacts-destination", str(root / "artifacts")],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=os.environ | {"MLFLOW_DISABLE_TELEMETRY": "true"})
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        env=os.environ | {"MLFLOW_DISABLE_TELEMETRY": "true"})
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout_s
@@ -36,7 +37,8 @@ def mlflow_server(root: Path, timeout_s: float = 120.0) -> Iterator[str]:
             except OSError:
                 pass
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the MLflow server did not start: {(root / 'mlflow-server.log').read_text()[-2000:]}")
+                raise RuntimeError("the MLflow server did not start: "
+                                   f"{(root / 'mlflow-server.log').read_text()[-2000:]}")
             time.sleep(0.5)
         yield url
     finally:

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-
 FAST = ["--embedder", "hashing", "--tokenizer", "approx"]  # the real models are exercised in the slow tier
 
 
@@ -174,7 +173,8 @@ def test_replay_bad_input(tmp_path, data, args, message):
 
 
 @pytest.mark.parametrize("body,message", [
-    ("name: x\ndata: {file: d.jsonl}\nmemory: {queries: 64, block_size: 32}\n", "queries (64) must be fewer than block_size (32)"),
+    ("name: x\ndata: {file: d.jsonl}\nmemory: {queries: 64, block_size: 32}\n",
+     "queries (64) must be fewer than block_size (32)"),
     ("name: x\ndata: {file: d.jsonl}\noptim: {surprise: 1}\n", "optim.surprise: Extra inputs are not permitted"),
     ("name: x\nactor: {path: /nonexistent}\ndata: {file: d.jsonl}\n", "holds no HF model"),
     ("- not a mapping\n", "a training config is a mapping"),
@@ -208,8 +208,10 @@ def test_train_prints_its_summary_as_one_json_object_and_nothing_else(tmp_path, 
 
 
 @pytest.mark.parametrize("args,message", [
-    (("eval-reconstruction", "--model", "m", "--data", "d", "--spans", "1"), "Input should be greater than or equal to 2"),
-    (("eval-reconstruction", "--model", "m", "--data", "d", "--split", "val"), "'val' is not one of held-out, train, all"),
+    (("eval-reconstruction", "--model", "m", "--data", "d", "--spans", "1"),
+     "Input should be greater than or equal to 2"),
+    (("eval-reconstruction", "--model", "m", "--data", "d", "--split", "val"),
+     "'val' is not one of held-out, train, all"),
     (("eval-reconstruction", "--model", "m", "--data", "d", "--split", "train", "--include-train"), "contradicts"),
 ])
 def test_a_bad_option_value_is_a_usage_error_naming_the_option_not_a_traceback(tmp_path, args, message):

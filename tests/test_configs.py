@@ -36,7 +36,7 @@ def test_a_broken_config_file_names_the_file_and_the_field(tmp_path):
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("serve/*.yaml")), ids=lambda p: p.name)
 def test_serve_configs_validate(path):
-    from palimpsest.serving.config import load_serve_config
+    from palimpsest.serving.serve_config import load_serve_config
 
     cfg = load_serve_config(path)
     # the demo serves pace (its dark candidate is added by the demo: the registered memory when it fits its budget)
@@ -45,7 +45,8 @@ def test_serve_configs_validate(path):
     if "applications" in data:  # a `serve run` / `serve deploy` file: Ray's own schema accepts it
         from ray.serve.schema import ServeDeploySchema
 
-        schema = ServeDeploySchema.model_validate(data) if hasattr(ServeDeploySchema, "model_validate") else ServeDeploySchema.parse_obj(data)
+        schema = (ServeDeploySchema.model_validate(data) if hasattr(ServeDeploySchema, "model_validate")
+                  else ServeDeploySchema.parse_obj(data))
         app = schema.applications[0]
         assert app.import_path == "palimpsest.serving.app:app_builder" and data["http_options"]["host"] == "127.0.0.1"
 
@@ -62,7 +63,7 @@ def test_serve_configs_validate(path):
 ])
 def test_bad_serve_configs_are_refused_before_anything_starts(bad, match):
     from palimpsest.platform import ConfigError
-    from palimpsest.serving.config import parse_serve_config
+    from palimpsest.serving.serve_config import parse_serve_config
 
     with pytest.raises(ConfigError, match=match):
         parse_serve_config(bad)
@@ -72,7 +73,7 @@ def test_listening_beyond_loopback_needs_api_keys(tmp_path):
     import hashlib
 
     from palimpsest.platform import ConfigError
-    from palimpsest.serving.config import parse_serve_config
+    from palimpsest.serving.serve_config import parse_serve_config
 
     open_cfg = parse_serve_config({})
     open_cfg.check_exposure("127.0.0.1")
@@ -99,7 +100,7 @@ def test_replay_variant_files_hold_valid_policy_configs(path):
                                          ({"budget": 100, "actor": {"max_tokens": 128}}, "leaves no room")])
 def test_a_budget_beyond_the_actors_window_is_a_config_error(patch, field):
     from palimpsest.platform import ConfigError
-    from palimpsest.serving.config import parse_serve_config
+    from palimpsest.serving.serve_config import parse_serve_config
 
     with pytest.raises(ConfigError, match=field):
         parse_serve_config({"actor": {"max_model_len": 8192}, **patch})
@@ -107,7 +108,7 @@ def test_a_budget_beyond_the_actors_window_is_a_config_error(patch, field):
 
 def test_the_embedded_serve_default_is_the_complete_local_configuration(monkeypatch):
     """`palimpsest serve` with no config is what configs/serve/local.yaml spells out, tools and all."""
-    from palimpsest.serving.config import ActorConfig, ServeConfig, load_serve_config
+    from palimpsest.serving.serve_config import ActorConfig, ServeConfig, load_serve_config
 
     monkeypatch.chdir(CONFIGS.parent)  # the file names its template relative to the checkout
     embedded = ServeConfig()
@@ -124,9 +125,9 @@ def test_train_configs_reach_the_data_builder_and_the_network_whole(path):
     """The ``data:`` section is the data builder's one config: what the builder gets is that section, with only
     the derived fields (soft slots, seed) filled in; its memory section is a valid MemoryConfig whole."""
     from palimpsest.models.memory import MemoryConfig
-    from palimpsest.pipelines.remory_data import DataConfig
-    from palimpsest.training.config import load_train_config
     from palimpsest.training.prepare import data_config
+    from palimpsest.training.remory_data import DataConfig
+    from palimpsest.training.train_config import load_train_config
 
     cfg = load_train_config(path)
     built = data_config(cfg)

@@ -78,7 +78,8 @@ def test_a_report_in_a_log_keeps_every_table_line_whole():
     columns; on a terminal it is rendered."""
     import io
 
-    row = "| vs `full`: fidelity KL, non-identical turns (session mean, 95% CI; lower is closer) | 0.1019 [0.0559, 0.1702] | 0.1387 |"
+    row = ("| vs `full`: fidelity KL, non-identical turns (session mean, 95% CI; lower is closer) | "
+           "0.1019 [0.0559, 0.1702] | 0.1387 |")
     buf = io.StringIO()
     show_markdown(Console(file=buf, width=80), "| metric | a | b |\n|---|---|---|\n" + row + "\n")
     assert row in buf.getvalue().splitlines()
@@ -106,8 +107,8 @@ def _candidate_run(tmp_path, diffs):
     """A demo run's ledger: `pace` served one turn per trajectory, and its dark memory candidate judged on it,
     worse by ``diffs[i]`` KL on trajectory i."""
     from palimpsest.demo import candidate_arm
+    from palimpsest.experiments.gate import subject_of
     from palimpsest.platform import Ledger
-    from palimpsest.pipelines.rollouts import subject_of
     from tests.helpers import TASK
 
     cfg = demo_config(ROOT / DEMO_SERVE, control=False, full=False)
@@ -129,7 +130,7 @@ def test_the_demo_report_leads_with_the_gates_decision_and_its_evidence(tmp_path
     decision, n, and each e-value beside the level it must reach; the pairs follow. At 7 sessions the same data
     cannot decide (no e-value can reach 40 there), and the report says so."""
     from palimpsest.demo import decide_candidates
-    from palimpsest.pipelines.rollouts import decisions_markdown, pairs_markdown, status
+    from palimpsest.experiments.gate import decisions_markdown, pairs_markdown, status
 
     info = {"memory": MEMORY, "prompt_embeds": True}
     worse = [0.3 + 0.01 * i for i in range(8)]
@@ -166,7 +167,8 @@ def test_the_demos_aa_control_compares_the_served_prompts_by_hash(tmp_path):
             sid = f"run/tr{i}@{arm}"
             rt.ledger.create_session(sid, TASK)
             for t in range(3):  # the A/A arm's last observation differs by one digit on trajectory 3
-                rt.append(sid, step(t, f"ls dir_{t}", f"file_{t}.py" + ("9" if (i, arm, t) == (3, "pace-aa", 2) else "8")))
+                rt.append(sid, step(t, f"ls dir_{t}",
+                                    f"file_{t}.py" + ("9" if (i, arm, t) == (3, "pace-aa", 2) else "8")))
             turn = rt.turn(sid, "pace", 2000)
             served.append({"arm": arm, "session_id": sid, "t": turn.t, "tokens_context": 1000, "tokens_prompt": 1000})
             shadows.append({"session_id": sid, "t": turn.t, "arm": arm, "status": "scored", "reason": "",

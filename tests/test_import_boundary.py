@@ -53,7 +53,7 @@ from pathlib import Path  # noqa: E402
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 #: The layers, bottom up: a module imports only from its own layer or those below it
-LAYERS = ("platform", "models", "pipelines", "serving", "training", "demo", "cli")
+LAYERS = ("platform", "models", "pipelines", "experiments", "serving", "training", "evaluation", "demo", "cli")
 #: What a function-local import may defer: a dependency that is heavy to load or optional where it runs
 DEFERRABLE = HEAVY + ("pyarrow", "fastapi")
 MAX_LINES = 400
@@ -83,7 +83,8 @@ def _imports(module: str) -> list[tuple[str, str, ast.stmt, bool]]:
 
     def visit(node, local: bool) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and getattr(child.test, "id", getattr(child.test, "attr", "")) == "TYPE_CHECKING":
+            if isinstance(child, ast.If) and getattr(child.test, "id",
+                                                     getattr(child.test, "attr", "")) == "TYPE_CHECKING":
                 continue
             inner = local or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
             if isinstance(child, ast.ImportFrom) and child.module and not child.level:
@@ -205,3 +206,26 @@ def test_function_local_imports_defer_only_a_heavy_dependency_and_say_so():
 def test_no_source_file_is_over_400_lines():
     long = {str(p.relative_to(SRC)): n for p in MODULES.values() if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert long == {}
+
+
+def test_no_two_modules_share_a_basename_and_no_class_is_defined_twice():
+    """A name says which module or class it is: ``config.py`` or ``Embedder`` in two places makes a reader (and a
+    traceback) guess. Package ``__init__`` and ``__main__`` files are the exception."""
+    names: dict[str, list[str]] = {}
+    classes: dict[str, list[str]] = {}
+    for m, p in MODULES.items():
+        if p.stem not in ("__init__", "__main__"):
+            names.setdefault(p.name, []).append(m)
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ClassDef):
+                classes.setdefault(node.name, []).append(m)
+    assert {k: v for k, v in names.items() if len(v) > 1} == {}
+    assert {k: v for k, v in classes.items() if len(v) > 1} == {}
+
+
+def test_ruff_finds_nothing():
+    """The project's own lint (pyproject's [tool.ruff]: line length, import order, unused and undefined names) on
+    every Python file of the repository."""
+    out = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "."], capture_output=True, text=True,
+                         cwd=SRC.parent)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]

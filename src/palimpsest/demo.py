@@ -7,17 +7,16 @@ machine it runs on (2 CPU cores, BENCHMARKS.md "`make demo` on this machine"):
    memory encoder, ingress), serving `pace` with the registered memory as its dark candidate (`pace+memory`,
    as `palimpsest serve` runs a registered memory: never served until the gate promotes it; `window` when the
    memory was trained at another budget), on a ledger of the run's own;
-4. replay 10 trajectories (every dev trajectory that fits the budget, then the extra dev trajectories beside
-   the dev file: ``DEMO_SESSIONS``) through the HTTP endpoint as live traffic, one turn per session at step 4,
-   posting each session's outcome: on every turn the shadow lane compiles what the candidate would have served
-   for that same turn and scores both prompts against the full-history reference over the served reply (the
-   exact KL), off the turn path;
+4. replay 10 trajectories (every dev trajectory that fits the budget, then the extra dev trajectories beside the dev
+   file: ``DEMO_SESSIONS``) through the HTTP endpoint as live traffic, one turn per session at step 4, posting each
+   session's outcome: on every turn the shadow lane compiles what the candidate would have served for that same turn and
+   scores both prompts against the full-history reference over the served reply (the exact KL), off the turn path;
 5. print the rollout gate's decision first (promote, withdraw or hold, with its e-values and n; the replica reads
    the gate at every refresh, and the demo reads it once more on every pair of the run), then the pairs, the
    served arm's figures, where the models' time went, and the MLflow run that holds it;
 6. shut everything down.
 
-``--control`` runs the controls instead (pipelines/ab_controls.py): the weak `last2` against `pace` as users run
+``--control`` runs the controls instead (experiments/controls.py): the weak `last2` against `pace` as users run
 it (compaction epochs) and `pace` planned per turn (the positive controls), and `pace` against itself (the A/A
 control, its prompts compared by hash), each trajectory once per arm, at budget 4,096 with an 8K reference window,
 one turn per session at step 8. ``--full`` is the larger run: two turns per session (steps 4 and 12), LLM
@@ -34,10 +33,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.markdown import Markdown
 
-from palimpsest.models.assets import minilm_dir, smollm2_dir, smollm2_tokenizer_dir
-from palimpsest.models.registry import read_bundle, resolve_memory_ref
-from palimpsest.pipelines.ab import ab_summary, log_ab, summary_markdown
-from palimpsest.pipelines.ab_controls import (
+from palimpsest.experiments.ab_report import ab_summary, log_ab, summary_markdown
+from palimpsest.experiments.controls import (
     AA,
     CONTROL_ARMS,
     CONTROL_SHAPE,
@@ -46,18 +43,20 @@ from palimpsest.pipelines.ab_controls import (
     control_verdicts,
     verdicts_markdown,
 )
-from palimpsest.pipelines.live_ab import drive
-from palimpsest.pipelines.rollouts import decide, decisions_markdown, log_decision, pairs_markdown, status
+from palimpsest.experiments.gate import decide, decisions_markdown, log_decision, pairs_markdown, status
+from palimpsest.experiments.live import drive
+from palimpsest.models.assets import minilm_dir, smollm2_dir, smollm2_tokenizer_dir
+from palimpsest.models.registry import read_bundle, resolve_memory_ref
 from palimpsest.pipelines.trajectories import read_trajectories
 from palimpsest.platform import Ledger
 from palimpsest.platform.chat import chat_ids
 from palimpsest.platform.tokens import get_tokenizer
 from palimpsest.platform.types import ConfigError, PalimpsestError
-from palimpsest.serving.candidates import judged_candidates
-from palimpsest.serving.config import ArmConfig, load_serve_config, parse_serve_config
 from palimpsest.serving.local import LocalServer
-from palimpsest.training.config import load_train_config
+from palimpsest.serving.serve_config import ArmConfig, load_serve_config, parse_serve_config
+from palimpsest.serving.turn.candidates import judged_candidates
 from palimpsest.training.launcher import launch
+from palimpsest.training.train_config import load_train_config
 
 DEMO_SERVE = Path("configs/serve/demo.yaml")
 DEMO_TRAIN = Path("configs/train/remory_demo.yaml")
@@ -344,8 +343,8 @@ def run_main_demo(out: Console, data: Path, serve_config: Path = DEMO_SERVE, tra
                     max_tokens=cfg.actor.max_tokens, concurrency=concurrency or min(total, 16), on_session=on_session,
                     arms=arms, tail=False)
         timings["traffic_s"] = res.wall_s
-        out.print(f"{len(res.sessions)} sessions (each trajectory once per arm), {res.turns} turns in {res.wall_s:.0f} s; "
-                  f"{len(res.errors)} errors")
+        out.print(f"{len(res.sessions)} sessions (each trajectory once per arm), {res.turns} turns in "
+                  f"{res.wall_s:.0f} s; {len(res.errors)} errors")
         for e in res.errors[:5]:
             out.print(f"  [red]{e}[/]", highlight=False)
         progress.stage("shadow fidelity (exact KL against the reference, off the turn path)")
@@ -353,7 +352,8 @@ def run_main_demo(out: Console, data: Path, serve_config: Path = DEMO_SERVE, tra
         shadow = wait_shadow(server.url, timeout_s=1800, progress=progress)
         timings["shadow_s"] = time.perf_counter() - t0
         out.print(f"shadow fidelity: {shadow.get('scored', 0)} turns scored, {shadow.get('identical', 0)} identical "
-                  f"to their reference, {shadow.get('skipped', 0)} skipped ({timings['shadow_s']:.0f} s after the traffic)")
+                  f"to their reference, {shadow.get('skipped', 0)} skipped "
+                  f"({timings['shadow_s']:.0f} s after the traffic)")
         with httpx.Client(base_url=server.url, timeout=60) as client:
             busy = client.get("/v1/busy").json()
     finally:

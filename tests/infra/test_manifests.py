@@ -9,7 +9,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 CRDS = ROOT.parent / "shared" / "data" / "kuberay-crds"
-KINDS = {"RayJob": "ray.io_rayjobs.yaml", "RayCluster": "ray.io_rayclusters.yaml", "RayService": "ray.io_rayservices.yaml"}
+KINDS = {"RayJob": "ray.io_rayjobs.yaml", "RayCluster": "ray.io_rayclusters.yaml",
+         "RayService": "ray.io_rayservices.yaml"}
 
 
 def strict(schema):
@@ -58,7 +59,7 @@ def test_the_validator_catches_a_typo():
 
 
 def test_the_job_runs_a_training_config_that_validates():
-    from palimpsest.training.config import load_train_config
+    from palimpsest.training.train_config import load_train_config
 
     doc = yaml.safe_load((ROOT / "infra" / "rayjob-remory.yaml").read_text())
     config = doc["spec"]["entrypoint"].split("--config", 1)[1].split()[0]
@@ -68,7 +69,7 @@ def test_the_job_runs_a_training_config_that_validates():
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs" / "train").glob("*.yaml")), ids=lambda p: p.name)
 def test_training_configs_validate(path):
-    from palimpsest.training.config import load_train_config
+    from palimpsest.training.train_config import load_train_config
 
     assert load_train_config(path).name
 
@@ -76,7 +77,7 @@ def test_training_configs_validate(path):
 def test_the_rayservice_deploys_a_serve_config_that_ray_and_palimpsest_accept():
     from ray.serve.schema import ServeDeploySchema
 
-    from palimpsest.serving.config import parse_serve_config
+    from palimpsest.serving.serve_config import parse_serve_config
 
     doc = yaml.safe_load((ROOT / "infra" / "rayservice-palimpsest.yaml").read_text())
     serve_cfg = yaml.safe_load(doc["spec"]["serveConfigV2"])

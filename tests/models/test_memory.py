@@ -118,7 +118,7 @@ def test_at_initialisation_the_slots_differ_and_reversing_the_source_moves_the_m
     """Rung 0, on a network as built: the slots of one memory are not copies of each other, and the memory
     depends on the order of what it read. A memory whose slots all start from one input (``slot_input: mean``)
     is the contrast: its slots are far more alike."""
-    from palimpsest.training.reconstruction import rung0_passes, slot_stats
+    from palimpsest.evaluation.reconstruction import rung0_passes, slot_stats
 
     spans = [{"span": ids(16, s)} for s in range(6)]
     stats = slot_stats(actor, net(actor), spans)

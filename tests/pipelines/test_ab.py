@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from palimpsest.pipelines.ab import ab_summary, summary_markdown
-from palimpsest.pipelines.ab_stats import diff_ci, mean_ci, wilson
+from palimpsest.experiments.ab_report import ab_summary, summary_markdown
+from palimpsest.experiments.stats import diff_ci, mean_ci, wilson
 from palimpsest.platform import Ledger
 from palimpsest.platform.types import LedgerError
 
@@ -94,7 +94,8 @@ def test_paired_trajectories_detect_a_difference_the_unpaired_comparison_cannot(
             for t in (4, 12):
                 rows.append(served(arm, sid, 1000, 100.0))
                 shadows.append({"session_id": sid, "t": t, "arm": arm, "status": "scored", "reason": "",
-                                "reference": "full", "kl": base + shift + rng.gauss(0, 0.005), "top1": 0.5, "tokens": 4})
+                                "reference": "full", "kl": base + shift + rng.gauss(0, 0.005), "top1": 0.5,
+                                "tokens": 4})
             shadows.append({"session_id": sid, "t": 20, "arm": arm, "status": "skipped", "reason": "load: queue full",
                             "reference": "", "kl": None, "top1": None, "tokens": 4})
             outcomes.append({"arm": arm, "session_id": sid, "value": base / 2})
@@ -117,7 +118,8 @@ def test_paired_trajectories_detect_a_difference_the_unpaired_comparison_cannot(
 
 def test_summary_separates_arms_and_counts_outcomes_per_session():
     rows = [served("a", f"s{i}", 1000 + i, 100.0) for i in range(10)] + \
-           [served("b", f"t{i}", 500 + i, 120.0) for i in range(10)] + [{"arm": "b", "session_id": "t0", "t": 2, "error": "RuntimeError"}]
+           [served("b", f"t{i}", 500 + i, 120.0) for i in range(10)] + \
+           [{"arm": "b", "session_id": "t0", "t": 2, "error": "RuntimeError"}]
     outcomes = [{"arm": "a", "session_id": "s0", "value": 0.0}, {"arm": "a", "session_id": "s0", "value": 1.0},
                 {"arm": "a", "session_id": "s1", "value": 0.0}, {"arm": "b", "session_id": "t1", "value": 1.0}]
     s = ab_summary(rows, outcomes, ["a", "b"])
@@ -151,7 +153,7 @@ def test_the_paired_test_keeps_its_level_exactly_at_the_sample_sizes_of_a_rollou
 
     import numpy as np
 
-    from palimpsest.pipelines.ab_stats import sign_flip_p
+    from palimpsest.experiments.stats import sign_flip_p
 
     rng = np.random.default_rng(7)
     for n in (3, 4, 5, 6, 8, 10):
@@ -168,7 +170,7 @@ def test_the_paired_test_keeps_its_level_exactly_at_the_sample_sizes_of_a_rollou
 def test_the_paired_test_finds_a_real_difference_and_its_interval_matches_it():
     """The interval is the set of mean shifts the test does not reject: just inside either end the shifted
     differences' p is above 5%, just outside it is at most 5% (a t or bootstrap interval fails this)."""
-    from palimpsest.pipelines.ab_stats import paired_test, sign_flip_p
+    from palimpsest.experiments.stats import paired_test, sign_flip_p
 
     d = [0.9, 1.1, 1.3, 0.7, 1.0, 1.2, 0.8, 1.05]
     shifted = paired_test(d)
@@ -192,7 +194,7 @@ def test_the_paired_test_finds_a_real_difference_and_its_interval_matches_it():
 
 def test_the_paired_test_counts_the_differences_it_leaves_out():
     """A NaN difference (a trajectory without a score) is left out of the test and counted, never silently."""
-    from palimpsest.pipelines.ab_stats import paired_test
+    from palimpsest.experiments.stats import paired_test
 
     d = [0.9, 1.1, 1.3, 0.7, 1.0, 1.2, 0.8, 1.05]
     r = paired_test(d + [float("nan"), float("inf")])
@@ -206,7 +208,7 @@ def test_the_detectable_difference_uses_the_tests_own_assignments_up_to_sixteen_
     and just below it under 80%."""
     import numpy as np
 
-    from palimpsest.pipelines.ab_stats import _sign_flips, paired_test
+    from palimpsest.experiments.stats import _sign_flips, paired_test
 
     n, sd = 14, 1.0
     d = list(np.random.default_rng(4).standard_normal(n))
@@ -231,14 +233,16 @@ def test_an_arms_billed_cost_counts_its_summary_calls_with_the_split_shown(tmp_p
     from types import SimpleNamespace
 
     from palimpsest.platform import Runtime
-    from palimpsest.serving.enrichment import Enrichment
+    from palimpsest.serving.turn.enrichment import Enrichment
     from tests.helpers import TASK
 
     rt = Runtime(Ledger(str(tmp_path / "l.db")))
     for sid in ("a@pace", "a@window"):
         rt.ledger.create_session(sid, TASK)
-        rt.ledger.record_served(sid, 1, sid.split("@")[1], {**served(sid.split("@")[1], sid, 100, 10.0), "billed": 50.0})
-        rt.ledger.record_served(sid, 2, sid.split("@")[1], {**served(sid.split("@")[1], sid, 100, 10.0), "billed": 70.0})
+        rt.ledger.record_served(sid, 1, sid.split("@")[1],
+                                {**served(sid.split("@")[1], sid, 100, 10.0), "billed": 50.0})
+        rt.ledger.record_served(sid, 2, sid.split("@")[1],
+                                {**served(sid.split("@")[1], sid, 100, 10.0), "billed": 70.0})
     lane = SimpleNamespace(runtime=rt, arm_of=lambda sid: sid.split("@")[1])
     Enrichment._record_calls(lane, "a@pace", [{"calls": 1, "input": 300, "cached": 100, "generated": 40},
                                               {"calls": 1, "input": 200, "cached": 0, "generated": 30}])

@@ -5,8 +5,8 @@ out wrong (two arms of one configuration served different prompts on 5 of 10 tra
 import json
 from pathlib import Path
 
-from palimpsest.pipelines.ab import ab_summary
-from palimpsest.pipelines.ab_controls import (
+from palimpsest.experiments.ab_report import ab_summary
+from palimpsest.experiments.controls import (
     AA,
     CONTROL_ARMS,
     POSITIVE,

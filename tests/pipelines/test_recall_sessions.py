@@ -7,9 +7,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from palimpsest.pipelines.recall_sessions import recall_sessions
-from palimpsest.pipelines.remory_data import DataConfig, build_datasets, split_of
 from palimpsest.pipelines.trajectories import Trajectory
 from palimpsest.platform.policies import parse_policy_config
+from palimpsest.training.remory_data import DataConfig, build_datasets, split_of
 from tests.pipelines.test_remory_data import WINDOW, tok_dir, traj  # noqa: F401  (tok_dir is a fixture)
 
 
@@ -60,7 +60,8 @@ def test_the_data_builder_adds_recall_rows_split_by_session(tmp_path, tok_dir, m
     cut = DataConfig(val_fraction=0.34, recall_sessions=3, max_observation_chars=64, recall_steps=12, **WINDOW)
     build_datasets(data, tok_dir, tmp_path / "cut", cut, parse_policy_config("window"))
     assert made and made[0]["max_observation_chars"] == 64 and made[0]["max_fill"] == 12  # data.recall_steps
-    assert recall and report["counts"]["stage2_recall"]["train"] + report["counts"]["stage2_recall"]["val"] == len(recall)
+    assert recall and (report["counts"]["stage2_recall"]["train"]
+                       + report["counts"]["stage2_recall"]["val"] == len(recall))
     assert all(r["split"] == split_of(r["trajectory"], 0.34) for r in recall)
     spans = pq.read_table(tmp_path / "ds" / "stage1.parquet").to_pylist()
     assert not any(s["trajectory"].startswith("recall/") for s in spans)  # Stage I reads real text only

@@ -4,10 +4,10 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from palimpsest.pipelines.remory_data import DataConfig, build_datasets, split_of
 from palimpsest.platform.budget import Budget
 from palimpsest.platform.policies import parse_policy_config
 from palimpsest.platform.types import PalimpsestError
+from palimpsest.training.remory_data import DataConfig, build_datasets, split_of
 from tests.models.tiny_tokenizer import tiny_tokenizer
 
 
@@ -89,8 +89,8 @@ def test_the_data_builder_and_the_served_turn_hand_the_memory_identical_ids(tmp_
     network the same ids, and the actor the same ids around the soft span."""
     from palimpsest.pipelines.trajectories import read_trajectories, to_record
     from palimpsest.platform import HashingEmbedder, Ledger, Runtime
-    from palimpsest.serving.config import MemoryConfigServe
-    from palimpsest.serving.turn import TurnRequest, run_turn, turn_memory
+    from palimpsest.serving.serve_config import MemoryConfigServe
+    from palimpsest.serving.turn.turn import TurnRequest, run_turn, turn_memory
 
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps(traj("tr/serve", n=10, obs=30)) + "\n")
@@ -129,8 +129,8 @@ def test_the_data_builder_and_the_served_turn_hand_the_memory_identical_ids(tmp_
 def test_a_stage1_corpus_adds_reconstruction_spans_split_by_file(tmp_path, tok_dir):
     """Stage I reads a text corpus beside the trajectories: every span of its text files, a file wholly on one
     side of the split, installed packages and test suites left out, at most ``stage1_chunks`` spans."""
-    from palimpsest.pipelines.remory_data import corpus_root, corpus_samples
     from palimpsest.platform.tokens import get_tokenizer
+    from palimpsest.training.remory_data import corpus_root, corpus_samples
 
     tok = get_tokenizer(tok_dir)
     corpus = tmp_path / "corpus"

@@ -3,7 +3,7 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from palimpsest.pipelines.replay import run_replay, write_outputs
+from palimpsest.evaluation.replay import run_replay, write_outputs
 from palimpsest.pipelines.replay_sessions import ReplayError
 from palimpsest.platform import Ledger, Runtime
 from palimpsest.platform.policies import parse_policy_config

@@ -2,9 +2,9 @@ import json
 
 import pytest
 
-from palimpsest.pipelines.replay import run_replay, write_outputs
+from palimpsest.evaluation.replay import run_replay, write_outputs
+from palimpsest.evaluation.replay_report import write_report
 from palimpsest.pipelines.replay_sessions import ReplayError
-from palimpsest.pipelines.report import write_report
 from palimpsest.platform import Ledger, Runtime
 from palimpsest.platform.policies import parse_policy_config
 from tests.pipelines.test_replay import traj

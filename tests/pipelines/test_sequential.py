@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from palimpsest.pipelines.ab_stats import gate_decision, sequential_test
+from palimpsest.experiments.stats import gate_decision, sequential_test
 
 
 def test_the_false_positive_rate_stays_at_alpha_when_read_after_every_difference():

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from palimpsest.pipelines.replay import run_replay, write_outputs
+from palimpsest.evaluation.replay import run_replay, write_outputs
 from palimpsest.pipelines.tracking import log_replay
 from palimpsest.platform import Ledger, Runtime
 from palimpsest.platform.policies import parse_policy_config
@@ -41,8 +41,8 @@ def test_an_ab_report_is_logged_with_its_fidelity_against_cost_plot(tmp_path, mo
     """The run holds the summary, the report and a figure of each arm's fidelity against its billed cost."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    from palimpsest.pipelines.ab import ab_summary, log_ab, summary_markdown
-    from palimpsest.pipelines.ab_plot import fidelity_cost_points
+    from palimpsest.experiments.ab_report import ab_summary, log_ab, summary_markdown
+    from palimpsest.experiments.plot import fidelity_cost_points
 
     served, shadows = [], []
     for i in range(4):

@@ -25,7 +25,8 @@ def test_abstraction_keeps_ids_paths_urls_numbers_errors_and_failures():
 
 def test_source_listing_that_mentions_exceptions_is_not_a_failure():
     rec = StepRecord(t=0, kind="bash", action="nl -ba core.py",
-                     observation="<returncode>0</returncode>\n315     except SympifyError:\n316         raise TypeError(x)")
+                     observation="<returncode>0</returncode>\n315     except SympifyError:\n"
+                                 "316         raise TypeError(x)")
     assert abstract_step(rec).outcome == "ok"
 
 

@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from palimpsest.platform import Authority, Ledger, Resolution, Runtime, StepRecord, toolcalls
-from palimpsest.platform.chat import chat_ids, glimpse_call, prefix_messages
 from palimpsest.platform.budget import Budget
+from palimpsest.platform.chat import chat_ids, glimpse_call, prefix_messages
 from palimpsest.platform.compiler import compile_plan
 from palimpsest.platform.policies.base import Reasons, new_plan
 from tests.helpers import STEPS, TASK, step
@@ -359,6 +359,7 @@ def test_the_soft_slot_is_before_the_recent_raw_tail_and_a_hidden_gap_ends_it():
     spans = [(0, 0, 2), (1, 2, 2), (3, 4, 2), (4, 6, 2)]
     assert soft_slot([B, F, D, F, F], spans, 2, 10) == 2 + 4  # before step 3: step 1 is not in the raw tail
     assert soft_slot([B, F, F, F, F], [(0, 0, 2), (1, 2, 2), (2, 4, 2), (3, 6, 2), (4, 8, 2)], 2, 12) == 2 + 2
-    assert soft_slot([F, F, F, F, B], [(0, 0, 2), (1, 2, 2), (2, 4, 2), (3, 6, 2), (4, 8, 2)], 2, 12) == 12  # no raw tail
+    assert soft_slot([F, F, F, F, B], [(0, 0, 2), (1, 2, 2), (2, 4, 2), (3, 6, 2), (4, 8, 2)],
+                     2, 12) == 12  # no raw tail
     # a range line in place of hidden steps ends the tail too
     assert soft_slot([B, D, D, F, F], [(0, 0, 2), (1, 2, 1), (3, 3, 2), (4, 5, 2)], 2, 9) == 2 + 3

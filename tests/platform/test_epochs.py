@@ -61,8 +61,8 @@ def test_a_boundary_happens_exactly_when_the_high_watermark_is_crossed(runtime):
         prev = runtime.boundary(sid, f"{pol.config_hash}@{BUDGET}/{RESERVE}")
         snap = runtime.snapshot(sid)
         # what the append-only turn would send: the last boundary's messages plus every step since, raw
-        from palimpsest.platform.compiler import prefix_segments
         from palimpsest.platform.chat import message_overhead, prefix_messages
+        from palimpsest.platform.compiler import prefix_segments
         from palimpsest.platform.epochs import empty_boundary, extend
 
         base = prev or empty_boundary(prefix_messages(snap.session), prefix_segments(prefix_messages(snap.session)))
@@ -318,7 +318,8 @@ def test_two_replicas_compacting_the_same_turn_at_once_serve_the_one_boundary_in
     def serve(name, rt, keys):
         turns[name] = rt.turn(sid, cfg, BUDGET, reserve=RESERVE, keys=keys)
 
-    threads = [threading.Thread(target=serve, args=("a", a, True)), threading.Thread(target=serve, args=("b", b, False))]
+    threads = [threading.Thread(target=serve, args=("a", a, True)),
+               threading.Thread(target=serve, args=("b", b, False))]
     for th in threads:
         th.start()
     for th in threads:

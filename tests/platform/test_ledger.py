@@ -3,7 +3,14 @@ import multiprocessing as mp
 import numpy as np
 import pytest
 
-from palimpsest.platform import Authority, Ledger, LedgerError, StepRecord, UnknownSessionError, UnknownStepError
+from palimpsest.platform import (
+    Authority,
+    Ledger,
+    LedgerError,
+    StepRecord,
+    UnknownSessionError,
+    UnknownStepError,
+)
 from palimpsest.platform.abstraction import RuleSummarizer
 from tests.helpers import TASK, step
 

@@ -4,8 +4,6 @@ the step, which glimpse shows whole; the budget, the audit and call/result pairs
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 import pytest
 

@@ -2,7 +2,6 @@
 
 import dataclasses
 
-
 from palimpsest.platform import Ledger, Runtime
 from palimpsest.platform.abstraction import RuleSummarizer
 from palimpsest.platform.types import Fold

@@ -60,7 +60,8 @@ def test_commits_are_durable_on_the_server_whatever_its_default(ledger):
 
 
 def test_schema_version_is_the_latest_on_both_backends(ledger):
-    assert int(ledger._read_one("SELECT value FROM meta WHERE key='schema_version'")[0]) == len(migrations(ledger.backend))
+    assert int(ledger._read_one("SELECT value FROM meta WHERE key='schema_version'")[0]) == len(
+        migrations(ledger.backend))
 
 
 def test_leases_exclude_other_owners_until_released_or_expired(ledger):
@@ -86,7 +87,8 @@ def test_a_lost_connection_mid_append_is_retriable_and_stores_nothing():
 
         def drop_connection(texts):  # runs inside the append's transaction, after its row lock
             with psycopg.connect(pg.server_url(), autocommit=True) as admin:
-                admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE state LIKE 'idle in transaction%'"
+                admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                              "WHERE state LIKE 'idle in transaction%'"
                               " AND datname = current_database() AND pid <> pg_backend_pid()")
             return real(texts)
 

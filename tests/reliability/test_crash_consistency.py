@@ -35,8 +35,8 @@ def run_and_kill(db: Path | str, session: str, rng: random.Random, min_acks: int
                  mode: str = "append") -> list[tuple[int, str]]:
     """Start the appender, wait for ``min_acks`` acknowledgements plus a random delay, SIGKILL it mid-write."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "tests.reliability.appender", str(db), session, mode], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+    proc = subprocess.Popen([sys.executable, "-m", "tests.reliability.appender", str(db), session, mode],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
     acks: list[tuple[int, str]] = []
     try:
         while len(acks) < min_acks:
@@ -87,7 +87,8 @@ def test_acknowledged_appends_survive_sigkill(ledger_url):
         if not pg:
             assert led._read_one("PRAGMA integrity_check")[0] == "ok"
     assert kills >= kills_wanted and len(acked) >= appends_wanted
-    print(f"crash consistency ({'postgresql' if pg else 'sqlite'}): {kills} SIGKILLs, {len(acked)} acknowledged appends, {n} stored, all verified")
+    print(f"crash consistency ({'postgresql' if pg else 'sqlite'}): {kills} SIGKILLs, "
+          f"{len(acked)} acknowledged appends, {n} stored, all verified")
 
 
 def test_a_replicas_snapshot_equals_a_whole_read_after_every_sigkill(ledger_url):

@@ -10,7 +10,7 @@ import socket
 import pytest
 import torch
 
-from palimpsest.serving.config import HERMES_TEMPLATE as HERMES
+from palimpsest.serving.serve_config import HERMES_TEMPLATE as HERMES
 from tests.models.tiny import tiny_actor
 from tests.models.tiny_tokenizer import tiny_tokenizer
 
@@ -54,7 +54,7 @@ def tiny_relevance(tmp_path_factory):
     scalar features with fixed, distinct weights (a served boundary must rank old steps by exactly these)."""
     import numpy as np
 
-    from palimpsest.models.relevance import write_head
+    from palimpsest.models.relevance_head import write_head
     from palimpsest.platform.relevance import SCALARS, RelevanceHead
 
     f = len(SCALARS)

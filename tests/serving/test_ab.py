@@ -3,7 +3,7 @@ from collections import Counter
 import pytest
 
 from palimpsest.platform.types import ConfigError
-from palimpsest.serving.ab import Router
+from palimpsest.serving.turn.router import Router
 
 
 def test_assignment_is_sticky_and_follows_the_weights():
@@ -46,7 +46,7 @@ def test_shadow_fidelity_is_the_exact_kl_over_the_whole_vocabulary():
     import torch
 
     from palimpsest.models.scorer import fidelity
-    from palimpsest.serving.shadow import sampled
+    from palimpsest.serving.turn.shadow import sampled
 
     V = 500
     q = torch.full((2, V), -6.0, dtype=torch.float64)
@@ -86,8 +86,8 @@ def test_a_turn_that_served_its_reference_is_recorded_identical_and_never_scored
 
     from palimpsest.platform import Ledger, Runtime
     from palimpsest.platform.budget import Budget
-    from palimpsest.serving.config import ABConfig
-    from palimpsest.serving.shadow import ShadowLane
+    from palimpsest.serving.serve_config import ABConfig
+    from palimpsest.serving.turn.shadow import ShadowLane
     from tests.helpers import STEPS, TASK, per_turn, step
 
     rt = Runtime(Ledger(str(tmp_path / "l.db")))
@@ -125,7 +125,7 @@ def test_the_full_reference_is_the_whole_history_uncompacted_whenever_it_fits(tm
     from palimpsest.platform import Ledger, Runtime
     from palimpsest.platform.budget import Budget
     from palimpsest.platform.types import Resolution
-    from palimpsest.serving.shadow import reference, smaller_note
+    from palimpsest.serving.turn.shadow import reference, smaller_note
     from tests.helpers import TASK, per_turn, step
 
     rt = Runtime(Ledger(str(tmp_path / "l.db")))

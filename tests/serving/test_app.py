@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from palimpsest.platform import Ledger
-from palimpsest.serving.ab import Router
-from palimpsest.serving.embeds import encode_embeds
+from palimpsest.serving.http.server import ARM_HEADER
+from palimpsest.serving.models.embeds import encode_embeds
+from palimpsest.serving.turn.router import Router
 from tests.helpers import error_message
-from palimpsest.serving.http import ARM_HEADER
 from tests.serving.conftest import KEYS, tiny_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.vllm]
@@ -44,11 +44,13 @@ def bob(server):
 
 
 def new_session(client, sid, arm=None, steps=0):
-    r = client.post("/v1/sessions", json={"session_id": sid, "task": "Fix the failing test in settings", **({"arm": arm} if arm else {})})
+    r = client.post("/v1/sessions", json={"session_id": sid, "task": "Fix the failing test in settings",
+                                          **({"arm": arm} if arm else {})})
     assert r.status_code == 200, r.text
     created = r.json()
     for t in range(steps):
-        r = client.post(f"/v1/sessions/{sid}/steps", json={"kind": "bash", "action": f"grep -n parse_config settings/loader.py # {t}",
+        r = client.post(f"/v1/sessions/{sid}/steps", json={"kind": "bash",
+                                                          "action": f"grep -n parse_config settings/loader.py # {t}",
                                                           "observation": OBS, "tool": "bash"})
         assert r.status_code == 200, r.text
     return created
@@ -102,15 +104,16 @@ def test_sampled_turns_are_scored_for_shadow_fidelity_off_the_turn_path(server, 
 
 
 def test_paired_traffic_runs_every_trajectory_once_per_arm_and_the_report_pairs_them(server, tmp_path):
-    from palimpsest.pipelines.ab import ab_summary, summary_markdown
-    from palimpsest.pipelines.live_ab import drive
+    from palimpsest.experiments.ab_report import ab_summary, summary_markdown
+    from palimpsest.experiments.live import drive
     from tests.pipelines.test_replay import traj
 
     data = tmp_path / "d.jsonl"
     data.write_text("\n".join(json.dumps(traj(f"tr{i}", n=8)) for i in range(3)) + "\n")
     res = drive(server.url, data, prefix="pair/", every=3, first=3, max_tokens=3, max_turns=1, concurrency=2,
                 arms=["pace", "wide"], headers=bearer("alice"))
-    assert not res.errors and sorted(res.sessions) == sorted(f"pair/tr{i}@{a}" for i in range(3) for a in ("pace", "wide"))
+    assert not res.errors and sorted(res.sessions) == sorted(f"pair/tr{i}@{a}" for i in range(3)
+                                                             for a in ("pace", "wide"))
     assert all(arm == sid.rsplit("@", 1)[1] for sid, arm in res.sessions.items())  # the arm named, not hashed
     with httpx.Client(base_url=server.url, timeout=200, headers=bearer("alice")) as c:
         assert c.get("/v1/ab/shadow", params={"wait_s": 180}).json()["drained"]
@@ -126,10 +129,10 @@ def test_paired_traffic_runs_every_trajectory_once_per_arm_and_the_report_pairs_
 
 
 def test_an_arm_serving_a_memory_otherwise_than_it_was_trained_is_warned_about(client, tiny_dir, tiny_memory, tmp_path):
-    from palimpsest.platform.policies import parse_policy_config
-    from palimpsest.serving.config import parse_serve_config
     from palimpsest.platform.chat import MEMORY_READ_VERSION
-    from palimpsest.serving.replica import memory_warnings
+    from palimpsest.platform.policies import parse_policy_config
+    from palimpsest.serving.serve_config import parse_serve_config
+    from palimpsest.serving.turn.replica import memory_warnings
 
     ready = client.get("/readyz").json()  # the test bundle records no policy config
     assert any("records no policy config" in w for w in ready["warnings"])
@@ -154,7 +157,8 @@ def test_an_arm_serving_a_memory_otherwise_than_it_was_trained_is_warned_about(c
 def test_glimpse_returns_the_raw_step_and_is_limited_per_turn(client):
     new_session(client, "gl-1", steps=3)
     other = new_session(client, "gl-2", steps=1)
-    ids = [client.post("/v1/sessions/gl-1/steps", json={"action": "cat a.py", "observation": f"line {i}"}).json()["step_id"]
+    ids = [client.post("/v1/sessions/gl-1/steps",
+                       json={"action": "cat a.py", "observation": f"line {i}"}).json()["step_id"]
            for i in range(1)]
     r = client.post("/v1/sessions/gl-1/glimpse", json={"step_id": ids[0]})
     assert r.status_code == 200 and "line 0" in r.json()["text"] and "cat a.py" in r.json()["text"]
@@ -403,7 +407,14 @@ def test_an_openai_agents_sdk_agent_runs_its_tool_loop_through_the_proxy(server,
     """The OpenAI Agents SDK (chat-completions model) with a function tool: its first turn must call the tool
     (the SDK then resets tool_choice to auto); every step is recorded with its call and result paired."""
     pytest.importorskip("agents")
-    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
     from agents.exceptions import MaxTurnsExceeded
     from openai import AsyncOpenAI
 
@@ -472,8 +483,9 @@ def test_tool_messages_that_answer_no_call_of_their_action_are_refused_by_field(
 
 
 def test_greedy_output_from_the_actors_own_embeddings_equals_output_from_ids(client, tiny_dir):
-    from palimpsest.models.actor import FrozenActor
     from transformers import AutoTokenizer
+
+    from palimpsest.models.actor import FrozenActor
 
     tok = AutoTokenizer.from_pretrained(tiny_dir)
     actor = FrozenActor.from_pretrained(tiny_dir)
@@ -530,14 +542,16 @@ def test_metrics_and_openapi(client):
     text = client.get("/metrics").text
     assert 'palimpsest_turns_total{arm="pace"}' in text and "palimpsest_turn_latency_ms_bucket" in text
     paths = client.get("/openapi.json").json()["paths"]
-    for p in ("/v1/sessions", "/v1/sessions/{session_id}/turn", "/v1/sessions/{session_id}/glimpse", "/v1/sessions/{session_id}/audit",
+    for p in ("/v1/sessions", "/v1/sessions/{session_id}/turn", "/v1/sessions/{session_id}/glimpse",
+              "/v1/sessions/{session_id}/audit",
               "/v1/chat/completions", "/v1/models", "/healthz", "/readyz", "/metrics"):
         assert p in paths
 
 
 def test_tenants_are_isolated_and_keys_are_required(client, bob, server):
     new_session(client, "shared-name", steps=2)
-    step_id = client.post("/v1/sessions/shared-name/steps", json={"action": "cat secret.txt", "observation": "alice's secret"}).json()["step_id"]
+    step_id = client.post("/v1/sessions/shared-name/steps",
+                          json={"action": "cat secret.txt", "observation": "alice's secret"}).json()["step_id"]
     # Bob cannot see, extend, turn, audit or glimpse Alice's session, even knowing its id and a step id.
     assert bob.post("/v1/sessions/shared-name/steps", json={"action": "ls"}).status_code == 404
     assert bob.post("/v1/sessions/shared-name/turn", json={}).status_code == 404
@@ -550,10 +564,12 @@ def test_tenants_are_isolated_and_keys_are_required(client, bob, server):
     assert r.status_code == 404 and "secret" not in r.text
     # No key, a wrong key: 401; raw prompt embeds only for tenants allowed to send them.
     assert httpx.post(f"{server.url}/v1/sessions", json={"task": "x"}).status_code == 401
-    assert httpx.post(f"{server.url}/v1/sessions", json={"task": "x"}, headers={"Authorization": "Bearer nope"}).status_code == 401
+    assert httpx.post(f"{server.url}/v1/sessions", json={"task": "x"},
+                      headers={"Authorization": "Bearer nope"}).status_code == 401
     r = bob.post("/v1/completions", json={"prompt_embeds": encode_embeds(torch.randn(3, 128))})
     assert r.status_code == 403 and "prompt_embeds" in error_message(r)
-    assert client.post("/v1/completions", json={"prompt_embeds": encode_embeds(torch.randn(3, 128)), "max_tokens": 2}).status_code == 200
+    assert client.post("/v1/completions", json={"prompt_embeds": encode_embeds(torch.randn(3, 128)),
+                                                "max_tokens": 2}).status_code == 200
 
 
 def test_every_route_keeps_tenants_apart(client, bob, server):
@@ -563,7 +579,8 @@ def test_every_route_keeps_tenants_apart(client, bob, server):
     msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "Fix the failing test in settings"},
             {"role": "assistant", "content": "cat secret.txt"},
             {"role": "tool", "content": "alice's chat secret", "tool_call_id": "c1"}]
-    assert client.post("/v1/chat/completions", json={"messages": msgs, "user": "iso-chat", "max_tokens": 2}).status_code == 200
+    assert client.post("/v1/chat/completions",
+                       json={"messages": msgs, "user": "iso-chat", "max_tokens": 2}).status_code == 200
     before = client.get("/v1/sessions/iso-chat/steps").json()
     assert before["total"] == 1 and "alice's chat secret" in json.dumps(before)
     assert bob.get("/v1/sessions/iso-chat/steps").status_code == 404
@@ -668,7 +685,7 @@ def test_a_served_boundary_with_a_relevance_predictor_scores_old_steps_as_its_he
     same history otherwise."""
     import numpy as np
 
-    from palimpsest.models.relevance import read_head
+    from palimpsest.models.relevance_head import read_head
     from palimpsest.platform import Runtime
     from palimpsest.platform.policies.base import query_text, relative_softmax
     from palimpsest.platform.relevance import features

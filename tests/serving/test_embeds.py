@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from palimpsest.serving.embeds import EmbedsError, decode_embeds, encode_embeds, validate_embeds
+from palimpsest.serving.models.embeds import EmbedsError, decode_embeds, encode_embeds, validate_embeds
 
 
 def test_accepts_a_dense_finite_float_matrix_and_squeezes_a_batch_of_one():

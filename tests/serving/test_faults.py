@@ -29,10 +29,12 @@ def kill_replicas(deployment: str) -> int:
 
 
 def session(c, sid, steps):
-    c.post("/v1/sessions", json={"session_id": sid, "task": "Fix parse_config in settings/loader.py"}).raise_for_status()
+    c.post("/v1/sessions",
+           json={"session_id": sid, "task": "Fix parse_config in settings/loader.py"}).raise_for_status()
     for t in range(steps):
-        c.post(f"/v1/sessions/{sid}/steps", json={"action": f"grep -n parse_config settings/loader.py # {t}",
-                                                  "observation": "settings/loader.py:12: def parse_config(env)"}).raise_for_status()
+        c.post(f"/v1/sessions/{sid}/steps",
+               json={"action": f"grep -n parse_config settings/loader.py # {t}",
+                     "observation": "settings/loader.py:12: def parse_config(env)"}).raise_for_status()
 
 
 def wait_for(pred, timeout_s: float, every: float = 0.5):
@@ -52,7 +54,8 @@ def test_embedder_killed_turns_still_served_and_enrichment_catches_up(server):
         assert kill_replicas("Embedder") >= 1
         session(c, "fault-emb", 0)
         for t in range(3):  # appended while the embedder is down: durable at once
-            r = c.post("/v1/sessions/fault-emb/steps", json={"action": f"cat settings/loader.py # {t}", "observation": "x"})
+            r = c.post("/v1/sessions/fault-emb/steps",
+                       json={"action": f"cat settings/loader.py # {t}", "observation": "x"})
             assert r.status_code == 200
         codes = [c.post("/v1/sessions/fault-emb/turn", json={"max_tokens": 2}).status_code for _ in range(3)]
         assert codes == [200, 200, 200]
@@ -84,10 +87,12 @@ def test_actor_killed_under_load_gives_retriable_errors_then_recovers(server):
             assert kill_replicas("Actor") >= 1
             replies = [r for f in futures for r in f.result()]
         codes = [r.status_code for r in replies]
-        assert set(codes) <= {200, 503}, [(r.status_code, r.text[:200]) for r in replies if r.status_code not in (200, 503)]
+        assert set(codes) <= {200, 503}, [(r.status_code, r.text[:200]) for r in replies
+                                          if r.status_code not in (200, 503)]
         assert all(r.headers.get("retry-after") for r in replies if r.status_code == 503)
         # Serve starts a new Actor replica; turns succeed again.
-        assert wait_for(lambda: c.post("/v1/sessions/fault-act-0/turn", json={"max_tokens": 2}).status_code == 200, 300, 2)
+        assert wait_for(lambda: c.post("/v1/sessions/fault-act-0/turn", json={"max_tokens": 2}).status_code == 200,
+                        300, 2)
         for k in range(4):
             assert ledger.hashes(f"alice::fault-act-{k}") == before[k] and ledger.verify(f"alice::fault-act-{k}") == 4
         print(f"actor killed under load: {codes.count(200)} turns served, {codes.count(503)} retriable 503, 0 other")

@@ -36,7 +36,8 @@ def anchor(server):
     with httpx.Client(base_url=server.url, headers=AUTH, timeout=120) as c:
         c.post("/v1/sessions", json={"session_id": "fuzz-anchor", "task": "keep me"}).raise_for_status()
         for t in range(3):
-            c.post("/v1/sessions/fuzz-anchor/steps", json={"action": f"ls {t}", "observation": "a b"}).raise_for_status()
+            c.post("/v1/sessions/fuzz-anchor/steps",
+                   json={"action": f"ls {t}", "observation": "a b"}).raise_for_status()
     ledger = Ledger(server.cfg.ledger)
     before = ledger.hashes("alice::fuzz-anchor")
 
@@ -59,7 +60,8 @@ def test_generated_requests_never_get_a_server_error(server, anchor, tmp_path):
     report = tmp_path / "events.ndjson"
     exe = Path(sys.executable).with_name("st")
     cmd = [str(exe), "run", f"{server.url}/openapi.json", "--checks", "not_a_server_error", "-n", str(per_operation),
-           "--seed", "7", "--generation-deterministic", "--workers", "2", "--request-timeout", "120", "-H", f"Authorization: Bearer {KEYS['alice']}",
+           "--seed", "7", "--generation-deterministic", "--workers", "2", "--request-timeout", "120",
+           "-H", f"Authorization: Bearer {KEYS['alice']}",
            "--suppress-health-check", "all", "--report", "ndjson", "--report-ndjson-path", str(report),
            "--phases", "examples,fuzzing", "--no-color"]
     for attempt in range(2):
@@ -138,16 +140,19 @@ def test_hostile_corpus(server, anchor):
         ("step at t=2^60", "POST", "/v1/sessions/fuzz-anchor/steps", {"json": {"t": 2**60, "action": "x"}}, (422,)),
         ("rewrite step 0", "POST", "/v1/sessions/fuzz-anchor/steps", {"json": {"t": 0, "action": "evil"}}, (409,)),
         ("pickle as embeds", "POST", "/v1/completions", {"json": {"prompt_embeds": _pickled({"x": _Evil()})}}, (400,)),
-        ("sparse embeds", "POST", "/v1/completions", {"json": {"prompt_embeds": _pickled(torch.randn(4, 128).to_sparse())}}, (400,)),
+        ("sparse embeds", "POST", "/v1/completions",
+         {"json": {"prompt_embeds": _pickled(torch.randn(4, 128).to_sparse())}}, (400,)),
         ("NaN outcome", "POST", "/v1/sessions/fuzz-anchor/outcome", {"content": b'{"value": NaN}'}, (422,)),
         ("huge prompt", "POST", "/v1/completions", {"json": {"prompt": "word " * 5000}}, (422,)),
-        ("bad content-length", "POST", "/v1/sessions", {"content": b"{}", "headers": {"content-length": "abc"}}, (400,)),
+        ("bad content-length", "POST", "/v1/sessions", {"content": b"{}", "headers": {"content-length": "abc"}},
+         (400,)),
         ("unknown route", "GET", "/v1/../../etc/passwd", {}, (404,)),
         ("mismatched tool_call_id", "POST", chat,
          _chat([_call(0)], [{"role": "tool", "tool_call_id": "c9", "content": "x"}], "h-1"), (400,)),
         ("tool message without a call", "POST", chat,
-         {"json": {"user": "h-2", "max_tokens": 2, "messages": [{"role": "user", "content": "task"},
-                                                               {"role": "tool", "tool_call_id": "c0", "content": "x"}]}},
+         {"json": {"user": "h-2", "max_tokens": 2,
+                   "messages": [{"role": "user", "content": "task"},
+                                {"role": "tool", "tool_call_id": "c0", "content": "x"}]}},
          (200,)),
         ("10,000 tool calls in one message", "POST", chat,
          _chat([_call(k) for k in range(10_000)], [{"role": "tool", "tool_call_id": "c0", "content": "x"}], "h-3"),

@@ -13,8 +13,8 @@ import pytest
 
 from palimpsest.platform import Ledger
 from palimpsest.platform.chat import prefix_messages
-from palimpsest.serving import anthropic_proxy, errors
-from palimpsest.serving.http import ARM_HEADER
+from palimpsest.serving.http import anthropic_proxy, errors
+from palimpsest.serving.http.server import ARM_HEADER
 from tests.helpers import error_message
 from tests.serving.conftest import KEYS
 
@@ -82,7 +82,7 @@ def test_each_status_has_anthropics_error_type_in_the_body_and_in_the_stream():
     documented = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                   404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
                   503: "overloaded_error", 529: "overloaded_error"}
-    writer = anthropic_proxy.EventWriter("m", lambda turn: {})
+    writer = anthropic_proxy.MessagesEvents("m", lambda turn: {})
     for status, kind in documented.items():
         sent, body_ = errors.body(errors.ANTHROPIC, status, "why")
         assert (sent, body_) == (status, {"type": "error", "error": {"type": kind, "message": "why"}})
@@ -294,7 +294,8 @@ def test_what_would_be_dropped_silently_is_refused_by_name_and_nothing_is_record
            ({"tool_choice": {"type": "auto"}}, "tool_choice"),
            ({"messages": [{"role": "user", "content": [{"type": "text", "text": ""}]}]}, "messages[0].content[0].text"),
            ({"messages": [{"role": "user", "content": ""}]}, "messages[0].content"),
-           ({"messages": [{"role": "user", "content": [{"type": "text", "text": " \n"}]}]}, "messages[0].content[0].text"),
+           ({"messages": [{"role": "user", "content": [{"type": "text", "text": " \n"}]}]},
+            "messages[0].content[0].text"),
            ({"temperature": 1.5}, "temperature"),
            ({"messages": [{"role": "user", "content": TASK}, {"role": "assistant", "content": []},
                           {"role": "user", "content": "go"}]}, "messages[1].content")]

@@ -6,14 +6,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from palimpsest.pipelines.ab import ab_summary, summary_markdown
+from palimpsest.experiments.ab_report import ab_summary, summary_markdown
 from palimpsest.platform import Ledger, Runtime
 from palimpsest.platform.chat import chat_ids
-from palimpsest.serving.config import parse_serve_config
-from palimpsest.serving.enrichment import Enrichment
-from palimpsest.serving.replica import ActorChat
-from palimpsest.serving.summarizer import LLMSummarizer, sent_ids, summary_messages
-from palimpsest.serving.turn import TurnService
+from palimpsest.serving.models.summarizer import LLMSummarizer, sent_ids, summary_messages
+from palimpsest.serving.serve_config import parse_serve_config
+from palimpsest.serving.turn.enrichment import Enrichment
+from palimpsest.serving.turn.replica import ActorChat
+from palimpsest.serving.turn.turn import TurnService
 from tests.helpers import STEPS, TASK, step
 
 WINDOW = 8192

@@ -4,10 +4,10 @@ import re
 import pytest
 
 from palimpsest.platform.types import Authority, PalimpsestError
-from palimpsest.serving import anthropic_protocol
-from palimpsest.serving.errors import HistoryConflict
-from palimpsest.serving.openai_protocol import new_steps, parse_messages
-from palimpsest.serving.schemas import ChatMessage
+from palimpsest.serving.http import anthropic_protocol
+from palimpsest.serving.http.errors import HistoryConflict
+from palimpsest.serving.http.openai_protocol import new_steps, parse_messages
+from palimpsest.serving.http.schemas import ChatMessage
 
 
 def msgs(*pairs):
@@ -21,7 +21,8 @@ CHAT = msgs(("system", "be careful"), ("user", "fix the bug"), ("assistant", "ls
 def test_system_task_and_steps_from_a_message_list():
     p = parse_messages(CHAT)
     assert (p.system, p.task) == ("be careful", "fix the bug")
-    assert [(s.t, s.action, s.observation) for s in p.steps] == [(0, "ls", "a.py b.py"), (1, "cat a.py", "def f(): ...")]
+    assert [(s.t, s.action, s.observation) for s in p.steps] == [(0, "ls", "a.py b.py"),
+                                                                  (1, "cat a.py", "def f(): ...")]
     # command output sent as a user message after an action is the tool's, not the principal's (default)
     assert p.steps[0].authority is Authority.TOOL and p.steps[1].authority is Authority.TOOL
 
@@ -121,7 +122,7 @@ def test_with_the_user_reading_the_principal_speaking_after_tool_output_is_a_use
 def test_malformed_tool_declarations_are_refused_by_field_not_crashed_on():
     import pydantic
 
-    from palimpsest.serving.schemas import ChatIn
+    from palimpsest.serving.http.schemas import ChatIn
 
     msgs = [{"role": "user", "content": "task"}]
     for tools, choice, field in (([{"type": "function", "function": "f"}], None, "tools[0]"),
@@ -135,11 +136,12 @@ def test_malformed_tool_declarations_are_refused_by_field_not_crashed_on():
 
 def test_a_tool_message_before_any_action_keeps_its_call_id():
     from palimpsest.platform import toolcalls
-    from palimpsest.serving.openai_protocol import parse_messages
-    from palimpsest.serving.schemas import ChatIn
+    from palimpsest.serving.http.openai_protocol import parse_messages
+    from palimpsest.serving.http.schemas import ChatIn
 
-    body = ChatIn.model_validate({"messages": [{"role": "user", "content": "task"},
-                                               {"role": "tool", "tool_call_id": "c7", "name": "run", "content": "out"}]})
+    body = ChatIn.model_validate({"messages": [
+        {"role": "user", "content": "task"},
+        {"role": "tool", "tool_call_id": "c7", "name": "run", "content": "out"}]})
     (step,) = parse_messages(body.messages).steps
     assert toolcalls.tool_call_ids(step) == ["c7"] and step.observation == "out"
 
@@ -148,17 +150,19 @@ def test_the_served_document_declares_the_messages_bodies_as_this_endpoint_reads
     """The Messages routes read their body raw; the document gives vLLM's protocol models narrowed to the fields
     read (a field outside it is a 400) and the served model names (any other is a 404): what a client or the
     fuzzer generates from it is what the endpoint accepts."""
-    from palimpsest.serving import anthropic_proxy
+    from palimpsest.serving.http import anthropic_proxy
 
     anthropic_protocol.load()
-    doc = anthropic_proxy.documented({"paths": {"/v1/messages": {"post": {}}, "/v1/messages/count_tokens": {"post": {}}}},
+    doc = anthropic_proxy.documented({"paths": {"/v1/messages": {"post": {}},
+                                                "/v1/messages/count_tokens": {"post": {}}}},
                                      ["served-model"])
     schemas = doc["components"]["schemas"]
     for path in ("/v1/messages", "/v1/messages/count_tokens"):
         ref = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
         body = schemas[ref.rsplit("/", 1)[1]]
         assert set(body["properties"]) <= anthropic_protocol.FIELDS and body["additionalProperties"] is False
-        assert {"model", "messages"} <= set(body["required"]) and body["properties"]["model"]["enum"] == ["served-model"]
+        assert {"model", "messages"} <= set(body["required"]) and body["properties"]["model"]["enum"] == [
+            "served-model"]
     assert set(schemas["AnthropicContentBlock"]["properties"]["type"]["enum"]) == set(anthropic_protocol.BLOCK_FIELDS)
     assert set(schemas["AnthropicTool"]["properties"]) <= anthropic_protocol.TOOL_FIELDS
     # every field the document offers passes the endpoint's own check
@@ -222,16 +226,16 @@ def _turn(content: str, **extra):
 def test_a_stream_ends_with_the_text_the_tool_parser_held_back():
     """A reply that opens like a tool call and never closes one is held back while it streams (it may be call
     markup) and comes back whole as content: the stream sends it before it closes, as the whole reply has it."""
-    from palimpsest.serving.anthropic_proxy import EventWriter
-    from palimpsest.serving.openai_proxy import ChunkWriter
+    from palimpsest.serving.http.anthropic_proxy import MessagesEvents
+    from palimpsest.serving.http.openai_proxy import ChunkWriter
 
     held = '<tool_call>{"name": "bash", "arguments": {'
-    writer = EventWriter("m", lambda turn: {})
+    writer = MessagesEvents("m", lambda turn: {})
     frames = writer.started({"prompt": 10, "expected_cached": 0}) + writer.closing(_turn(held))
     deltas = [json.loads(f.split("data: ", 1)[1]) for f in frames if f.startswith("event: content_block_delta")]
     assert [d["delta"]["text"] for d in deltas] == [held]
     # what was streamed already is not sent twice
-    writer = EventWriter("m", lambda turn: {})
+    writer = MessagesEvents("m", lambda turn: {})
     frames = writer.text("Hello") + writer.closing(_turn("Hello world"))
     texts = [json.loads(f.split("data: ", 1)[1])["delta"]["text"] for f in frames
              if f.startswith("event: content_block_delta")]
@@ -249,8 +253,8 @@ def test_the_served_document_asked_for_before_the_replica_is_ready_is_not_kept(m
 
     from fastapi import FastAPI, Request
 
-    from palimpsest.serving import anthropic_protocol
-    from palimpsest.serving.ingress import _openapi
+    from palimpsest.serving.http import anthropic_protocol
+    from palimpsest.serving.http.ingress import _openapi
 
     app = FastAPI()
 
@@ -282,7 +286,7 @@ def test_errors_keep_their_protocols_shape_under_a_route_prefix():
     the protocol is read from the path below the prefix."""
     from starlette.requests import Request
 
-    from palimpsest.serving.http import error_response
+    from palimpsest.serving.http.server import error_response
 
     def at(path: str, root: str = "") -> dict:
         request = Request({"type": "http", "method": "POST", "path": path, "root_path": root, "headers": [],
@@ -298,9 +302,9 @@ def test_errors_keep_their_protocols_shape_under_a_route_prefix():
 def test_a_messages_stream_keeps_alive_without_breaking_its_event_order():
     """Before ``message_start`` (the prompt still compiling) the keep-alive is an SSE comment, which every
     event-stream reader skips; after it, Anthropic's ``ping`` event."""
-    from palimpsest.serving.anthropic_proxy import EventWriter
+    from palimpsest.serving.http.anthropic_proxy import MessagesEvents
 
-    writer = EventWriter("m", lambda turn: {})
+    writer = MessagesEvents("m", lambda turn: {})
     assert writer.ping() == [": keep-alive\n\n"]
     (start,) = writer.started({"prompt": 10, "expected_cached": 4})
     usage = json.loads(start.split("data: ", 1)[1])["message"]["usage"]

@@ -12,8 +12,8 @@ import time
 import httpx
 import pytest
 
-from palimpsest.serving.config import ActorConfig
-from palimpsest.serving.remote import RemoteEngine, UpstreamUnavailable
+from palimpsest.serving.models.remote import RemoteEngine, UpstreamUnavailable
+from palimpsest.serving.serve_config import ActorConfig
 from tests.serving.conftest import free_port
 
 
@@ -35,7 +35,7 @@ def test_an_upstream_that_is_down_is_unavailable_after_bounded_retries():
 
 def test_the_remote_config_is_checked_before_anything_starts():
     from palimpsest.platform.types import ConfigError
-    from palimpsest.serving.config import parse_serve_config
+    from palimpsest.serving.serve_config import parse_serve_config
 
     with pytest.raises(ConfigError, match="url"):
         parse_serve_config({"actor": {"remote": {"url": "not a url"}}})
@@ -86,10 +86,11 @@ def upstream():
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_text_and_soft_memory_turns_go_to_a_real_upstream_vllm(upstream):
+    from pathlib import Path
+
     import torch
 
-    from palimpsest.serving.engine import load_embedding_table
-    from pathlib import Path
+    from palimpsest.serving.models.engine import load_embedding_table
 
     url, path = upstream
     table = load_embedding_table(Path(path))

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from palimpsest.platform import Ledger
-from palimpsest.serving.http import ARM_HEADER
+from palimpsest.serving.http.server import ARM_HEADER
 from tests.helpers import error_message
 from tests.serving.conftest import KEYS
 
@@ -263,7 +263,7 @@ def test_a_clear_tool_uses_edit_is_honoured_by_the_compaction_and_reported(serve
 
 def test_a_tenants_pin_serves_its_sessions_and_is_recorded_per_turn(server, client, model):
     from palimpsest.platform.policies import parse_policy_config
-    from palimpsest.serving.tenancy import OFF
+    from palimpsest.serving.http.tenancy import OFF
 
     r = client.post("/v1/responses", headers={"Authorization": f"Bearer {CAROL}"},
                     json={"model": model, "input": "Fix the failing test", "user": "pin-1", "max_output_tokens": 2})

@@ -14,11 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from palimpsest.serving import errors
-from palimpsest.serving.openai_protocol import parse_messages
-from palimpsest.serving import responses_protocol, responses_proxy
-from palimpsest.serving.responses_protocol import ResponsesInputError, input_messages, read_request
-from palimpsest.serving.schemas import ChatIn
+from palimpsest.serving.http import errors, responses_protocol, responses_proxy
+from palimpsest.serving.http.openai_protocol import parse_messages
+from palimpsest.serving.http.responses_protocol import ResponsesInputError, input_messages, read_request
+from palimpsest.serving.http.schemas import ChatIn
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
@@ -143,7 +142,7 @@ def test_session_names_that_are_not_ids_are_hashed_and_the_text_format_text_is_a
 
 def test_claude_code_request_with_a_system_message_inside_messages_is_read_at_its_position():
     pytest.importorskip("vllm")
-    from palimpsest.serving import anthropic_protocol
+    from palimpsest.serving.http import anthropic_protocol
 
     rec = recorded("claude_code_2.1.332_messages.json")
     req = anthropic_protocol.read_request(rec["body"])
@@ -165,7 +164,7 @@ def test_claude_code_request_with_a_system_message_inside_messages_is_read_at_it
 
 def test_a_system_message_between_turns_keeps_its_place_among_tool_results():
     pytest.importorskip("vllm")
-    from palimpsest.serving import anthropic_protocol
+    from palimpsest.serving.http import anthropic_protocol
 
     body = {"model": "m", "max_tokens": 8, "messages": [
         {"role": "user", "content": "go"},
@@ -177,7 +176,8 @@ def test_a_system_message_between_turns_keeps_its_place_among_tool_results():
         "tools": [{"name": "Bash", "input_schema": {"type": "object"}}]}
     chat = anthropic_protocol.read_request(body).chat["messages"]
     assert [m["role"] for m in chat] == ["user", "assistant", "tool", "system", "user"]
-    assert chat[2]["content"].startswith("(the tool reported an error)") and chat[3]["content"] == "Be brief from here on."
+    assert chat[2]["content"].startswith(
+        "(the tool reported an error)") and chat[3]["content"] == "Be brief from here on."
 
 
 @pytest.mark.parametrize("patch, field", [
@@ -196,7 +196,7 @@ def test_a_system_message_between_turns_keeps_its_place_among_tool_results():
 ])
 def test_claude_code_fields_that_would_be_lost_are_refused_by_name(patch, field):
     pytest.importorskip("vllm")
-    from palimpsest.serving import anthropic_protocol
+    from palimpsest.serving.http import anthropic_protocol
 
     body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "x"}], **patch}
     with pytest.raises(anthropic_protocol.AnthropicInputError) as e:
@@ -235,7 +235,7 @@ def test_chat_refuses_two_different_reply_caps_and_unread_keys_of_text_parts():
 
 def test_clear_tool_uses_maps_onto_the_compaction_and_what_cannot_be_honoured_is_refused():
     pytest.importorskip("vllm")
-    from palimpsest.serving import anthropic_protocol
+    from palimpsest.serving.http import anthropic_protocol
 
     base = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "x"}]}
     edit = {"type": "clear_tool_uses_20250919", "trigger": {"type": "input_tokens", "value": 3000},
@@ -269,7 +269,8 @@ def test_the_responses_compaction_entry_sets_the_boundary():
     for flag in ("stream", "store"):
         with pytest.raises(ResponsesInputError, match=flag):
             read_request({"input": "x", flag: "false"})
-    for bad in ([{"type": "compaction", "compact_threshold": 0}], [{"type": "compaction", "compact_threshold": 1 << 41}],
+    for bad in ([{"type": "compaction", "compact_threshold": 0}],
+                [{"type": "compaction", "compact_threshold": 1 << 41}],
                 [{"type": "other"}], {"type": "compaction"}):
         with pytest.raises(ResponsesInputError, match="context_management"):
             read_request({"input": "x", "context_management": bad})
@@ -278,7 +279,7 @@ def test_the_responses_compaction_entry_sets_the_boundary():
 def test_the_event_writer_streams_a_function_call_as_its_items_and_argument_events():
     from types import SimpleNamespace
 
-    from palimpsest.serving.responses_proxy import EventWriter, Ids
+    from palimpsest.serving.http.responses_proxy import Ids, ResponsesEvents
 
     req = read_request({"input": "x", "tools": [{"type": "namespace", "name": "ns", "tools": [
         {"type": "function", "name": "go"}]}]})
@@ -286,7 +287,7 @@ def test_the_event_writer_streams_a_function_call_as_its_items_and_argument_even
         "name": "ns__go", "arguments": "{\"a\": 1}"}}], finish_reason="tool_calls", stop_sequence=None, arm="pace",
         t=0, plan={}, latency_ms={}, glimpses=[], context_edit=None,
         tokens={"prompt_total": 10, "completion": 3, "cached": 4, "cached_total": 4})
-    w = EventWriter(req, Ids(), "m", "s")
+    w = ResponsesEvents(req, Ids(), "m", "s")
     frames = w.opening() + w.text("o") + w.closing(turn)
     evs = [json.loads(f.split("data: ", 1)[1]) for f in frames]
     assert [e["type"] for e in evs] == [
@@ -306,7 +307,7 @@ def test_the_event_writer_streams_a_function_call_as_its_items_and_argument_even
 
 
 def test_a_request_that_names_no_temperature_is_sampled_at_the_actors_default():
-    from palimpsest.serving.config import parse_serve_config
+    from palimpsest.serving.serve_config import parse_serve_config
 
     smol = parse_serve_config({}).actor  # the default SmolLM2 actor rambles at 1.0 (benchmarks/codex_cli.py)
     assert smol.sampling_temperature(None) == 0.0 and smol.sampling_temperature(0.9) == 0.9
@@ -316,7 +317,7 @@ def test_a_request_that_names_no_temperature_is_sampled_at_the_actors_default():
 
 def test_leading_system_messages_extend_the_system_prompt_and_tool_result_cache_hints_are_recorded():
     pytest.importorskip("vllm")
-    from palimpsest.serving import anthropic_protocol
+    from palimpsest.serving.http import anthropic_protocol
 
     req = anthropic_protocol.read_request({"model": "m", "max_tokens": 8, "system": "Top.", "messages": [
         {"role": "system", "content": "Then this."},
@@ -347,10 +348,10 @@ def test_responses_inputs_once_lost_are_recorded_or_refused():
 def test_a_failed_stream_and_its_events_are_the_openai_types():
     from openai.types.responses import ResponseErrorEvent, ResponseFailedEvent
 
-    from palimpsest.serving.responses_proxy import EventWriter, Ids
+    from palimpsest.serving.http.responses_proxy import Ids, ResponsesEvents
 
     for status in (400, 404, 409, 413, 422, 429, 500, 503):
-        w = EventWriter(read_request({"input": "x"}), Ids(), "m", "s")
+        w = ResponsesEvents(read_request({"input": "x"}), Ids(), "m", "s")
         err, failed = [json.loads(f.split("data: ", 1)[1]) for f in w.error(status, "messages: bad")]
         ResponseErrorEvent.model_validate(err)
         assert ResponseFailedEvent.model_validate(failed).response.status == "failed", status
@@ -359,7 +360,7 @@ def test_a_failed_stream_and_its_events_are_the_openai_types():
 def test_a_literal_clear_tool_uses_edit_is_the_policy_with_its_parameters():
     pytest.importorskip("vllm")
     from palimpsest.platform.context_edits import edited_config
-    from palimpsest.serving import anthropic_protocol
+    from palimpsest.serving.http import anthropic_protocol
 
     base = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "x"}]}
     edit = {"type": "clear_tool_uses_20250919", "trigger": {"type": "tool_uses", "value": 4},

@@ -8,13 +8,14 @@ from collections import Counter
 
 import pytest
 
-from palimpsest.pipelines import ab_stats, rollouts
-from palimpsest.pipelines.rollouts import Judged, subject_of
+from palimpsest.experiments import gate as rollouts
+from palimpsest.experiments import stats as ab_stats
+from palimpsest.experiments.gate import Judged, subject_of
 from palimpsest.platform import Ledger, Runtime
 from palimpsest.platform.types import ConfigError
-from palimpsest.serving.ab import Router
-from palimpsest.serving.candidates import CandidateService, judge, judged_candidates
-from palimpsest.serving.config import ServeConfig, parse_serve_config
+from palimpsest.serving.serve_config import ServeConfig, parse_serve_config
+from palimpsest.serving.turn.candidates import CandidateService, judge, judged_candidates
+from palimpsest.serving.turn.router import Router
 from tests.helpers import STEPS, TASK, step
 
 SESSIONS = [f"session-{i}" for i in range(3000)]
@@ -242,10 +243,10 @@ def test_a_candidate_is_judged_on_the_same_turn_and_nothing_of_it_is_recorded_as
     served for that turn (pace at the same total, less the soft positions, plus its span), scores both prompts
     against the same reference over the same reply, and records the pair under the turn's (session, t). The
     candidate has no served row, no audited turn, no boundary and no shadow row of its own."""
+    from palimpsest.serving.http.schemas import TurnIn
     from palimpsest.serving.metrics import Metrics
-    from palimpsest.serving.schemas import TurnIn
-    from palimpsest.serving.shadow import ShadowLane
-    from palimpsest.serving.turn import TurnService
+    from palimpsest.serving.turn.shadow import ShadowLane
+    from palimpsest.serving.turn.turn import TurnService
 
     cfg = _config("dark", candidate_rate=1.0)
     rt = Runtime(Ledger(str(tmp_path / "l.db")), embedder=_Embedder())

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import yaml
 
-from palimpsest.platform import Ledger, LedgerUnavailableError, Runtime, RuleSummarizer
+from palimpsest.platform import Ledger, LedgerUnavailableError, RuleSummarizer, Runtime
 from palimpsest.platform.types import PalimpsestError
 from tests import pg
 from tests.serving.conftest import KEYS, free_port, tiny_config
@@ -51,7 +51,7 @@ def test_palimpsest_serve_names_the_unreachable_database_and_exits_2(tiny_dir, t
 
 
 def test_several_ingress_replicas_need_a_shared_ledger(tiny_dir, tiny_memory, tmp_path):
-    from palimpsest.serving.config import parse_serve_config
+    from palimpsest.serving.serve_config import parse_serve_config
 
     with pytest.raises(Exception, match="replicas.ingress=2 needs a ledger every replica reaches"):
         parse_serve_config(tiny_config(tiny_dir, tiny_memory, tmp_path / "l.db") | {"replicas": {"ingress": 2}})
@@ -60,7 +60,7 @@ def test_several_ingress_replicas_need_a_shared_ledger(tiny_dir, tiny_memory, tm
 def test_a_lost_database_is_a_retriable_503():
     import asyncio
 
-    from palimpsest.serving.http import _palimpsest_error
+    from palimpsest.serving.http.server import _palimpsest_error
 
     resp = asyncio.run(_palimpsest_error(None, LedgerUnavailableError("lost the ledger database postgresql://h/d")))
     assert resp.status_code == 503 and resp.headers["retry-after"] == "5"
@@ -156,14 +156,16 @@ def test_two_replicas_on_two_nodes_interleave_one_session_with_no_lost_or_duplic
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         no_sum = led._read("SELECT COUNT(*) FROM steps s WHERE s.session_id=? AND NOT EXISTS "
-                           "(SELECT 1 FROM abstractions a WHERE a.step_id=s.id AND a.producer=?)", (sid, RuleSummarizer.name))[0][0]
+                           "(SELECT 1 FROM abstractions a WHERE a.step_id=s.id AND a.producer=?)",
+                           (sid, RuleSummarizer.name))[0][0]
         no_key = led._read("SELECT COUNT(*) FROM steps s WHERE s.session_id=? AND NOT EXISTS "
                            "(SELECT 1 FROM keys k WHERE k.step_id=s.id)", (sid,))[0][0]
         if no_sum == 0 and no_key == 0:
             break
         time.sleep(1)
     assert (no_sum, no_key) == (0, 0)
-    dup = led._read("SELECT step_id, producer, COUNT(*) FROM abstractions GROUP BY step_id, producer HAVING COUNT(*) > 1")
+    dup = led._read("SELECT step_id, producer, COUNT(*) FROM abstractions GROUP BY step_id, producer "
+                    "HAVING COUNT(*) > 1")
     assert dup == []
     assert rt.ledger.count(sid) == n
     led.close()

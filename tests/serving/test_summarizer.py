@@ -5,7 +5,7 @@ import asyncio
 
 from palimpsest.platform.abstraction import RuleSummarizer
 from palimpsest.platform.types import Authority, StepRecord
-from palimpsest.serving.summarizer import LLMSummarizer, parse_reply
+from palimpsest.serving.models.summarizer import LLMSummarizer, parse_reply
 
 STEP = StepRecord(t=3, kind="bash", action="pytest tests/test_loader.py -x",
                   observation="FAILED tests/test_loader.py::test_url - KeyError: 'DATABASE_URL'\n1 failed in 0.42s",
@@ -19,7 +19,8 @@ def run(coro):
 def test_the_model_reply_is_merged_and_ids_survive():
     async def generate(messages):
         assert "Keep every id" in messages[0]["content"] and "DATABASE_URL" in messages[1]["content"]
-        return "SUMMARY: Ran the loader tests; one failed on a missing setting.\nOUTCOME: ok\nFACTS:\n- the url test fails"
+        return ("SUMMARY: Ran the loader tests; one failed on a missing setting.\nOUTCOME: ok\nFACTS:\n"
+                "- the url test fails")
 
     s, producer, _ = run(LLMSummarizer(generate, "m").summarize(STEP))
     assert producer == "llm:m"

@@ -8,19 +8,20 @@ import hashlib
 import pytest
 
 from palimpsest.platform import Ledger, Runtime
+from palimpsest.platform.budget import Budget
 from palimpsest.platform.context_edits import ContextEdits
 from palimpsest.platform.policies import parse_policy_config
 from palimpsest.platform.types import ConfigError
-from palimpsest.serving.config import parse_serve_config
-from palimpsest.platform.budget import Budget
-from palimpsest.serving.tenancy import OFF, PinnedError, TurnPolicies
+from palimpsest.serving.http.tenancy import OFF, PinnedError, TurnPolicies
+from palimpsest.serving.serve_config import parse_serve_config
 
 KEY = hashlib.sha256(b"k").hexdigest()
 
 
 def config(**tenants) -> object:
     return parse_serve_config({"embedder": "hashing", "memory": {"model": None},
-                               "auth": {"tenants": {name: {"key_sha256": KEY, **pin} for name, pin in tenants.items()}}})
+                               "auth": {"tenants": {name: {"key_sha256": KEY, **pin}
+                                                    for name, pin in tenants.items()}}})
 
 
 @pytest.fixture

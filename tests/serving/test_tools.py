@@ -12,7 +12,7 @@ TWO_CALLS = ('<tool_call>\n{"name": "run_shell", "arguments": {"cmd": "ls"}}\n</
 
 def test_parallel_tool_calls_false_returns_at_most_the_first_call(tiny_dir):
     pytest.importorskip("vllm")
-    from palimpsest.serving.tools import ToolCalling
+    from palimpsest.serving.models.tools import ToolCalling
 
     calling = ToolCalling("hermes", str(tiny_dir), "tiny")
     _, free = calling.turn(TOOLS).parse(TWO_CALLS, [])

@@ -9,7 +9,7 @@ import pytest
 
 from palimpsest.platform import Ledger, Runtime
 from palimpsest.platform.budget import Budget
-from palimpsest.serving.turn import TurnRequest, compile_turn
+from palimpsest.serving.turn.turn import TurnRequest, compile_turn
 from tests.helpers import STEPS, TASK, per_turn, step
 
 

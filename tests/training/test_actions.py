@@ -9,12 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from palimpsest.models.actor import FrozenActor
-from palimpsest.pipelines.environment import open_runtime
-from palimpsest.pipelines.replay_sessions import prepare_sessions
-from palimpsest.pipelines.trajectories import file_sha256, read_trajectories
-from palimpsest.platform.policies import parse_policy_config
-from palimpsest.training.actions import (
+from palimpsest.evaluation.actions import (
     Arm,
     TeacherCache,
     bootstrap_ci,
@@ -23,6 +18,11 @@ from palimpsest.training.actions import (
     summarize_actions,
     teacher_of,
 )
+from palimpsest.models.actor import FrozenActor
+from palimpsest.pipelines.environment import open_runtime
+from palimpsest.pipelines.replay_sessions import prepare_sessions
+from palimpsest.pipelines.trajectories import file_sha256, read_trajectories
+from palimpsest.platform.policies import parse_policy_config
 from tests.models.tiny import tiny_actor
 from tests.models.tiny_tokenizer import tiny_tokenizer
 from tests.pipelines.test_remory_data import traj
@@ -142,7 +142,8 @@ def test_a_fitted_policy_is_never_scored_on_the_trajectories_it_was_fitted_on(tm
     assert res.policies["pace_plus"]["boundaries"] == res.policies["pace"]["boundaries"] - len(fitted)
     assert res.policies["pace_plus"]["trajectories"] == 2
     # its gap is taken against the reference on the boundaries it was scored on
-    kept = [r for r in res.boundaries if r["policy"] == "pace" and r["trajectory"] != "tr/1" and r.get("kl") is not None]
+    kept = [r for r in res.boundaries
+            if r["policy"] == "pace" and r["trajectory"] != "tr/1" and r.get("kl") is not None]
     base = sum(r["kl"] for r in kept) / len(kept)
     assert res.gap_closed["pace_plus"] == pytest.approx(1 - res.policies["pace_plus"]["kl"] / base, rel=1e-6)
     # and the other way round: a fitted reference compares each row on the reference's boundaries only
@@ -189,10 +190,10 @@ def test_a_memory_that_carries_nothing_does_no_harm(tmp_path, actor_dir, data):
     """The network as it starts (its span gate closed) sends no soft span: at every boundary its row is the text
     alone, the same prompt and the same KL (tolerance 0) as ``NAME+empty``. The same network with the gate open
     (its only difference) sends its span and moves the actor: the check can fail."""
+    from palimpsest.evaluation.actions import MemoryArm
     from palimpsest.models.encoder import MemoryEncoder
     from palimpsest.models.memory import MemoryConfig
     from palimpsest.models.memory_network import MemoryNetwork
-    from palimpsest.training.actions import MemoryArm
 
     rt = open_runtime(tmp_path / "l.db", "hashing", str(actor_dir))
     sessions = prepare_sessions(rt, read_trajectories(data).trajectories, False, file_sha256(data), [])

@@ -194,15 +194,15 @@ def test_a_served_boundary_and_its_evaluation_give_the_memory_the_same_soft_span
     read, the serve config's values where it records none) on the same compiled turn."""
     import asyncio
 
+    from palimpsest.evaluation.actions import memory_arm
     from palimpsest.pipelines.environment import open_runtime
     from palimpsest.pipelines.replay_sessions import prepare_sessions, walk_turns
     from palimpsest.pipelines.trajectories import read_trajectories
     from palimpsest.platform.budget import Budget
     from palimpsest.platform.policies import parse_policy_config
-    from palimpsest.serving.config import MemoryConfigServe
-    from palimpsest.serving.memory_encoder import MemoryEncoder as Deployment
-    from palimpsest.serving.turn import turn_memory
-    from palimpsest.training.actions import memory_arm
+    from palimpsest.serving.models.memory_encoder import MemoryDeployment as Deployment
+    from palimpsest.serving.serve_config import MemoryConfigServe
+    from palimpsest.serving.turn.turn import turn_memory
 
     d, actor, net, bundle, data = setup
     trained = tmp_path / "trained"  # the bundle, its record saying how it was trained to read

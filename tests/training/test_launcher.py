@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from palimpsest.platform.types import ConfigError
-from palimpsest.training.config import parse_train_config
+from palimpsest.training.train_config import parse_train_config
 from tests.models.tiny import tiny_actor
 from tests.models.tiny_tokenizer import tiny_tokenizer
 from tests.pipelines.test_remory_data import traj
@@ -65,8 +65,8 @@ def test_bad_configs_are_refused_before_any_worker(tmp_path, actor_dir, section,
 def test_the_config_a_worker_receives_validates_as_the_one_parsed(tmp_path, actor_dir):
     """The launcher hands each worker ``cfg.model_dump(mode="json")``; it must validate back to the same config
     (the derived data fields it carries are refused only in a file)."""
-    from palimpsest.training.config import TrainConfig
     from palimpsest.training.prepare import data_config
+    from palimpsest.training.train_config import TrainConfig
 
     cfg = config(tmp_path, actor_dir)
     assert TrainConfig.model_validate(cfg.model_dump(mode="json")) == cfg
@@ -175,7 +175,8 @@ def _check_run(summary, marker, tracking, store, cfg):
     mlflow.set_tracking_uri(tracking)
     client = mlflow.MlflowClient()
     run = client.get_run(summary["mlflow_run_id"])
-    assert run.data.params["zero_stage"] == "2" and run.data.tags.get("resumed_at_step") == str(resumed)  # one run, kept
+    # one run, kept
+    assert run.data.params["zero_stage"] == "2" and run.data.tags.get("resumed_at_step") == str(resumed)
     losses = client.get_metric_history(run.info.run_id, "loss")
     assert sorted({m.step for m in losses}) == [1, 2, 3, 4, 5, 6]
     # the network as Stage I left it, logged beside the run and loadable by reference; Stage II moved it on

@@ -12,7 +12,7 @@ from palimpsest.training.losses import (
     student_logits,
     teacher_logits,
 )
-from palimpsest.training.step import LocalBackend, Step, init_stage2_from_stage1
+from palimpsest.training.step import LocalBackend, TrainStep, init_stage2_from_stage1
 from tests.models.tiny import tiny_actor
 
 
@@ -43,7 +43,7 @@ def test_gradient_reaches_the_memory_network_and_not_the_actor():
     assert grads and sum(float(g.abs().sum()) for g in grads) > 0
     assert net.slots.grad is not None and net.readout.weight.grad.abs().sum() > 0
     assert all(lora.B.grad.abs().sum() > 0 for d in net.lora for lora in d.values())
-    Step(LocalBackend(net, lr=1e-3), actor)(sample2(), stage=2)
+    TrainStep(LocalBackend(net, lr=1e-3), actor)(sample2(), stage=2)
     assert all(torch.equal(before[k], v) for k, v in actor.state_dict().items())
 
 
@@ -68,7 +68,8 @@ def test_stage2_on_a_cached_teacher_is_the_full_loss_when_the_cache_keeps_every_
     s = sample2()
     full = stage2_loss(net, actor, s)
     vocab = int(actor.model.config.vocab_size)
-    every = stage2_loss(net, actor, s, teacher=compute_teacher(actor, s["teacher"].tolist(), s["target"].tolist(), vocab))
+    every = stage2_loss(net, actor, s,
+                        teacher=compute_teacher(actor, s["teacher"].tolist(), s["target"].tolist(), vocab))
     assert float(every) == pytest.approx(float(full), rel=1e-4)
     coarse = stage2_loss(net, actor, s, teacher=compute_teacher(actor, s["teacher"].tolist(), s["target"].tolist(), 4))
     assert 0 < float(coarse) <= float(full) + 1e-6
@@ -99,7 +100,7 @@ def test_stage1_learns_to_reconstruct_and_stage2_starts_from_it():
     net = memnet(actor)
     g = torch.Generator().manual_seed(3)
     batch = [{"span": torch.randint(0, 256, (12,), generator=g), "instruction": torch.tensor([5, 6, 7])}]
-    step = Step(LocalBackend(net, lr=3e-3), actor, continuation=0.25)
+    step = TrainStep(LocalBackend(net, lr=3e-3), actor, continuation=0.25)
     first = float(stage1_loss(net, actor, batch[0]).detach())
     for _ in range(40):
         step(batch[0], stage=1)
@@ -150,7 +151,8 @@ def test_the_prefilled_context_gives_the_whole_forwards_loss_and_gradient():
         net.zero_grad(set_to_none=True)
         loss = stage2_loss(net, actor, s, prefix=cache)
         loss.backward()
-        assert float(loss.detach()) == pytest.approx(float(whole.detach()), rel=1e-5, abs=1e-7)  # float noise of two orders of summation
+        # float noise of two orders of summation
+        assert float(loss.detach()) == pytest.approx(float(whole.detach()), rel=1e-5, abs=1e-7)
         for k, g in expected.items():
             assert torch.allclose(net.get_parameter(k).grad, g, atol=1e-7, rtol=1e-4), (visit, k)
     assert (cache.hits, cache.misses) == (2, 2)
@@ -158,11 +160,11 @@ def test_the_prefilled_context_gives_the_whole_forwards_loss_and_gradient():
 
 def test_a_step_reports_the_gradient_of_every_module_and_the_gate():
     """What a run that does not learn needs to show: each module's gradient norm and the summary gate."""
-    from palimpsest.training.step import LocalBackend, Step, module_groups
+    from palimpsest.training.step import LocalBackend, TrainStep, module_groups
 
     actor = tiny_actor()
     net = memnet(actor)
-    step = Step(LocalBackend(net, lr={"lora": 1e-3, "slots": 1e-2, "readout": 1e-4, "summary": 1e-3}), actor)
+    step = TrainStep(LocalBackend(net, lr={"lora": 1e-3, "slots": 1e-2, "readout": 1e-4, "summary": 1e-3}), actor)
     assert all(float(g) == 0.0 for g in net.gates())  # the gates start closed
     first = step(sample2(), stage=2)
     assert set(f"grad/{m}" for m in module_groups(net)) == {"grad/lora", "grad/slots", "grad/readout",
@@ -179,7 +181,7 @@ ZERO3_GATE = r"""
 import os, torch, deepspeed
 from tests.models.tiny import tiny_actor
 from tests.training.test_losses import memnet, sample2
-from palimpsest.training.step import DeepSpeedBackend, Step
+from palimpsest.training.step import DeepSpeedBackend, TrainStep
 
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 deepspeed.init_distributed(dist_backend="gloo")
@@ -193,7 +195,7 @@ config = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0,
           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
 backend = DeepSpeedBackend(net, config)
 assert gate.numel() == 0  # partitioned: nothing of it is held whole here
-figures = Step(backend, actor)(sample2(), stage=2)
+figures = TrainStep(backend, actor)(sample2(), stage=2)
 print("GATE", figures["gate"], flush=True)
 # the process group's threads end here, not in the interpreter's teardown (which can abort on a joinable thread)
 torch.distributed.destroy_process_group()
@@ -251,7 +253,7 @@ def test_gradient_accumulation_updates_every_k_rows_with_the_mean_gradient():
             for _ in range(2)]
     accum, whole = memnet(actor), memnet(actor)
     b2 = LocalBackend(accum, lr=1e-2, grad_accum=2)
-    s2 = Step(b2, actor)
+    s2 = TrainStep(b2, actor)
     start = {k: v.clone() for k, v in accum.state_dict().items()}
     s2(rows[0], stage=1)
     assert all(torch.equal(v, start[k]) for k, v in accum.state_dict().items())  # no update after one row
@@ -318,13 +320,13 @@ def test_a_step_under_autocast_updates_fp32_weights_and_an_unknown_precision_is_
     from palimpsest.training.losses import stage1_batch_loss
 
     full = float(stage1_batch_loss(net, actor, rows).detach())
-    figures = Step(LocalBackend(net, lr=1e-2), actor, autocast="bfloat16")(rows, stage=1)
+    figures = TrainStep(LocalBackend(net, lr=1e-2), actor, autocast="bfloat16")(rows, stage=1)
     assert figures["loss"] != full and abs(figures["loss"] - full) < 0.05 * full  # bf16 ran, and agrees
     assert net.slots.dtype == torch.float32
     assert not torch.equal(before, net.slots.detach())
     for bad in ("int8", "float16"):
         with pytest.raises(ValueError, match="autocast"):
-            Step(LocalBackend(net, lr=1e-2), actor, autocast=bad)
+            TrainStep(LocalBackend(net, lr=1e-2), actor, autocast=bad)
 
 
 def test_the_span_gate_opens_where_the_memory_beats_the_text_alone_and_closes_where_it_does_not():

@@ -2,15 +2,12 @@
 source) fails it, and one that carries its span passes. Tiny actors for the document's shape; SmolLM2 (slow
 tier) for the verdicts, with a memory that is its span's own token embeddings as the one that carries it."""
 
-import json
-import subprocess
-import sys
 
 import pytest
 import torch
 from torch import nn
 
-from palimpsest.training.reconstruction import (
+from palimpsest.evaluation.reconstruction import (
     evaluate,
     other_donors,
     paired_difference,
@@ -124,10 +121,10 @@ def test_the_interval_is_as_wide_as_the_spread_of_the_spans_says():
 
 @pytest.mark.slow
 def test_on_smollm2_a_memory_that_carries_its_span_passes_and_ones_that_ignore_it_fail():
+    from palimpsest.evaluation.reconstruction import REPEAT_INSTRUCTION
     from palimpsest.models.actor import FrozenActor
     from palimpsest.models.assets import smollm2_dir
     from palimpsest.platform.tokens import get_tokenizer
-    from palimpsest.training.reconstruction import REPEAT_INSTRUCTION
 
     actor = FrozenActor.from_pretrained(smollm2_dir())
     tok = get_tokenizer(str(smollm2_dir()))

@@ -6,14 +6,14 @@ import json
 import numpy as np
 import pytest
 
-from palimpsest.models.relevance import RelevanceResolver, load_head, read_head, write_head
-from palimpsest.pipelines.relevance_data import build_rows, half_of, labels, ranking
+from palimpsest.models.relevance_head import RelevanceResolver, load_head, read_head, write_head
 from palimpsest.pipelines.trajectories import read_trajectories
 from palimpsest.platform import Ledger, Runtime
 from palimpsest.platform.policies.base import query_text, relative_softmax
 from palimpsest.platform.relevance import SCALARS, features, recurrence
 from palimpsest.platform.types import ConfigError
-from palimpsest.training.relevance import RelevanceTrainConfig, fit_head
+from palimpsest.training.relevance_data import build_rows, half_of, labels, ranking
+from palimpsest.training.relevance_trainer import RelevanceTrainConfig, fit_head
 from tests.helpers import per_turn
 
 
@@ -103,7 +103,7 @@ def test_a_boundary_with_a_predictor_ranks_old_steps_as_its_trained_head_does(tm
 def test_the_shipped_config_trains_on_the_fit_half():
     from pathlib import Path
 
-    from palimpsest.training.relevance import load_config
+    from palimpsest.training.relevance_trainer import load_config
 
     cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "relevance" / "train.yaml")
     assert cfg.half == "fit" and cfg.tracking.register_as == "palimpsest-relevance" and cfg.num_workers == 1
@@ -123,7 +123,7 @@ def test_the_report_half_is_refused_and_a_foreign_bundle_is_named(tmp_path):
 @pytest.mark.slow
 @pytest.mark.ray
 def test_train_relevance_runs_on_ray_train_and_registers_the_head(tmp_path, data, monkeypatch):
-    from palimpsest.training.relevance import launch
+    from palimpsest.training.relevance_trainer import launch
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"

@@ -23,7 +23,13 @@ import sys
 import click
 import typer
 
-from palimpsest.cli import ledger_commands, model_commands, relevance_commands, replay_commands, serve_commands
+from palimpsest.cli import (
+    ledger_commands,
+    model_commands,
+    relevance_commands,
+    replay_commands,
+    serve_commands,
+)
 from palimpsest.cli.common import _fail, _json_stdout  # noqa: F401  (the tests call _json_stdout)
 from palimpsest.platform.types import PalimpsestError
 

@@ -1,4 +1,5 @@
-"""Commands over the ledger: import trajectories, render a compiled turn, glimpse, audit, the policies, and the side-by-side view."""
+"""Commands over the ledger: import trajectories, render a compiled turn, glimpse, audit, the policies, and the
+side-by-side view."""
 
 from __future__ import annotations
 
@@ -22,12 +23,12 @@ from palimpsest.cli.common import (
     out,
     shared_dev_file,
 )
-from palimpsest.pipelines.demo import run_demo
-from palimpsest.pipelines.environment import open_runtime
-from palimpsest.pipelines.replay import (
+from palimpsest.evaluation.replay import (
     session_cost,
 )
+from palimpsest.pipelines.environment import open_runtime
 from palimpsest.pipelines.trajectories import import_file
+from palimpsest.pipelines.view import run_demo
 from palimpsest.platform import Ledger, Runtime
 from palimpsest.platform.budget import Budget
 from palimpsest.platform.chat import tool_tokens
@@ -35,7 +36,7 @@ from palimpsest.platform.policies import (
     default_configs,
 )
 from palimpsest.platform.types import PalimpsestError
-from palimpsest.serving.config import ActorConfig
+from palimpsest.serving.serve_config import ActorConfig
 
 
 def import_cmd(
@@ -78,12 +79,14 @@ def render(
     budget: int = typer.Option(..., "--budget", help="token budget of what the actor receives (prompt + max_tokens)"),
     at: Optional[int] = typer.Option(None, "--at", help="compile the context before step T (default: next step)"),
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens",
-                                             help="tokens kept for the reply (default: the serve config's actor.max_tokens)"),
+                                             help="tokens kept for the reply (default: the serve config's "
+                                                  "actor.max_tokens)"),
     policy_config: Optional[Path] = typer.Option(None, "--policy-config", help="YAML config of the policy"),
     show_prompt: bool = typer.Option(True, "--prompt/--no-prompt", help="print the compiled context"),
     cached_rate: float = typer.Option(0.1, "--cached-rate", min=0.0, max=1.0,
                                       help="price of a cached input token against an uncached one (the cost block)"),
-    as_json: bool = typer.Option(False, "--json", help="print one JSON object (ids, text, messages, plan) and nothing else"),
+    as_json: bool = typer.Option(False, "--json",
+                                 help="print one JSON object (ids, text, messages, plan) and nothing else"),
     ledger: Optional[str] = LedgerOpt,
     embedder: str = EmbedderOpt,
     tokenizer: str = TokenizerOpt,
@@ -118,7 +121,8 @@ def render(
                        "max_tokens": reserve, "total": p.tokens + reserve},
             "prefix_messages": prefix, "parts": "prompt = prefix + history; prefix is the system message and the task "
                                                  "(tools: what the tool declarations add to it); soft is 0 here: a "
-                                                 "memory arm adds its soft positions when serving", "prompt_hash": p.prompt_hash, "prefix_hash": p.prefix_hash,
+                                                 "memory arm adds its soft positions when serving",
+            "prompt_hash": p.prompt_hash, "prefix_hash": p.prefix_hash,
             "elided": turn.plan.info.get("elided", []),
             "compaction": turn.plan.info.get("compaction"), "epoch": turn.plan.info.get("epoch"),
             "cost": cost,

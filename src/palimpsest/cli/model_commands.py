@@ -37,9 +37,9 @@ from palimpsest.platform.policies import (
 )
 from palimpsest.platform.tokens import get_tokenizer
 from palimpsest.platform.types import PalimpsestError
-from palimpsest.serving.config import ActorConfig, MemoryConfigServe
-from palimpsest.training.config import load_train_config
+from palimpsest.serving.serve_config import ActorConfig, MemoryConfigServe
 from palimpsest.training.launcher import launch
+from palimpsest.training.train_config import load_train_config
 
 
 def train(config: Path = typer.Option(..., "--config", help="configs/train/<name>.yaml"),
@@ -65,8 +65,9 @@ def eval_actions(
                                                                       "(default: pace when listed, else the first)"),
     memory: Optional[str] = typer.Option(None, "--memory", help="memory bundle or MLflow URI for NAME+memory "
                                                                 "(default: the latest registered)"),
-    policy_config: Optional[Path] = typer.Option(None, "--policy-config", help="YAML: labels -> configs "
-                                                                              "(configs/replay/reference.yaml has last2)"),
+    policy_config: Optional[Path] = typer.Option(None, "--policy-config",
+                                                 help="YAML: labels -> configs "
+                                                      "(configs/replay/reference.yaml has last2)"),
     include_train: bool = IncludeTrainOpt,
     max_target_tokens: int = MaxTargetOpt,
     window: Optional[int] = WindowOpt,
@@ -104,7 +105,8 @@ def _actions_table(result) -> None:
     for label, p in result.policies.items():
         g = result.gap_closed.get(label)
         table.add_row(label, f"{p['kl']:.4f} ({p['kl_ci'][0]:.4f}-{p['kl_ci'][1]:.4f})", f"{p['nll']:.3f}",
-                      f"{p['top1']:.3f}", f"{p['positions']:.0f}", str(p["boundaries"]), "-" if g is None else f"{g:.3f}")
+                      f"{p['top1']:.3f}", f"{p['positions']:.0f}", str(p["boundaries"]),
+                      "-" if g is None else f"{g:.3f}")
     out.print(table)
     out.print(f"gap closed relative to {result.reference}, on the boundaries each row was scored on")
     for label, p in result.policies.items():  # an epoch policy's boundary and append turns, apart
@@ -153,8 +155,8 @@ def _check_device(device: str) -> None:
 def _eval_actions_run(data, names, configs, budget, memory, include_train, max_target_tokens, window, seed, cache,
                       ledger, embedder, tokenizer, mlflow, max_boundaries, reference, device="cpu"):
     # deferred: loads torch
+    from palimpsest.evaluation.actions import Arm, TeacherCache, evaluate_actions, memory_arm
     from palimpsest.models.actor import FrozenActor
-    from palimpsest.training.actions import Arm, TeacherCache, evaluate_actions, memory_arm
     from palimpsest.training.teachers import actor_key
 
     serve_mem = MemoryConfigServe()
@@ -189,13 +191,15 @@ def _eval_actions_run(data, names, configs, budget, memory, include_train, max_t
     ref_label = reference or ("pace" if "pace" in names else names[0])
     if ref_label not in names:
         raise PalimpsestError(f"--reference {ref_label!r} is not among --policy {names}")
-    result = evaluate_actions(rt, sessions, arms, budget, act, data_sha=file_sha256(data), actor_key=actor_key(actor_path),
+    result = evaluate_actions(rt, sessions, arms, budget, act, data_sha=file_sha256(data),
+                              actor_key=actor_key(actor_path),
                               window=window or ActorConfig().max_model_len, max_boundaries=max_boundaries,
                               max_target_tokens=max_target_tokens, seed=seed, reference=ref_label,
                               cache=teacher_cache, allowed=allowed,
                               on_progress=lambda sid: err.print(f"scored {sid}", highlight=False))
     rt.ledger.close()
-    out_json = result.to_json() | {"budget": budget, "device": str(act.device), "data": {"file": str(data), "sha256": file_sha256(data)},
+    out_json = result.to_json() | {"budget": budget, "device": str(act.device),
+                                   "data": {"file": str(data), "sha256": file_sha256(data)},
                                    "teacher_cache": {"hits": teacher_cache.hits, "misses": teacher_cache.misses},
                                    "held_out_only": mem_arm is not None and not include_train,
                                    "skipped": [{"trajectory": s.trajectory, "reason": s.reason} for s in skipped]}
@@ -206,7 +210,8 @@ def _eval_actions_run(data, names, configs, budget, memory, include_train, max_t
 
 
 def eval_memory(
-    model: str = typer.Option(..., "--model", help="models:/palimpsest-memory/latest, a runs:/ URI, or a checkpoint dir"),
+    model: str = typer.Option(..., "--model",
+                              help="models:/palimpsest-memory/latest, a runs:/ URI, or a checkpoint dir"),
     data: Path = typer.Option(..., "--data", help="trajectories (JSONL, the shared schema)"),
     budget: Optional[int] = typer.Option(None, "--budget", help="token budget of the student prompts (default: the "
                                                                 "budget the memory was trained at)"),
@@ -298,8 +303,8 @@ def eval_reconstruction(
             raise PalimpsestError(f"memory model {ref} records no training split, so its {split} trajectories are "
                                   "unknown: pass --split all to use every trajectory")
         # deferred: loads torch
+        from palimpsest.evaluation.reconstruction import as_tensors, evaluate, trajectory_spans
         from palimpsest.models.actor import FrozenActor
-        from palimpsest.training.reconstruction import as_tensors, evaluate, trajectory_spans
 
         actor_path = resolve_actor_path(bundle.actor.get("path") or "smollm2")
         actor = FrozenActor.from_pretrained(actor_path, device=device, dtype=bundle.actor.get("dtype") or "float32")

@@ -1,4 +1,4 @@
-"""`palimpsest train-relevance`: the relevance predictor's training job (``training/relevance.py``)."""
+"""`palimpsest train-relevance`: the relevance predictor's training job (``training/relevance_trainer.py``)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ from pathlib import Path
 import typer
 
 from palimpsest.cli.common import _json_stdout
-from palimpsest.training.relevance import launch, load_config
+from palimpsest.training.relevance_trainer import launch, load_config
 
 
 def train_relevance(config: Path = typer.Option(..., "--config", help="configs/relevance/train.yaml"),
-                    track: bool = typer.Option(True, "--mlflow/--no-mlflow", help="log and register in MLflow")) -> None:
+                    track: bool = typer.Option(True, "--mlflow/--no-mlflow",
+                                               help="log and register in MLflow")) -> None:
     """Train the relevance predictor on Ray Train (the fit half) and register it as palimpsest-relevance."""
     import json as _json
 

@@ -17,10 +17,10 @@ from palimpsest.cli.common import (
     err,
     out,
 )
+from palimpsest.evaluation.replay import run_replay, summary_markdown, write_outputs
+from palimpsest.evaluation.replay_report import write_report
 from palimpsest.pipelines.environment import open_runtime
-from palimpsest.pipelines.replay import run_replay, summary_markdown, write_outputs
 from palimpsest.pipelines.replay_sessions import TimedEmbedder
-from palimpsest.pipelines.report import write_report
 from palimpsest.pipelines.tracking import log_replay
 from palimpsest.platform.policies import (
     PolicyConfigBase,
@@ -28,7 +28,7 @@ from palimpsest.platform.policies import (
     parse_policy_config,
 )
 from palimpsest.platform.types import PalimpsestError
-from palimpsest.serving.config import ActorConfig
+from palimpsest.serving.serve_config import ActorConfig
 
 
 def _policy_set(names: str, config_file: Optional[Path]) -> dict:
@@ -61,7 +61,8 @@ def replay(
     policy: str = typer.Option(..., "--policy", help="comma-separated policy names or labels from --policy-config"),
     budget: int = typer.Option(..., "--budget", help="token budget of every compiled context"),
     out_dir: Path = typer.Option(..., "--out", help="output folder (steps.parquet, summary.json, summary.md)"),
-    policy_config: Optional[Path] = typer.Option(None, "--policy-config", help="YAML: one config, or labels -> configs"),
+    policy_config: Optional[Path] = typer.Option(None, "--policy-config",
+                                                 help="YAML: one config, or labels -> configs"),
     concat: bool = typer.Option(False, "--concat", help="replay all trajectories as one continuous session"),
     repeat: int = typer.Option(1, "--repeat", min=1, max=1000,
                                help="with --concat: the trajectories N times over, one session N times as long"),
@@ -112,7 +113,8 @@ def replay(
 
 
 def report(dirs: list[Path] = typer.Argument(..., help="replay output folders (several budgets plot together)"),
-           out_dir: Optional[Path] = typer.Option(None, "--out", help="where to write (default: the first DIR)")) -> None:
+           out_dir: Optional[Path] = typer.Option(None, "--out",
+                                                  help="where to write (default: the first DIR)")) -> None:
     """Write report.md and PNG plots from one or more replay outputs."""
     path = write_report(dirs, out_dir or dirs[0])
     out.print(f"report written to {path}")

@@ -15,13 +15,13 @@ from palimpsest.cli.common import (
     shared_dev_file,
 )
 from palimpsest.demo import run_main_demo
-from palimpsest.pipelines.ab import ab_summary, log_ab
-from palimpsest.pipelines.ab import summary_markdown as ab_markdown
-from palimpsest.pipelines.rollouts import markdown as rollout_markdown
-from palimpsest.pipelines.rollouts import status as rollout_status
+from palimpsest.experiments.ab_report import ab_summary, log_ab
+from palimpsest.experiments.ab_report import summary_markdown as ab_markdown
+from palimpsest.experiments.gate import markdown as rollout_markdown
+from palimpsest.experiments.gate import status as rollout_status
 from palimpsest.platform import Ledger
-from palimpsest.serving.config import load_serve_config
 from palimpsest.serving.local import LocalServer
+from palimpsest.serving.serve_config import load_serve_config
 
 
 def demo(
@@ -53,7 +53,8 @@ def demo(
 
 
 def serve(
-    config: Optional[Path] = typer.Option(None, "--config", help="a ServeConfig YAML or a `serve run` config (default: embedded)"),
+    config: Optional[Path] = typer.Option(None, "--config",
+                                          help="a ServeConfig YAML or a `serve run` config (default: embedded)"),
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8000, "--port", min=1, max=65535),
 ) -> None:

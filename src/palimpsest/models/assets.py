@@ -77,7 +77,8 @@ def smollm2_dir() -> Path:
     cfg = {k: v for k, v in src.config.to_dict().items() if k != "quantization_config"}
     model = LlamaForCausalLM(LlamaConfig(**cfg))
     model.load_state_dict(src.state_dict(), strict=False)
-    missing = [k for k, v in model.state_dict().items() if k not in src.state_dict() and not k.endswith("lm_head.weight")]
+    missing = [k for k, v in model.state_dict().items()
+               if k not in src.state_dict() and not k.endswith("lm_head.weight")]
     if missing:
         raise ConfigError(f"converting {gguf.name} left weights unset: {missing[:5]}")
     tmp = out.with_name(out.name + ".tmp")

@@ -12,7 +12,6 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-
 __all__ = ["ARCHITECTURE", "LORA_TARGETS", "MemoryConfig"]
 
 ARCHITECTURE = "actor-lora/1"  # what a bundle records (models.registry); a bundle of any other is refused by name

@@ -2,7 +2,7 @@
 over its reply from a reference prompt's (the exact KL over the whole vocabulary, and top-1 agreement).
 
 The serving layer's memory encoder deployment holds one :class:`FidelityScorer` beside its memory models
-(``serving/deployments.py``); the shadow lane decides what to score (``serving/shadow.py``). No Ray here.
+(``serving/models/deployments.py``); the shadow lane decides what to score (``serving/turn/shadow.py``). No Ray here.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from palimpsest.models.assets import smollm2_tokenizer_dir
-from palimpsest.models.relevance import RelevanceResolver
+from palimpsest.models.relevance_head import RelevanceResolver
 from palimpsest.platform import HashingEmbedder, Ledger, Runtime
 from palimpsest.platform.embedding import Embedder
 from palimpsest.platform.types import PalimpsestError

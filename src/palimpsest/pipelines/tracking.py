@@ -88,7 +88,8 @@ def log_replay(summary: dict, out_dir: Path) -> str:
 def log_actions(result: dict, configs: dict[str, dict]) -> str:
     """One run per `eval-actions`: the parameters, every policy's figures as metrics, the result as JSON."""
     mlflow, exp = mlflow_experiment(EXPERIMENT_ACTIONS)
-    with mlflow.start_run(experiment_id=exp, run_name=f"eval-actions-{Path(result['data']['file']).stem}-{result['budget']}") as run:
+    with mlflow.start_run(experiment_id=exp,
+                          run_name=f"eval-actions-{Path(result['data']['file']).stem}-{result['budget']}") as run:
         mlflow.log_params({"data.file": result["data"]["file"], "data.sha256": result["data"]["sha256"],
                            "budget": result["budget"], "reference": result["reference"],
                            "policies": ",".join(result["policies"]), "held_out_only": result["held_out_only"]})
@@ -106,7 +107,8 @@ def log_rollout(candidate: str, control: str, subject: str, decision: dict, poli
     """One run per rollout decision, beside what it concerns: the candidate's policy config and its memory bundle's
     record as artifacts, the evidence's figures as metrics; a registered memory version is tagged with its stage."""
     mlflow, exp = mlflow_experiment(experiment)
-    with tracking_errors(), mlflow.start_run(experiment_id=exp, run_name=f"rollout-{candidate}-{decision.get('to')}") as run:
+    with tracking_errors(), mlflow.start_run(experiment_id=exp,
+                                             run_name=f"rollout-{candidate}-{decision.get('to')}") as run:
         mlflow.log_params({"candidate": candidate, "control": control, "subject": subject[:500],
                            "decision": decision.get("decision"), "from": decision.get("from"),
                            "stage": decision.get("to"), "memory.model": memory or "none"})

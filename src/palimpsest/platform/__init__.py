@@ -31,9 +31,9 @@ from palimpsest.platform.types import (
 )
 
 __all__ = [
-    "Abstraction", "ApproxTokenizer", "Authority", "Budget", "BudgetError", "CompiledTurn", "ConfigError", "Embedder",
-    "GlimpseLimitError", "HFTokenizer", "HashingEmbedder", "Ledger", "LedgerError", "LedgerUnavailableError", "PalimpsestError", "Prompt",
-    "RenderPlan", "Resolution", "RuleSummarizer", "Runtime", "Session", "SessionSnapshot", "Step", "StepRecord",
-    "Tokenizer", "UnknownSessionError", "UnknownStepError", "abstract_step", "build_policy", "compile_plan",
-    "get_tokenizer", "parse_policy_config", "policy_names",
+    "Abstraction", "ApproxTokenizer", "Authority", "Budget", "BudgetError", "CompiledTurn", "ConfigError",
+    "Embedder", "GlimpseLimitError", "HFTokenizer", "HashingEmbedder", "Ledger", "LedgerError",
+    "LedgerUnavailableError", "PalimpsestError", "Prompt", "RenderPlan", "Resolution", "RuleSummarizer", "Runtime",
+    "Session", "SessionSnapshot", "Step", "StepRecord", "Tokenizer", "UnknownSessionError", "UnknownStepError",
+    "abstract_step", "build_policy", "compile_plan", "get_tokenizer", "parse_policy_config", "policy_names",
 ]

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 
 from palimpsest.platform.render import authority_block, gist
-from palimpsest.platform.salient import uniq, extract_salient, ranked_ids
+from palimpsest.platform.salient import extract_salient, ranked_ids, uniq
 from palimpsest.platform.types import Authority, StepRecord
 
 WRITER_NAME = "rule-abstraction"
@@ -122,7 +122,8 @@ def abstract_step(step: StepRecord) -> Abstraction:
     key_ids = ranked_ids(obs, ids, paths, _IDS_BRIEF)
     outcome = _outcome(step.observation, errors)
     summary = gist(step.action or step.thought or step.kind, 160)
-    failed = [{"action": gist(step.action, 120), "reason": errors[0] if errors else "non-zero exit"}] if outcome == "error" else []
+    failed = ([{"action": gist(step.action, 120), "reason": errors[0] if errors else "non-zero exit"}]
+              if outcome == "error" else [])
     follow = uniq(
         (s.strip()[:_LINE_CHARS] for s in re.split(r"(?<=[.!?])\s+|\n", step.thought or "") if _FOLLOW_UP.search(s)), 2
     )

@@ -234,8 +234,9 @@ def history_messages(snap: "SessionSnapshot", level, fold: Fold | None, ranges: 
     """The messages of a plan's history (after the prefix) and, per step shown, (index, first message, n).
 
     ``level[i]`` is step i's resolution (DROP: not shown); with ``ranges`` True every run of dropped steps is one
-    line in place, with an (M,) bool mask only the runs holding a masked step. ``elide`` maps a step index to the character cap of its fields (oversized steps);
-    ``masked`` (M,) how each step shown at full is masked (``render.RESULT_MASKED``, ``INPUT_MASKED``), or None."""
+    line in place, with an (M,) bool mask only the runs holding a masked step. ``elide`` maps a step index to the
+    character cap of its fields (oversized steps); ``masked`` (M,) how each step shown at full is masked
+    (``render.RESULT_MASKED``, ``INPUT_MASKED``), or None."""
     msgs: list[dict] = []
     spans: list[tuple[int, int, int]] = []
     if fold is not None:
@@ -389,8 +390,7 @@ def memory_read(tokenizer: ChatTokenizer, turn: "CompiledTurn", max_field_chars:
                         max_field_chars, max_history_tokens)
 
 
-__all__ = [
-    "ChatIds", "DEFAULT_SYSTEM", "GLIMPSE_TOOL", "chat_ids", "fold_message", "glimpse_call", "glimpse_messages",
-    "head_tail", "history_messages", "left_out", "memory_input", "memory_read", "message", "message_overhead", "messages_at", "observation_role",
-    "prefix_messages", "prefix_tokens", "range_message", "raw_history_messages", "soft_slot", "with_glimpse",
-]
+__all__ = ["ChatIds", "DEFAULT_SYSTEM", "GLIMPSE_TOOL", "chat_ids", "fold_message", "glimpse_call", "glimpse_messages",
+           "head_tail", "history_messages", "left_out", "memory_input", "memory_read", "message", "message_overhead",
+           "messages_at", "observation_role", "prefix_messages", "prefix_tokens", "range_message",
+           "raw_history_messages", "soft_slot", "with_glimpse"]

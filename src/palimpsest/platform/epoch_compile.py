@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
+from palimpsest.platform import compiler
 from palimpsest.platform.budget import Budget
 from palimpsest.platform.chat import (
     chat_ids,
@@ -15,7 +16,6 @@ from palimpsest.platform.chat import (
     prefix_messages,
     prefix_size,
 )
-from palimpsest.platform import compiler
 from palimpsest.platform.compiler import assemble_prompt, compile_plan, messages_per_step, prefix_segments
 from palimpsest.platform.epochs import (
     Boundary,

@@ -18,7 +18,7 @@ dimension):
 - ``failed``, ``dialogue``: the abstraction records a failure; the step is a reply or a message.
 
 The head is numpy only (this package imports no torch): trained by ``palimpsest train-relevance``
-(``training/relevance.py``), kept as a bundle (``models/relevance.py``).
+(``training/relevance_trainer.py``), kept as a bundle (``models/relevance_head.py``).
 """
 
 from __future__ import annotations

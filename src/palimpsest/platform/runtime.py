@@ -28,9 +28,9 @@ from palimpsest.platform.epoch_compile import compile_epoch
 from palimpsest.platform.epochs import Boundary, compaction_of, epoch_key, recent_of, turn_cost
 from palimpsest.platform.ledger import Ledger, SessionSnapshot
 from palimpsest.platform.policies import PolicyConfigBase, PolicyDeps, build_policy
-from palimpsest.platform.retain import retained
 from palimpsest.platform.policies.base import ContextPolicy
 from palimpsest.platform.render import key_text, render_full_body
+from palimpsest.platform.retain import retained
 from palimpsest.platform.snapshots import SnapshotCache
 from palimpsest.platform.types import CompiledTurn, GlimpseLimitError, Resolution, Step, StepRecord
 

@@ -69,7 +69,8 @@ class _Entry:
         # the salient index in coordinate form, appended to as steps gain abstractions
         sal = snap.salient_index()
         self.vocab = dict(sal.vocab)
-        self.rows, self.tok_ids, self.nnz = _grow(sal.rows.copy(), sal.rows.size), _grow(sal.ids.copy(), sal.ids.size), sal.rows.size
+        self.rows, self.tok_ids, self.nnz = (_grow(sal.rows.copy(), sal.rows.size), _grow(sal.ids.copy(), sal.ids.size),
+                                             sal.rows.size)
         self.sizes, self.failed = _grow(sal.sizes.copy(), m), _grow(sal.failed.copy(), m)
         self.plans, self.ready = _grow(sal.plans.copy(), m), _grow(sal.ready.copy(), m)
         self.dialogue = _grow(sal.dialogue.copy(), m)

@@ -235,7 +235,8 @@ class PostgresStore:
         try:
             psycopg.connect(url, connect_timeout=connect_timeout, autocommit=True).close()
         except psycopg.Error as e:
-            raise LedgerUnavailableError(f"cannot connect to the ledger database {self.url}: {_first_line(e)}") from None
+            raise LedgerUnavailableError(
+                f"cannot connect to the ledger database {self.url}: {_first_line(e)}") from None
         self._pool = ConnectionPool(
             url, min_size=1, max_size=max(1, pool_size), open=False, timeout=timeout_s, max_idle=300,
             kwargs={"autocommit": True, "connect_timeout": connect_timeout}, configure=_configure,

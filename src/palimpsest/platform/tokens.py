@@ -44,7 +44,8 @@ class ChatTokenizer(Protocol):
 
 
 #: ChatML, the template of SmolLM2 (and of Qwen-style models): used where a tokenizer carries none.
-CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
+          "+ '<|im_end|>\\n' }}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 CHATML_SPECIALS = ("<|im_start|>", "<|im_end|>")
 
@@ -109,7 +110,8 @@ def for_template(messages: Sequence[Mapping[str, Any]], source: str) -> tuple[li
         calls = m.pop("tool_calls", None)
         m.pop("tool_call_id", None)
         if calls:
-            lines = "\n".join(f"{(c.get('function') or {}).get('name', 'tool')}({(c.get('function') or {}).get('arguments', '')})"
+            lines = "\n".join(f"{(c.get('function') or {}).get('name', 'tool')}"
+                              f"({(c.get('function') or {}).get('arguments', '')})"
                               for c in calls)
             m["content"] = "\n".join(x for x in (m.get("content") or "", lines) if x)
     return msgs, None
@@ -193,7 +195,8 @@ class HFTokenizer:
         plain = added and all(not (a.get("lstrip") or a.get("rstrip") or a.get("single_word") or a.get("normalized"))
                               for a in added)
         self._added = {a["content"]: a["id"] for a in added} if plain else {}
-        self._split = (re.compile("(" + "|".join(re.escape(c) for c in sorted(self._added, key=len, reverse=True)) + ")")
+        self._split = (re.compile("(" + "|".join(re.escape(c) for c in sorted(self._added, key=len, reverse=True))
+                                  + ")")
                        if self._added else None)
         self._pieces: dict[str, tuple[list[int], str | None]] = {}
         self._cached_chars = 0

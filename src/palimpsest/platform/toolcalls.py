@@ -81,7 +81,8 @@ def check_calls(r: StepRecord, where: str) -> None:
         doc = json.loads(r.calls)
     except (TypeError, ValueError):
         raise LedgerError(f"{where}: calls is not JSON") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("tool_calls"), list) or not isinstance(doc.get("results"), list):
+    if (not isinstance(doc, dict) or not isinstance(doc.get("tool_calls"), list)
+            or not isinstance(doc.get("results"), list)):
         raise LedgerError(f"{where}: calls needs the lists tool_calls and results")
     for c in doc["tool_calls"]:
         if not isinstance(c, dict) or not isinstance(c.get("name"), str):

@@ -21,14 +21,20 @@ from ray.serve import Application
 from palimpsest.models.registry import resolve_actor_path
 from palimpsest.pipelines.tracking import check, configure
 from palimpsest.platform.stores import open_store
-from palimpsest.serving.config import ServeConfig, parse_serve_config
-from palimpsest.serving.deployments import Actor, Embedder, RemoteActor, Summarizer, deployment_env
-from palimpsest.serving.memory_encoder import MemoryEncoder
+from palimpsest.serving.models.deployments import (
+    Actor,
+    EmbedderDeployment,
+    RemoteActor,
+    SummarizerDeployment,
+    deployment_env,
+)
+from palimpsest.serving.models.memory_encoder import MemoryDeployment
+from palimpsest.serving.serve_config import ServeConfig, parse_serve_config
 
 
 def build_app(config: ServeConfig | dict | None = None) -> Application:
     # deferred: loads torch, fastapi
-    from palimpsest.serving.ingress import Ingress
+    from palimpsest.serving.http.ingress import Ingress
 
     cfg = parse_serve_config(config)
     preflight(cfg)
@@ -41,13 +47,15 @@ def build_app(config: ServeConfig | dict | None = None) -> Application:
     actor_cls = RemoteActor if cfg.actor.remote is not None else Actor
     actor = actor_cls.options(num_replicas=n.actor, ray_actor_options=actor_opts).bind(
         cfg.actor.model_dump() | {"model": actor_path})
-    embedder = Embedder.options(num_replicas=n.embedder, ray_actor_options={"num_cpus": res.embedder, "runtime_env": env}
-                                ).bind(cfg.embedder, cfg.device)
-    summarizer = Summarizer.options(num_replicas=n.summarizer,
+    embedder = EmbedderDeployment.options(num_replicas=n.embedder,
+                                          ray_actor_options={"num_cpus": res.embedder, "runtime_env": env}).bind(
+        cfg.embedder, cfg.device)
+    summarizer = SummarizerDeployment.options(num_replicas=n.summarizer,
                                     ray_actor_options={"num_cpus": res.summarizer, "runtime_env": env}).bind(
         cfg.summarizer.model_dump(), actor, actor_path.rstrip("/").rsplit("/", 1)[-1])
-    memory = MemoryEncoder.options(num_replicas=n.memory, ray_actor_options={"num_cpus": res.memory, "runtime_env": env}
-                                   ).bind(actor_path, cfg.memory_models(), cfg.device, cfg.memory.max_history_tokens)
+    memory = MemoryDeployment.options(num_replicas=n.memory,
+                                      ray_actor_options={"num_cpus": res.memory, "runtime_env": env}).bind(
+        actor_path, cfg.memory_models(), cfg.device, cfg.memory.max_history_tokens)
     spread = {"max_replicas_per_node": n.ingress_max_per_node} if n.ingress_max_per_node else {}
     return Ingress.options(num_replicas=n.ingress, ray_actor_options={"num_cpus": res.ingress, "runtime_env": env},
                            **spread).bind(cfg.model_dump(), actor, embedder, summarizer, memory)

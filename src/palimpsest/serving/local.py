@@ -10,7 +10,7 @@ import urllib.error
 import urllib.request
 
 from palimpsest.platform.types import PalimpsestError
-from palimpsest.serving.config import ServeConfig, parse_serve_config
+from palimpsest.serving.serve_config import ServeConfig, parse_serve_config
 
 
 def wait_ready(url: str, timeout_s: float) -> dict:

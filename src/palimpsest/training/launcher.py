@@ -1,16 +1,14 @@
 """`palimpsest train --config configs/train/<name>.yaml`: REMORY training on Ray Train + DeepSpeed.
 
-The launcher only sets up: it validates the config and builds the datasets on the driver (every
-error surfaces before a worker starts), then a TorchTrainer runs :func:`train_loop` on N workers
-(CPU here, GPUs by config). Each worker wraps the memory network in a DeepSpeed engine (ZeRO-2 or -3,
-or plain DDP), keeps the frozen actor outside it, and runs the pure loss of
-:mod:`palimpsest.training.losses`: Stage I steps, then Stage II steps from the same weights.
+The launcher only sets up: it validates the config and builds the datasets on the driver (every error surfaces before a
+worker starts), then a TorchTrainer runs :func:`train_loop` on N workers (CPU here, GPUs by config). Each worker wraps
+the memory network in a DeepSpeed engine (ZeRO-2 or -3, or plain DDP), keeps the frozen actor outside it, and runs the
+pure loss of :mod:`palimpsest.training.losses`: Stage I steps, then Stage II steps from the same weights.
 
-Checkpoints: every K steps each rank writes DeepSpeed's own checkpoint into a directory that
-``ray.train.report`` turns into a Ray Train checkpoint; a restarted worker group (FailureConfig) or a
-rerun of the same config resumes from the latest one. MLflow is written by rank 0 only (one run, kept
-across restarts): params, the resolved config, per-step metrics, and at the end the weights as a
-registered model tagged with the policy config it pairs with.
+Checkpoints: every K steps each rank writes DeepSpeed's own checkpoint into a directory that ``ray.train.report`` turns
+into a Ray Train checkpoint; a restarted worker group (FailureConfig) or a rerun of the same config resumes from the
+latest one. MLflow is written by rank 0 only (one run, kept across restarts): params, the resolved config, per-step
+metrics, and at the end the weights as a registered model tagged with the policy config it pairs with.
 """
 
 from __future__ import annotations
@@ -35,17 +33,17 @@ from palimpsest.models.registry import (
 )
 from palimpsest.pipelines.tracking import check, configure
 from palimpsest.platform.types import ConfigError, PalimpsestError
-from palimpsest.training.config import TrainConfig, group_lrs
 from palimpsest.training.prepare import (
     TEACHERS,
     _load_rows,
     _teacher_key,
     curriculum_row,
-    replays,
-    stage1_batch_rows,
     data_config,
     prepare,
+    replays,
+    stage1_batch_rows,
 )
+from palimpsest.training.train_config import TrainConfig, group_lrs
 
 __all__ = ["launch", "prepare", "register", "train_loop"]
 
@@ -53,12 +51,10 @@ __all__ = ["launch", "prepare", "register", "train_loop"]
 def ds_config(cfg: TrainConfig) -> dict[str, Any]:
     o = cfg.optim
     out: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": o.grad_accum,
+        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": o.grad_accum,
         "gradient_clipping": o.grad_clip,
         "optimizer": {"type": "AdamW", "params": {"lr": o.lr, "weight_decay": o.weight_decay, "torch_adam": True}},
-        "zero_optimization": {"stage": cfg.distributed.zero_stage},
-        "steps_per_print": 1 << 30,
+        "zero_optimization": {"stage": cfg.distributed.zero_stage}, "steps_per_print": 1 << 30,
     }
     if cfg.actor.dtype == "bfloat16":
         out["bf16"] = {"enabled": True}
@@ -86,7 +82,7 @@ def train_loop(loop_config: dict) -> None:
         DDPBackend,
         DeepSpeedBackend,
         PrefixCache,
-        Step,
+        TrainStep,
         lr_at,
         sample_tensors,
     )
@@ -109,9 +105,10 @@ def train_loop(loop_config: dict) -> None:
                else DDPBackend(memnet, lrs, o.weight_decay, o.grad_clip, o.grad_accum))  # plain DDP, for comparison
     engine = getattr(backend, "engine", None)
     prefix = PrefixCache(rows=o.prefix_cache_rows) if o.prefix_cache_rows else None
-    run_step = Step(backend, actor, o.kl_decay, prefix, continuation=o.stage1_continuation, autocast=o.autocast)  # the step the ladder and the tests run
+    run_step = TrainStep(backend, actor, o.kl_decay, prefix, continuation=o.stage1_continuation,
+                         autocast=o.autocast)  # the step the ladder and the tests run
     # Stage II's reconstruction replays keep no prefill: their spans would push Stage II's rows out of the cache
-    replay_step = Step(backend, actor, o.kl_decay, None, continuation=o.stage1_continuation, autocast=o.autocast)
+    replay_step = TrainStep(backend, actor, o.kl_decay, None, continuation=o.stage1_continuation, autocast=o.autocast)
 
     step = 0
     ckpt = ray.train.get_checkpoint()
@@ -153,7 +150,8 @@ def train_loop(loop_config: dict) -> None:
         t0 = time.perf_counter()
         # Every rank runs as many merge passes as the rank that needs most (ZeRO-3 gathers per call).
         src = sample["span"] if stage == 1 else sample["memory"]
-        passes = torch.tensor(0 if batch else memnet.merge_passes(int(src.numel())), device=device)  # NCCL: device tensors
+        passes = torch.tensor(0 if batch else memnet.merge_passes(int(src.numel())),
+                              device=device)  # NCCL: device tensors
         if dist.is_initialized():
             dist.all_reduce(passes, op=dist.ReduceOp.MAX)
         teacher = (teachers.get(_teacher_key(cfg, loop_config["actor_path"], data_sha, row))
@@ -166,7 +164,8 @@ def train_loop(loop_config: dict) -> None:
         step += 1
         tokens = sum(int(v.numel()) for s in (batch or [sample]) for v in s.values())
         metrics = {"step": step, "stage": phase, **figures, "lr": backend.lr(), "resumed_from": resumed_from,
-                   "seconds": time.perf_counter() - t0, "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                   "seconds": time.perf_counter() - t0,
+                   "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                    "tokens_per_s": tokens / max(time.perf_counter() - t0, 1e-9),
                    "teacher_cached": float(teacher is not None), "row": float(row_index)}
         if step == cfg.optim.stage1_steps and cfg.optim.stage2_steps and loop_config.get("mlflow"):
@@ -245,9 +244,10 @@ def _claim_run_dir(run_dir: Path, cfg: TrainConfig) -> None:
                              and (recorded or {}).get(k, defaults.get(k)) != optim[k])
             checkpoints = any(p.name.startswith("checkpoint_") for p in run_dir.iterdir())
             if recorded is not None and changed and checkpoints:
-                raise ConfigError(f"{run_dir} holds checkpoints of this network trained with another recipe: " + "; ".join(
-                    f"optim.{k} was {recorded.get(k, defaults.get(k))!r}, the config says {optim[k]!r}" for k in changed)
-                    + ". Give the run another name, or move the directory away to start from step 0")
+                raise ConfigError(f"{run_dir} holds checkpoints of this network trained with another recipe: "
+                                  + "; ".join(f"optim.{k} was {recorded.get(k, defaults.get(k))!r}, "
+                                              f"the config says {optim[k]!r}" for k in changed)
+                                  + ". Give the run another name, or move the directory away to start from step 0")
             marker.write_text(json.dumps({**want, "optim": optim}, indent=2))
             return
         stamp, n = time.strftime("%Y%m%d-%H%M%S"), 0
@@ -256,8 +256,9 @@ def _claim_run_dir(run_dir: Path, cfg: TrainConfig) -> None:
             n += 1
             aside = run_dir.with_name(f"{run_dir.name}.replaced-{stamp}-{n}")
         run_dir.rename(aside)
-        print(f"{run_dir} held checkpoints of another network ({'unrecorded' if have is None else have.get('architecture')}"
-              f"); moved to {aside}, training starts from step 0", file=sys.stderr)
+        print(f"{run_dir} held checkpoints of another network "
+              f"({'unrecorded' if have is None else have.get('architecture')}); moved to {aside}, "
+              f"training starts from step 0", file=sys.stderr)
     run_dir.mkdir(parents=True, exist_ok=True)
     marker.write_text(json.dumps({**want, "optim": optim}, indent=2))
 
@@ -280,7 +281,8 @@ def _splits(data_dir: str | None) -> dict:
         f = Path(data_dir) / f"{stage}.parquet"
         if f.is_file():
             rows += pq.read_table(f, columns=["trajectory", "split"]).to_pylist()
-    return {f"{sp}_trajectories": sorted({r["trajectory"] for r in rows if r["split"] == sp}) for sp in ("train", "val")}
+    return {f"{sp}_trajectories": sorted({r["trajectory"] for r in rows if r["split"] == sp})
+            for sp in ("train", "val")}
 
 
 class _RankZeroTracker:
@@ -340,7 +342,6 @@ def launch(cfg: TrainConfig, fault: dict | None = None, track: bool = True) -> d
     timings = {"prepare_s": round(time.perf_counter() - t_prep, 1)}  # data rows (the serving code) + teachers
     mlflow_spec, run_id = None, None
     if track:
-
         configure(cfg.tracking.uri, cfg.tracking.artifact_location)
         check()
         mlflow, exp = mlflow_experiment(cfg.tracking.experiment)

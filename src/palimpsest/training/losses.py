@@ -200,7 +200,8 @@ def stage2_loss(memnet: MemoryNetwork, actor: FrozenActor, sample: StageIISample
     w = position_weights(sample["target"].shape[0], decay, mem.device)
 
     def kl_of(q: torch.Tensor) -> torch.Tensor:
-        return (w * coarse_kl(q, teacher)).sum() if teacher is not None else reverse_kl(q, teacher_logits(actor, sample), w)
+        return ((w * coarse_kl(q, teacher)).sum() if teacher is not None
+                else reverse_kl(q, teacher_logits(actor, sample), w))
 
     kl = kl_of(_student(actor, sample, mem, prefix))
     if not net.cfg.span_gate:

@@ -11,10 +11,10 @@ from pathlib import Path
 from palimpsest.models.registry import (
     resolve_actor_path,
 )
-from palimpsest.pipelines.remory_data import DataConfig, build_datasets
 from palimpsest.platform.policies import load_policy_file
 from palimpsest.platform.types import ConfigError
-from palimpsest.training.config import TrainConfig
+from palimpsest.training.remory_data import DataConfig, build_datasets
+from palimpsest.training.train_config import TrainConfig
 
 
 def curriculum_row(step: int, stage1_steps: int, world: int, rank: int, n_rows: int,

@@ -49,9 +49,10 @@ def unwrap(module) -> MemoryNetwork:
 
 def sample_loss(module, actor: FrozenActor, sample: dict, stage: int, *, decay: float = 0.05, passes: int = 0,
                 teacher=None, prefix=None, continuation: float = 0.0) -> torch.Tensor:
-    """The loss of one row (Stage I: or a list of rows, one batch). ``module`` may be wrapped (calling the wrapper keeps its hooks); ``teacher`` is a
-    cached ``training.teachers.Teacher`` (None: a full-vocabulary teacher pass); ``prefix`` a
-    :class:`PrefixCache` that keeps each row's constant parts (the context's KV cache, the memory's features)."""
+    """The loss of one row (Stage I: or a list of rows, one batch). ``module`` may be wrapped (calling the wrapper
+    keeps its hooks); ``teacher`` is a cached ``training.teachers.Teacher`` (None: a full-vocabulary teacher pass);
+    ``prefix`` a :class:`PrefixCache` that keeps each row's constant parts (the context's KV cache, the memory's
+    features)."""
     if stage == 1 and isinstance(sample, list):  # a batch of spans: one actor pass
         return stage1_batch_loss(module, actor, sample, continuation, prefix)
     if stage == 1:
@@ -230,11 +231,11 @@ class DeepSpeedBackend:
 AUTOCAST = {"none": None, "bfloat16": torch.bfloat16}  # OptimSection.autocast (float16 would need loss scaling)
 
 
-class Step:
+class TrainStep:
     """One training step on one row: loss (through the frozen actor), update, figures."""
 
-    def __init__(self, backend: Backend, actor: FrozenActor, kl_decay: float = 0.05, prefix: "PrefixCache | None" = None,
-                 continuation: float = 0.0, autocast: str = "none"):
+    def __init__(self, backend: Backend, actor: FrozenActor, kl_decay: float = 0.05,
+                 prefix: "PrefixCache | None" = None, continuation: float = 0.0, autocast: str = "none"):
         self.backend, self.actor, self.kl_decay, self.prefix = backend, actor, kl_decay, prefix
         self.continuation = continuation
         if autocast not in AUTOCAST:
@@ -289,5 +290,6 @@ def init_stage2_from_stage1(stage2: MemoryNetwork, stage1_state: dict) -> None:
     stage2.load_state_dict(stage1_state, strict=True)
 
 
-__all__ = ["Backend", "DDPBackend", "DeepSpeedBackend", "LocalBackend", "PrefixCache", "Step",
-           "grad_norms", "optimizer_groups", "init_stage2_from_stage1", "lr_at", "set_lr", "module_groups", "sample_loss", "sample_tensors", "unwrap"]
+__all__ = ["Backend", "DDPBackend", "DeepSpeedBackend", "LocalBackend", "PrefixCache", "TrainStep", "grad_norms",
+           "optimizer_groups", "init_stage2_from_stage1", "lr_at", "set_lr", "module_groups", "sample_loss",
+           "sample_tensors", "unwrap"]

@@ -24,7 +24,8 @@ class Boundaries:
         with self._tx() as db:
             if not self._store.lock_session(db, session_id):
                 raise UnknownSessionError(f"unknown session {session_id!r}")
-            found = db.execute("SELECT id FROM boundaries WHERE session_id=? AND key=? AND t=? ORDER BY id DESC LIMIT 1",
+            found = db.execute("SELECT id FROM boundaries WHERE session_id=? AND key=? AND t=? "
+                               "ORDER BY id DESC LIMIT 1",
                                (session_id, key, int(boundary.t))).fetchone()
             if found is not None:
                 return int(found[0]), False

@@ -9,7 +9,6 @@ from typing import Mapping
 
 from palimpsest.platform.types import LedgerError
 
-
 #: the kinds of shadow reference, never pooled (:func:`reference_kind`)
 REFERENCE_KINDS = ("full", "policy@window")
 

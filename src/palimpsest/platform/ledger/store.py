@@ -170,7 +170,8 @@ class Store:
                     out.append(row[0])
                     continue
                 if r.t != next_t:
-                    raise LedgerError(f"session {session_id!r}: expected step t={next_t}, got t={r.t} (steps are appended in order)")
+                    raise LedgerError(f"session {session_id!r}: expected step t={next_t}, got t={r.t} "
+                                      "(steps are appended in order)")
                 # The id is drawn before the insert: the full segment's size (its header names the id)
                 # is stored with the row, which is never updated.
                 sid = self._store.next_id(db, "steps")

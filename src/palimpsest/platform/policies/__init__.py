@@ -11,8 +11,14 @@ from typing import Annotated, Any, Union
 
 from pydantic import Field, TypeAdapter, ValidationError
 
-from palimpsest.platform.config import problems, read_yaml
-from palimpsest.platform.policies.ace import AceConfig, AcePolicy, ElasticDecision, Elasticizer, RuleElasticizer
+from palimpsest.platform.config_files import problems, read_yaml
+from palimpsest.platform.policies.ace import (
+    AceConfig,
+    AcePolicy,
+    ElasticDecision,
+    Elasticizer,
+    RuleElasticizer,
+)
 from palimpsest.platform.policies.base import ContextPolicy, PolicyConfigBase, PolicyDeps
 from palimpsest.platform.policies.clear_tool_uses import ClearToolUsesConfig
 from palimpsest.platform.policies.full import FullConfig

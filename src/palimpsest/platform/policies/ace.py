@@ -74,7 +74,8 @@ class RuleElasticizer:
             (overlap >= 1, ABSTRACT, "shares an identifier with the task/latest step"),
             (index.dialogue[old] | index.plans[old], ABSTRACT, "a decision or a plan"),
             (index.failed[old], ABSTRACT, "a failure: keep what failed and why"),
-            (overlap >= self.raw_min_overlap, RAW, f"shares >= {self.raw_min_overlap} identifiers with the task/latest step"),
+            (overlap >= self.raw_min_overlap, RAW,
+             f"shares >= {self.raw_min_overlap} identifiers with the task/latest step"),
         ]
         for mask, what, why in rules:
             decision[mask] = what

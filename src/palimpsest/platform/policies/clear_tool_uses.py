@@ -23,10 +23,10 @@ from pydantic import Field
 
 from palimpsest.platform import toolcalls
 from palimpsest.platform.chat import chat_ids, history_messages, prefix_messages
-from palimpsest.platform.retain import tool_names
 from palimpsest.platform.masking import masked_costs
 from palimpsest.platform.policies.base import PolicyConfigBase, PolicyDeps, Reasons, new_plan, recency
 from palimpsest.platform.render import INPUT_MASKED, RESULT_MASKED
+from palimpsest.platform.retain import tool_names
 from palimpsest.platform.types import Authority, RenderPlan, Resolution
 
 if TYPE_CHECKING:

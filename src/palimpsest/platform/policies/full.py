@@ -8,7 +8,6 @@ import numpy as np
 from pydantic import Field
 
 from palimpsest.platform.folding import HistoryBound
-
 from palimpsest.platform.policies.base import PolicyConfigBase, PolicyDeps, Reasons, new_plan, recency
 from palimpsest.platform.types import RenderPlan, Resolution
 

@@ -25,8 +25,8 @@ from pydantic import Field, model_validator
 
 from palimpsest.platform.policies.base import (
     PolicyConfigBase,
-    QueryLayout,
     PolicyDeps,
+    QueryLayout,
     fallback_missing,
     new_plan,
     query_relevance,
@@ -55,7 +55,8 @@ class PaceConfig(PolicyConfigBase):
     beta: float = Field(0.8, gt=0.0, description="detailed threshold")
     gamma: float = Field(1.5, gt=0.0, description="full threshold")
     lam: float = Field(0.5, ge=0.0, le=10.0, description="lambda: how strongly pressure raises the thresholds")
-    t_max: int = Field(150, ge=1, description="T_max in steps (the paper: the 95th percentile of task length; set per deployment)")
+    t_max: int = Field(150, ge=1, description="T_max in steps (the paper: the 95th percentile of task length; "
+                                              "set per deployment)")
     b_max: int | None = Field(None, ge=1, description="B_max in tokens; None = the turn's budget")
     length_pressure_max: float | None = Field(
         1.0, gt=0.0, description="the most the length term t/T_max adds to pressure (None: unbounded, the paper). "
@@ -66,7 +67,8 @@ class PaceConfig(PolicyConfigBase):
     @model_validator(mode="after")
     def _ordered(self) -> "PaceConfig":
         if not self.alpha < self.beta < self.gamma:
-            raise ValueError(f"thresholds must satisfy alpha < beta < gamma, got {self.alpha}, {self.beta}, {self.gamma}")
+            raise ValueError(f"thresholds must satisfy alpha < beta < gamma, got {self.alpha}, {self.beta}, "
+                             f"{self.gamma}")
         return self
 
     def build(self, deps: PolicyDeps | None = None) -> "PacePolicy":
@@ -125,8 +127,10 @@ class PacePolicy:
             level[wt > beta] = Resolution.DETAILED
             level[wt > gamma] = Resolution.FULL
             res[old] = level
-            names = {Resolution.FULL: f"w~ > gamma={gamma:.3f}", Resolution.DETAILED: f"beta={beta:.3f} < w~ <= gamma",
-                     Resolution.BRIEF: f"alpha={alpha:.3f} < w~ <= beta", Resolution.PLACEHOLDER: f"w~ <= alpha={alpha:.3f}"}
+            names = {Resolution.FULL: f"w~ > gamma={gamma:.3f}",
+                     Resolution.DETAILED: f"beta={beta:.3f} < w~ <= gamma",
+                     Resolution.BRIEF: f"alpha={alpha:.3f} < w~ <= beta",
+                     Resolution.PLACEHOLDER: f"w~ <= alpha={alpha:.3f}"}
             for r, text in names.items():
                 codes[old[level == r]] = reasons(text)
         fallback_missing(snap, budget, res, score, codes, reasons, Resolution.PLACEHOLDER)

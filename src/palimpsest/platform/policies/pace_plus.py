@@ -30,8 +30,8 @@ from pydantic import Field, field_validator
 from palimpsest.platform.abstraction import extract_salient
 from palimpsest.platform.policies.base import (
     PolicyConfigBase,
-    QueryLayout,
     PolicyDeps,
+    QueryLayout,
     fallback_missing,
     new_plan,
     query_relevance,
@@ -77,7 +77,8 @@ class PacePlusConfig(PolicyConfigBase):
     # (benchmarks/fit_pace_plus.py): coverage is the share of a step's identifiers each rendering keeps;
     # fill and price the cheapest grid point within 0.005 of the best label-free action-identifier recall.
     coverage: tuple[float, float, float, float] = Field(
-        (0.182, 0.62, 0.869, 1.0), description="expected share of a step's facts kept at placeholder, brief, detailed, full")
+        (0.182, 0.62, 0.869, 1.0),
+        description="expected share of a step's facts kept at placeholder, brief, detailed, full")
     relevance: RelevanceSection | None = Field(None, description="a learned relevance predictor whose probabilities "
                                                "replace the hybrid score (platform.relevance); None: the hybrid")
 
@@ -97,9 +98,9 @@ def allocate(costs: np.ndarray, values: np.ndarray, capacity: float, price: floa
 
     costs, values: (M, L) per option, options ordered cheap -> rich, NaN cost = option unavailable;
     option 0 must be available. Returns the chosen option index per row (M,).
-    Each row starts at option 0 (here: dropped, shown only inside a range line); upgrades (to the hull point of best value per extra token) are
-    taken globally in order of efficiency while the total cost stays within ``capacity`` and the
-    upgrade adds at least ``price`` value per token.
+    Each row starts at option 0 (here: dropped, shown only inside a range line); upgrades (to the hull point of
+    best value per extra token) are taken globally in order of efficiency while the total cost stays within
+    ``capacity`` and the upgrade adds at least ``price`` value per token.
     """
     m, n_opt = costs.shape
     choice = np.zeros(m, dtype=np.int64)

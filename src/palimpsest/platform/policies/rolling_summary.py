@@ -29,7 +29,8 @@ class RollingSummaryConfig(PolicyConfigBase):
     type: Literal["rolling_summary"] = "rolling_summary"
     name: ClassVar[str] = "rolling_summary"
     keep_last: int = Field(4, ge=1, le=10_000, description="steps kept raw after a fold")
-    trigger_fraction: float = Field(0.8, gt=0.0, le=1.0, description="fold when the context passes this share of the budget")
+    trigger_fraction: float = Field(0.8, gt=0.0, le=1.0,
+                                    description="fold when the context passes this share of the budget")
     trigger_tokens: int | None = Field(None, ge=1, description="absolute threshold; overrides trigger_fraction")
     max_summary_tokens: int = Field(1024, ge=32, description="the summary keeps its newest lines within this size")
 

@@ -1,0 +1,1 @@
+"""The model deployments: the vLLM actor (local or remote), embedder, summarizer, memory encoder, tool parsing."""

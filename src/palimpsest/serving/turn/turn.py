@@ -1,0 +1,399 @@
+"""The served turn, one owner: size -> compile -> memory -> generate -> record -> offer to the shadow lane.
+
+:class:`TurnService` is what every route that serves a turn calls (``POST .../turn``, the OpenAI chat proxy, the
+Messages endpoint); the routes keep HTTP and tenants, each protocol its wire format. :func:`run_turn` is the generation
+loop inside it (compile, soft memory, the actor, glimpses answered within the turn), over small handles so that tests
+and the REMORY data builder run it without Serve. The prompt is the platform's (``palimpsest.platform.chat``): its ids
+plus the reply's ``max_tokens`` plus the soft positions are at most the budget, and a glimpse answered inside the turn
+is cut to what is left, so the bound holds on every generation of the turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
+
+from palimpsest.models.memory import MemoryConfig
+from palimpsest.platform.budget import Budget
+from palimpsest.platform.chat import declared_tools, glimpse_call, memory_read, with_glimpse
+from palimpsest.platform.context_edits import applied
+from palimpsest.platform.embedding import EmbedderUnavailable
+from palimpsest.platform.epochs import with_soft
+from palimpsest.platform.runtime import Runtime
+from palimpsest.platform.types import (
+    BudgetError,
+    CompiledTurn,
+    GlimpseLimitError,
+    LedgerUnavailableError,
+    UnknownSessionError,
+    UnknownStepError,
+)
+from palimpsest.serving.http.schemas import TurnOut
+from palimpsest.serving.http.tenancy import TurnPolicies
+
+
+class Generate(Protocol):
+    """The actor: one generation from context ids, an optional soft span, and bridge ids."""
+
+    def __call__(self, request: dict, memory: Any = None) -> Awaitable[dict]: ...
+
+
+class WaitClock(Protocol):
+    """The embedder's clock of time spent waiting and of the requests sent (its own thread-local figures)."""
+
+    def reset_wait(self) -> None: ...
+
+    @property
+    def waited_ms(self) -> float: ...
+
+    @property
+    def requests(self) -> int: ...
+
+    @property
+    def lookups(self) -> int: ...
+
+    @property
+    def joined(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class TurnRequest:
+    session_id: str
+    policy: Any
+    budget: Budget  # total, the reply's max_tokens, the soft positions reserved when the arm has memory
+    temperature: float | None = None
+    seed: int | None = None
+    sampling: dict = field(default_factory=dict)  # further sampling fields passed to the actor as they are
+    tools: list[dict] | None = None  # the session's declared function tools, for the actor's tool parser
+    tool_choice: Any = None  # auto, none, required or a named function
+    parallel_tool_calls: bool | None = None
+    keys_wait_s: float = 0.0  # a planning turn waits up to this long for missing step keys (turns.keys_wait_s)
+
+
+@dataclass
+class TurnResult:
+    compiled: CompiledTurn
+    text: str  # the reply as generated
+    finish_reason: str | None
+    glimpses: list[int]
+    prompt_tokens: int  # the ids of the last generation (soft positions included)
+    prompt_tokens_total: int  # summed over every generation of the turn
+    completion_tokens: int  # summed over every generation of the turn
+    generations: int
+    soft_tokens: int
+    cached_tokens: int
+    latency: dict[str, float]
+    fallback: str | None
+    out: dict
+    content: str | None = None  # the reply without tool-call markup
+    cached_tokens_total: int = 0  # the actor's prefix-cache hits, summed over every generation of the turn
+    tool_calls: list[dict] = field(default_factory=list)  # OpenAI wire shape, each with an id
+    # the plan's embeddings: texts looked up, lookups that waited for a priming request in flight, requests the
+    # plan sent itself (with priming on append the last two are 0)
+    embed: dict[str, int] = field(default_factory=dict)
+    stop_sequence: str | None = None  # the stop string that ended the reply, as the actor matched it
+
+
+async def compile_turn(rt: Runtime, req: TurnRequest,
+                       clock: WaitClock | None) -> tuple[CompiledTurn, dict[str, float], str | None]:
+    """Plan and compile in a worker thread (policies may block on the embedder); when the embedder is down
+    the turn is planned as if no step had a key yet. Returns (turn, the embedder's part: ms waited, texts
+    looked up, lookups that joined a priming request in flight, requests the plan sent itself; fallback).
+
+    A turn that plans (a compaction boundary, or a policy that plans every turn) while some step has no key
+    yet first waits, up to ``req.keys_wait_s``, for the enrichment to write them (``Runtime.await_keys``): the
+    plan is then the one every replica makes, not one of whichever keys existed at that moment. ``keys_ms``
+    and ``keys_missing`` say what it waited for."""
+    spent: dict[str, float] = {"ms": 0.0, "lookups": 0, "joined": 0, "requests": 0, "keys_ms": 0.0, "keys_missing": 0}
+
+    def plan(keys: bool):
+        if clock is not None:
+            clock.reset_wait()
+        try:
+            if keys and req.keys_wait_s > 0:
+                missing = rt.missing_keys(req.session_id)
+                if missing:
+                    preview = rt.turn(req.session_id, req.policy, req.budget, None, False, keys)
+                    if preview.compacted or preview.boundary is None:  # this turn plans: its keys matter
+                        t0 = time.perf_counter()
+                        rt.await_keys(req.session_id, req.keys_wait_s)
+                        spent["keys_ms"] += (time.perf_counter() - t0) * 1000
+                        spent["keys_missing"] = missing
+            return rt.turn(req.session_id, req.policy, req.budget, None, True, keys)
+        finally:  # a failed attempt's wait and requests count too (read in the thread that made them)
+            if clock is not None:
+                for k, v in (("ms", clock.waited_ms), ("lookups", clock.lookups), ("joined", clock.joined),
+                             ("requests", clock.requests)):
+                    spent[k] += v
+
+    try:
+        return await asyncio.to_thread(plan, True), spent, None
+    except EmbedderUnavailable:
+        return await asyncio.to_thread(plan, False), spent, "embedder"
+
+
+def turn_memory(rt: Runtime, ct: CompiledTurn, memory_cfg) -> tuple[list[int], list[int]] | None:
+    """What the memory network reads on a served turn (``memory_cfg``: the serve config's ``memory``): the
+    steps the compiled prompt left out and the context before its soft slot, or None when it left none out.
+    The REMORY data builder makes the same call (``platform.chat.memory_read``) on the same compiled turn."""
+    return memory_read(rt.ledger.tokenizer, ct, memory_cfg.max_field_chars, memory_cfg.max_history_tokens)
+
+
+_GLIMPSE_PREFIX = re.compile(r"^\s*#?\d{0,18}\s*(\)\s*)?$")
+
+
+def could_be_glimpse(text: str) -> bool:
+    """Whether a reply that begins with ``text`` may still turn out to be a glimpse call."""
+    s = text.lstrip()
+    if len(s) <= len("glimpse("):
+        return "glimpse(".startswith(s)
+    return s.startswith("glimpse(") and bool(_GLIMPSE_PREFIX.match(s[len("glimpse("):]))
+
+
+class _Gate:
+    """What a streamed generation may show the client: nothing while the reply may still be a glimpse call
+    (answered inside the turn, never shown), everything once it cannot be."""
+
+    def __init__(self, emit: Callable[[str], Awaitable[None]], may_glimpse: bool):
+        self.emit, self.open, self.held, self.text = emit, not may_glimpse, [], ""
+
+    async def feed(self, delta: str, content: str | None) -> None:
+        self.text += delta
+        if not self.open and not could_be_glimpse(self.text):
+            await self.release()
+        if content:
+            if self.open:
+                await self.emit(content)
+            else:
+                self.held.append(content)
+
+    async def release(self) -> None:
+        self.open = True
+        for c in self.held:
+            await self.emit(c)
+        self.held = []
+
+
+async def _streamed(events: AsyncIterator[dict], gate: _Gate) -> dict:
+    async for ev in events:
+        if ev.get("done"):
+            return ev
+        await gate.feed(ev["delta"], ev.get("content"))
+    raise RuntimeError("the actor's stream ended without a result")
+
+
+async def run_turn(rt: Runtime, req: TurnRequest, generate: Generate, glimpse_limit: int,
+                   memory_for: Callable[[CompiledTurn], Awaitable[Any]] | None = None, clock: WaitClock | None = None,
+                   stream: Callable[[dict, Any], AsyncIterator[dict]] | None = None,
+                   emit: Callable[[str], Awaitable[None]] | None = None,
+                   started: Callable[[CompiledTurn], Awaitable[None]] | None = None) -> TurnResult:
+    """One served turn. With ``stream`` and ``emit``, the final answer's content is handed to ``emit`` as
+    it is generated (a glimpse round inside the turn never is); the result is the same either way.
+    ``started`` is told the compiled turn before the actor is first called (a stream's opening names its size)."""
+    t_start = time.perf_counter()
+    ct, embed, fallback = await compile_turn(rt, req, clock)
+    plan_ms = (time.perf_counter() - t_start) * 1000
+    memory = await memory_for(ct) if (memory_for is not None and req.budget.soft) else None
+    if started is not None:
+        await started(ct)
+    request: dict[str, Any] = {**req.sampling, "max_tokens": req.budget.reply, "temperature": req.temperature,
+                               "seed": req.seed, "kind": "turn"}
+    if req.tools:
+        request.update(tools=req.tools, tool_choice=req.tool_choice, parallel_tool_calls=req.parallel_tool_calls)
+    room = req.budget.prompt
+    messages = list(ct.prompt.messages)
+    context, bridge = list(ct.prompt.context_ids), list(ct.prompt.bridge_ids)
+    glimpsed: list[int] = []
+    actor_ms, completion, generations, prompt_total, cached_total = 0.0, 0, 0, 0, 0
+    tok = rt.ledger.tokenizer
+    gate = None
+    while True:
+        if stream is not None and emit is not None:
+            gate = _Gate(emit, may_glimpse=len(glimpsed) < glimpse_limit)
+            out = await _streamed(stream({**request, "context": context, "bridge": bridge, "messages": messages},
+                                         memory), gate)
+        else:
+            out = await generate({**request, "context": context, "bridge": bridge, "messages": messages}, memory)
+        generations += 1
+        actor_ms += out["actor_ms"]
+        completion += int(out.get("completion_tokens", len(out["token_ids"])))
+        prompt_total += out["prompt_tokens"]
+        cached_total += int(out.get("cached_tokens") or 0)
+        step_id = glimpse_call(out["text"])
+        if step_id is None or len(glimpsed) >= glimpse_limit:
+            break
+        try:
+            text = await asyncio.to_thread(rt.glimpse, req.session_id, step_id)
+        except (UnknownStepError, GlimpseLimitError) as e:
+            text = f"(unavailable: {e})"
+        grown = await asyncio.to_thread(with_glimpse, tok, messages, step_id, text, room, ct.prompt.soft_at)
+        if grown is None:  # not even a notice fits what the budget leaves: the reply stands as it is
+            break
+        messages, ids = grown
+        context, bridge = list(ids.context), list(ids.bridge)
+        glimpsed.append(step_id)
+    if gate is not None and not gate.open:  # the reply stands (a glimpse call past the limit, or no room)
+        await gate.release()
+    total_ms = (time.perf_counter() - t_start) * 1000
+    return TurnResult(
+        compiled=ct, text=out["text"], finish_reason=out.get("finish_reason"), glimpses=glimpsed,
+        prompt_tokens=out["prompt_tokens"], prompt_tokens_total=prompt_total, completion_tokens=completion,
+        generations=generations,
+        soft_tokens=out["soft_tokens"], cached_tokens=out["cached_tokens"], cached_tokens_total=cached_total,
+        latency={"plan": plan_ms, "embed": embed["ms"], "memory": float(out.get("memory_ms", 0.0)), "actor": actor_ms,
+                 "total": total_ms},
+        fallback=fallback, out=out, content=out.get("content", out["text"]),
+        tool_calls=list(out.get("tool_calls") or []),
+        embed={k: embed[k] for k in ("lookups", "joined", "requests", "keys_missing", "keys_ms")},
+        stop_sequence=out.get("stop_sequence"))
+
+
+class TurnService:
+    """Every served turn of an ingress replica: its size (budget, reply, soft positions, 422 past the actor's
+    window), the compiled prompt and the memory's soft span, the actor, the record under its arm, and the offer
+    to the shadow lane. Built once the replica's dependencies answered (``Replica._start``)."""
+
+    def __init__(self, runtime: Runtime, cfg, policies: dict, actor, memory, actor_info: dict, memory_info: dict,
+                 metrics, shadow=None, enqueue: Callable[[str], None] | None = None):
+        self.runtime, self.cfg, self.policies = runtime, cfg, policies
+        self.actor, self.memory, self.actor_info, self.memory_info = actor, memory, actor_info, memory_info
+        self.metrics, self.shadow, self.enqueue = metrics, shadow, enqueue
+        self.inflight = 0  # turns being served on this replica (the shadow lane waits for none)
+        self.resolve = TurnPolicies(cfg, runtime, policies)  # the arm's, a tenant's pin, a request's edit
+
+    def memory_of(self, armcfg) -> str | None:
+        """The memory encoder's key for this arm (its own model, else the default), or None: no soft memory."""
+        if not armcfg.memory:
+            return None
+        models = self.memory_info["models"]
+        key = armcfg.name if armcfg.name in models else "default"
+        return key if models[key]["enabled"] else None
+
+    def soft_positions(self, mem: str, history: int) -> int:
+        """The soft positions memory model ``mem`` yields for a read of ``history`` ids (``MemoryConfig.slots_for``,
+        up to ``max_slots``: what a read of ``memory.max_history_tokens`` yields, the room reserved)."""
+        m = self.memory_info["models"][mem]
+        return MemoryConfig(block_size=m["block_size"], queries=m["queries"],
+                            max_slots=m["max_slots"]).slots_for(history)
+
+    def size(self, armcfg, budget: int | None, max_tokens: int | None) -> tuple[Budget, str | None]:
+        """(budget, memory key) of a turn on this arm; a BudgetError (422) when the budget exceeds the actor's
+        window or leaves no room for the reply and the soft span."""
+        total = budget or armcfg.budget or self.cfg.budget
+        window = self.actor_info["max_model_len"]
+        if total > window:
+            raise BudgetError(f"budget: {total} tokens exceeds the actor's window of {window}")
+        mem = self.memory_of(armcfg)
+        soft = self.memory_info["models"][mem]["max_slots"] if mem is not None else 0
+        return Budget(total, max_tokens or self.cfg.actor.max_tokens, soft), mem
+
+    async def serve(self, session, arm: str, body, tool_choice: Any = None, parallel_tool_calls: bool | None = None,
+                    emit: Callable[[str], Awaitable[None]] | None = None, noted: dict | None = None,
+                    started: Callable[[dict], Awaitable[None]] | None = None):
+        """One turn of ``session`` (the ledger's) on ``arm`` (the router's choice; ``body``: a TurnIn). A failure
+        that is not the caller's is counted and recorded under the arm, then raised. ``noted``: request fields
+        read that change nothing for this actor, recorded with the turn (``requested_<name>``)."""
+        ledger, sid = self.runtime.ledger, session.id
+        self.inflight += 1
+        try:
+            return await self._serve(session, arm, body, tool_choice, parallel_tool_calls, emit, noted or {}, started)
+        except Exception as e:
+            self.metrics.errors.labels(arm=arm, kind=type(e).__name__).inc()
+            if (isinstance(e, (UnknownSessionError, BudgetError, LedgerUnavailableError))
+                    or getattr(e, "status", 500) < 500):
+                raise  # the caller's mistakes are not the arm's, and nothing can be recorded without the ledger
+            await asyncio.to_thread(ledger.record_served, sid, ledger.count(sid), arm, {"error": type(e).__name__})
+            raise
+        finally:
+            self.inflight -= 1
+
+    async def _serve(self, session, arm: str, body, tool_choice, parallel_tool_calls, emit, noted: dict, started=None):
+        sid = session.id
+        pin = self.resolve.pin(sid)  # the tenant's pinned policy, budget and compaction mode, if any
+        budget, mem = self.size(self.cfg.arm(arm), self.resolve.budget(pin, body.budget), body.max_tokens)
+        policy = self.resolve.policy(arm, pin, body.edits, budget)
+        req = TurnRequest(session_id=sid, policy=policy, budget=budget, temperature=body.temperature, seed=body.seed,
+                          sampling={k: v for k, v in (("top_p", body.top_p), ("stop", body.stop)) if v is not None},
+                          tools=declared_tools(session.tools) if self.actor_info.get("tool_parser") else None,
+                          tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls,
+                          keys_wait_s=self.cfg.turns.keys_wait_s)
+
+        reads: dict[int, Any] = {}  # the memory's read of the compiled turn, computed once
+
+        async def read_of(ct):
+            if id(ct) not in reads:
+                reads[id(ct)] = await asyncio.to_thread(turn_memory, self.runtime, ct, self.cfg.memory)
+            return reads[id(ct)]
+
+        async def memory_for(ct):
+            # A handle response, not awaited here: the soft span goes from the encoder to the actor directly.
+            read = await read_of(ct)
+            return None if read is None else self.memory.encode.remote(mem, sid, *read)
+
+        async def opened(ct):
+            """The size of the turn's first generation, before the actor is called (a stream's opening usage):
+            its ids, the soft positions the memory's read yields, and what the epoch expects the cache to hold."""
+            read = await read_of(ct) if mem else None
+            ids = len(ct.prompt.context_ids) + len(ct.prompt.bridge_ids)
+            await started({"prompt": ids + (self.soft_positions(mem, len(read[0])) if read else 0),
+                           "expected_cached": int((ct.cost or {}).get("cached", 0))})
+
+        stream = (lambda r, m: self.actor.options(stream=True).generate_stream.remote(r, m)) if emit else None
+        res = await run_turn(self.runtime, req, self.actor.generate.remote, self.cfg.limits.glimpses_per_turn,
+                             memory_for if mem is not None else None, clock=self.runtime.embedder,
+                             stream=stream, emit=emit, started=opened if started is not None else None)
+        if res.fallback:
+            self.metrics.fallbacks.labels(arm=arm, kind=res.fallback).inc()
+            if self.enqueue is not None:
+                self.enqueue(sid)
+        ct = res.compiled
+        tokens = {"context": ct.prompt.tokens, "prefix": ct.prompt.prefix_tokens, "soft": res.soft_tokens,
+                  "prompt": res.prompt_tokens, "completion": res.completion_tokens, "cached": res.cached_tokens,
+                  "reserve": ct.prompt.reserve, "generations": res.generations, "prompt_total": res.prompt_tokens_total,
+                  "full_history_estimate": ct.plan.info.get("full_tokens_estimate", ct.prompt.tokens),
+                  "cached_total": res.cached_tokens_total}
+        await asyncio.to_thread(self._record, sid, arm, ct, res, tokens, emit is not None, noted, tool_choice,
+                                TurnPolicies.recorded(pin, policy))
+        self.metrics.observe_turn(arm, tokens, res.latency, len(res.glimpses))
+        if self.shadow is not None:
+            self._offer(sid, arm, mem, ct, res, budget)
+        edit = None if body.edits is None else applied(body.edits, ct.plan, ct.snapshot, policy.cfg, budget.total,
+                                                       bool(ct.compacted), budget.total - budget.prompt)
+        return TurnOut(session_id=sid, t=ct.t, arm=arm, action=res.text, finish_reason=res.finish_reason,
+                       stop_sequence=res.stop_sequence, context_edit=edit,
+                       plan=ct.plan.counts(), tokens=tokens, latency_ms=res.latency, glimpses=res.glimpses,
+                       prompt_hash=ct.prompt.prompt_hash, content=res.content, tool_calls=res.tool_calls)
+
+    def _record(self, sid: str, arm: str, ct: CompiledTurn, res: TurnResult, tokens: dict, streamed: bool,
+                noted: dict, tool_choice: Any = None, policy: dict | None = None) -> None:
+        """The turn under its arm: tokens, latency by stage, and what its ids should cost against the session's
+        previous turn (``platform.epochs.turn_cost``) beside what the actor's cache really held (tokens_cached)."""
+        cost = with_soft(ct.cost, len(ct.prompt.ids), res.soft_tokens) if ct.cost else {}
+        self.runtime.ledger.record_served(sid, ct.t, arm, {
+            **{f"tokens_{k}": v for k, v in tokens.items()}, **{f"{k}_ms": v for k, v in res.latency.items()},
+            "glimpses": len(res.glimpses), "budget": ct.budget,
+            "memory_cached": bool(res.out.get("memory_cached", False)),
+            "elided": len(ct.plan.info.get("elided", [])), "tool_calls": len(res.tool_calls), "streamed": streamed,
+            **({"tool_choice": json.dumps(tool_choice, sort_keys=True)} if tool_choice is not None else {}),
+            **{f"embed_{k}": v for k, v in res.embed.items()},
+            "compaction": bool(ct.compacted), "rebuilt": bool(ct.compacted) or ct.boundary is None,
+            **({"expected_cached": cost["cached"], "uncached": cost["uncached"], "billed": cost["billed"],
+                "prefix_reuse": cost["prefix_reuse"]} if cost else {}),
+            **({"fallback": res.fallback} if res.fallback else {}),
+            **{f"elasticizer_{k}": v for k, v in ct.plan.info.get("model_calls", {}).items()},  # ace's LLM calls
+            **(policy or {}), **{f"requested_{k}": v for k, v in noted.items()}})
+
+    def _offer(self, sid: str, arm: str, mem: str | None, ct: CompiledTurn, res: TurnResult, budget=None) -> None:
+        async def score(reference: list[int], reply: list[int], threads: int | None = None) -> tuple[float, float]:
+            """Both prompts of the turn scored by the memory encoder's actor (a memory arm's span is cached)."""
+            read = await asyncio.to_thread(turn_memory, self.runtime, ct, self.cfg.memory) if mem else None
+            p = ct.prompt
+            return await self.memory.score.remote(mem if read else None, sid, *(read or ([], [])),
+                                                  list(p.context_ids), list(p.bridge_ids), reply, reference, threads)
+
+        self.shadow.offer(sid, arm, ct, res.out.get("token_ids") or [], res.generations, res.soft_tokens,
+                          self.policies[arm], score, budget)
