@@ -30,9 +30,9 @@ import numpy as np
 
 from palimpsest.evaluation.replay import run_replay
 from palimpsest.pipelines.trajectories import import_trajectory, read_trajectories
-from palimpsest.platform.abstraction import extract_salient
 from palimpsest.platform.policies import parse_policy_config
 from palimpsest.platform.policies.pace_plus import FITTED_ON
+from palimpsest.platform.prompt.abstraction import extract_salient
 from palimpsest.platform.types import Resolution
 from palimpsest.training.remory_data import split_of
 

@@ -55,7 +55,7 @@ def stage1_spans(cfg, actor_path: str, tokens: int, chunks: int) -> tuple[list[d
     """(train, val) Stage I spans of exactly ``tokens`` ids."""
 
     from palimpsest.pipelines.trajectories import read_trajectories
-    from palimpsest.platform.tokens import get_tokenizer
+    from palimpsest.platform.prompt.tokens import get_tokenizer
     from palimpsest.training.prepare import data_config
     from palimpsest.training.remory_data import stage1_rows
 
@@ -180,7 +180,7 @@ def rung5(args, actor, network, train_rows, val_rows, lrs) -> dict:
     import torch
 
     from palimpsest.evaluation.reconstruction import greedy, score
-    from palimpsest.platform.tokens import get_tokenizer
+    from palimpsest.platform.prompt.tokens import get_tokenizer
 
     tok = get_tokenizer(args.actor_path)
     train_n = needle_rows(train_rows, args.spans, args.tokens, tok, args.seed)

@@ -3,7 +3,7 @@
     python benchmarks/prompt_bounds.py [--data FILE] [--budget 8192] [--max-tokens 256]
 
 For every step t of every trajectory and every budgeted policy, the turn is compiled exactly as
-`palimpsest render --json` and serving compile it (the runtime, the compiler, ``platform/chat.py``, SmolLM2's
+`palimpsest render --json` and serving compile it (the runtime, the compiler, ``platform/prompt/chat.py``, SmolLM2's
 tokenizer and chat template, MiniLM keys) with ``max_tokens`` reserved, and checked:
 
 - the prompt ids plus ``max_tokens`` are at most the budget;

@@ -26,7 +26,7 @@ import numpy as np
 from palimpsest.models.relevance_head import load_head
 from palimpsest.pipelines.environment import open_runtime
 from palimpsest.pipelines.trajectories import hash_halves
-from palimpsest.platform.relevance import SCALARS
+from palimpsest.platform.policies.relevance import SCALARS
 from palimpsest.training.relevance_data import build_rows, ranking
 
 

@@ -36,7 +36,7 @@ def spans(cfg, actor_path: str, corpus: str | None, chunks: int) -> tuple[list[d
     """The Stage I rows of a training config with ``corpus`` added: (rows, counts)."""
 
     from palimpsest.pipelines.trajectories import read_trajectories
-    from palimpsest.platform.tokens import get_tokenizer
+    from palimpsest.platform.prompt.tokens import get_tokenizer
     from palimpsest.training.prepare import data_config
     from palimpsest.training.remory_data import stage1_rows
 

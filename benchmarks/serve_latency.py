@@ -148,7 +148,7 @@ async def prefix_cache_phase(args, trajs):
     """The same compiled turns sent to one engine twice: stable layout, then with the prefix moved each turn."""
     from palimpsest.pipelines.environment import open_runtime
     from palimpsest.pipelines.trajectories import import_trajectory
-    from palimpsest.platform.chat import chat_ids
+    from palimpsest.platform.prompt.chat import chat_ids
     from palimpsest.platform.types import BudgetError
     from palimpsest.serving.models.engine import ActorEngine
     from palimpsest.serving.serve_config import ActorConfig

@@ -7,7 +7,7 @@ message, as `replay --concat` builds it), driven over HTTP as an agent does: app
 step with the other arm, against one composed app (SmolLM2-135M on vLLM with prefix caching, MiniLM keys,
 rule summaries so that the turns alone use the actor). The hit rate is vLLM's: the cached tokens it reports
 per request (`num_cached_tokens`) over the prompt tokens, summed over each arm's turns, beside the prefix
-reuse the ingress predicts from the ids (`platform/epochs.py:turn_cost`) and the compactions per 100 turns.
+reuse the ingress predicts from the ids (`platform/compile/epochs.py:turn_cost`) and the compactions per 100 turns.
 The budget is sized for CPU prefill on 2 cores.
 
 ``--memory``: both arms inject the soft memory (the registered memory model; the demo's is trained first when

@@ -38,7 +38,7 @@ def main() -> None:
     from palimpsest.models.actor import FrozenActor
     from palimpsest.models.memory import MemoryConfig
     from palimpsest.models.memory_network import MemoryNetwork
-    from palimpsest.platform.tokens import get_tokenizer
+    from palimpsest.platform.prompt.tokens import get_tokenizer
     from palimpsest.training.prepare import resolve_actor
     from palimpsest.training.remory_data import REPEAT_INSTRUCTION
     from palimpsest.training.step import LocalBackend, TrainStep

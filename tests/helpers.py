@@ -39,7 +39,7 @@ STEPS = [
 
 
 #: Planning every turn anew (the seeds' behaviour): what the tests of a policy's or the compiler's per-turn
-#: decisions compile with, since every policy runs in compaction epochs by default (platform/epochs.py).
+#: decisions compile with, since every policy runs in compaction epochs by default (platform/compile/epochs.py).
 PER_TURN = {"mode": "per_turn"}
 
 

@@ -36,8 +36,8 @@ def test_the_ledger_does_not_import_the_prompt():
 
     import palimpsest.platform.ledger as ledger
 
-    above = {"palimpsest.platform.chat", "palimpsest.platform.compiler", "palimpsest.platform.runtime",
-             "palimpsest.platform.epochs", "palimpsest.platform.policies"}
+    above = {"palimpsest.platform.prompt.chat", "palimpsest.platform.compile.compiler", "palimpsest.platform.runtime",
+             "palimpsest.platform.compile.epochs", "palimpsest.platform.policies"}
     files = sorted(Path(ledger.__file__).parent.glob("*.py"))
     assert len(files) >= 5  # store, audit, experiments, snapshot and the package
     for f in files:

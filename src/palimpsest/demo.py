@@ -49,8 +49,8 @@ from palimpsest.models.assets import minilm_dir, smollm2_dir, smollm2_tokenizer_
 from palimpsest.models.registry import read_bundle, resolve_memory_ref
 from palimpsest.pipelines.trajectories import read_trajectories
 from palimpsest.platform import Ledger
-from palimpsest.platform.chat import chat_ids
-from palimpsest.platform.tokens import get_tokenizer
+from palimpsest.platform.prompt.chat import chat_ids
+from palimpsest.platform.prompt.tokens import get_tokenizer
 from palimpsest.platform.types import ConfigError, PalimpsestError
 from palimpsest.serving.local import LocalServer
 from palimpsest.serving.serve_config import ArmConfig, load_serve_config, parse_serve_config

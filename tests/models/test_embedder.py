@@ -32,7 +32,7 @@ def test_minilm_batches_give_the_same_vectors_as_single_calls(minilm):
 def test_smollm2_tokenizer_is_extracted_offline_once(tmp_path, monkeypatch):
     monkeypatch.setenv("PALIMPSEST_CACHE", str(tmp_path))
     from palimpsest.models.assets import smollm2_tokenizer_dir
-    from palimpsest.platform.tokens import HFTokenizer
+    from palimpsest.platform.prompt.tokens import HFTokenizer
 
     path = smollm2_tokenizer_dir()
     assert (path / "tokenizer.json").is_file() and smollm2_tokenizer_dir() == path

@@ -4,7 +4,7 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from palimpsest.platform.budget import Budget
+from palimpsest.platform.compile.budget import Budget
 from palimpsest.platform.policies import parse_policy_config
 from palimpsest.platform.types import PalimpsestError
 from palimpsest.training.remory_data import DataConfig, build_datasets, split_of
@@ -30,7 +30,7 @@ WINDOW = dict(embedder="hashing", max_history_tokens=2400, budget=1000, memory_t
 
 
 def test_stage2_rows_are_compiled_prompts_with_the_memory_reading_what_they_left_out(tmp_path, tok_dir):
-    from palimpsest.platform.tokens import get_tokenizer
+    from palimpsest.platform.prompt.tokens import get_tokenizer
 
     tok = get_tokenizer(tok_dir)
     data = tmp_path / "d.jsonl"
@@ -129,7 +129,7 @@ def test_the_data_builder_and_the_served_turn_hand_the_memory_identical_ids(tmp_
 def test_a_stage1_corpus_adds_reconstruction_spans_split_by_file(tmp_path, tok_dir):
     """Stage I reads a text corpus beside the trajectories: every span of its text files, a file wholly on one
     side of the split, installed packages and test suites left out, at most ``stage1_chunks`` spans."""
-    from palimpsest.platform.tokens import get_tokenizer
+    from palimpsest.platform.prompt.tokens import get_tokenizer
     from palimpsest.training.remory_data import corpus_root, corpus_samples
 
     tok = get_tokenizer(tok_dir)

@@ -1,5 +1,5 @@
 from palimpsest.platform import Authority, StepRecord
-from palimpsest.platform.abstraction import RuleSummarizer, abstract_step, extract_salient
+from palimpsest.platform.prompt.abstraction import RuleSummarizer, abstract_step, extract_salient
 
 
 def test_abstraction_keeps_ids_paths_urls_numbers_errors_and_failures():
@@ -58,7 +58,7 @@ def test_extract_salient_does_not_count_path_parts_again():
 
 
 def test_a_placeholder_keeps_the_identifiers_its_result_is_most_about_within_its_cap():
-    from palimpsest.platform.salient import PLACEHOLDER_ID_CHARS, PLACEHOLDER_IDS, placeholder_ids
+    from palimpsest.platform.prompt.salient import PLACEHOLDER_ID_CHARS, PLACEHOLDER_IDS, placeholder_ids
 
     obs = ("Traceback: KeyError 'DATABASE_URL' in src/app/settings.py line 42\n"
            "src/app/settings.py: def parse_config(env): return env['DATABASE_URL']\n"

@@ -11,11 +11,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from palimpsest.platform import Authority, Ledger, Resolution, Runtime, StepRecord, toolcalls
-from palimpsest.platform.budget import Budget
-from palimpsest.platform.chat import chat_ids, glimpse_call, prefix_messages
-from palimpsest.platform.compiler import compile_plan
+from palimpsest.platform import Authority, Ledger, Resolution, Runtime, StepRecord
+from palimpsest.platform.compile.budget import Budget
+from palimpsest.platform.compile.compiler import compile_plan
 from palimpsest.platform.policies.base import Reasons, new_plan
+from palimpsest.platform.prompt import toolcalls
+from palimpsest.platform.prompt.chat import chat_ids, glimpse_call, prefix_messages
 from tests.helpers import STEPS, TASK, step
 
 
@@ -100,7 +101,7 @@ def test_a_degraded_step_keeps_its_place_and_roles(smol_dir, tmp_path):
     assert tok.decode(list(p.bridge_ids)).startswith("<|im_start|>assistant\n" + STEP_ACTION.format(4))
     assert p.ids == tok.encode(tok.template(list(p.messages), True))  # the split is exact: no id changes
     # what the memory reads: the raw text of the steps shown below full (1-3), oldest first, not the recent tail
-    from palimpsest.platform.chat import memory_input
+    from palimpsest.platform.prompt.chat import memory_input
 
     history, summary = memory_input(tok, snap.session, snap.steps, plan.resolution, p.context_ids, 4000, 100_000)
     text = tok.decode(history)
@@ -115,8 +116,8 @@ def test_the_memory_reads_every_left_out_step_when_they_exceed_its_tokens(smol_d
     """Left-out text over ``max_history_tokens``: every step keeps its head and tail (an equal share of
     characters a field), the oldest included, in order; it is the front cut only when not even the
     smallest share fits."""
-    from palimpsest.platform.chat import MIN_SHARE_CHARS, memory_input
-    from palimpsest.platform.render import COMPACT_ELISION
+    from palimpsest.platform.prompt.chat import MIN_SHARE_CHARS, memory_input
+    from palimpsest.platform.prompt.render import COMPACT_ELISION
 
     led = Ledger(str(tmp_path / "l.db"), smol_dir)
     rt = Runtime(led)
@@ -277,7 +278,7 @@ def test_piecewise_encoding_equals_encoding_the_whole_text(smol_dir, text):
     tokenizer's own encoding of the whole text, and the piecewise decoding equals decoding those ids."""
     from tokenizers import Tokenizer
 
-    from palimpsest.platform.tokens import HFTokenizer
+    from palimpsest.platform.prompt.tokens import HFTokenizer
 
     tok = HFTokenizer(smol_dir)
     raw = Tokenizer.from_file(smol_dir + "/tokenizer.json")
@@ -296,7 +297,7 @@ def test_glimpse_calls_are_parsed_strictly():
 def test_the_exact_count_holds_when_stored_counts_underestimate(smol, monkeypatch, scale):
     """Stored per-step counts are estimates (a ledger written by another tokenizer version, a template with
     more markup): the assembled ids are what is bounded."""
-    from palimpsest.platform import compiler
+    from palimpsest.platform.compile import compiler
 
     real = compiler.step_costs
     monkeypatch.setattr(compiler, "step_costs", lambda snap, overhead: (real(snap, overhead) * scale).astype(np.int64))
@@ -337,7 +338,7 @@ def test_an_oversized_latest_step_leaves_the_rest_of_the_history_in_place(big_se
 
 
 def test_a_glimpse_inside_a_turn_shows_what_the_budget_leaves(big_session):
-    from palimpsest.platform.chat import with_glimpse
+    from palimpsest.platform.prompt.chat import with_glimpse
 
     rt, log = big_session
     ct = rt.turn("b", "pace", 8192, reserve=256, record=False)
@@ -352,7 +353,7 @@ def test_a_glimpse_inside_a_turn_shows_what_the_budget_leaves(big_session):
 
 
 def test_the_soft_slot_is_before_the_recent_raw_tail_and_a_hidden_gap_ends_it():
-    from palimpsest.platform.chat import soft_slot
+    from palimpsest.platform.prompt.chat import soft_slot
 
     B, F, D = int(Resolution.BRIEF), int(Resolution.FULL), int(Resolution.DROP)
     # steps 0-4, each two messages after a two-message prefix; step 2 is hidden without a range line

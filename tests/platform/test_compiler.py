@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from palimpsest.platform import BudgetError, Resolution
-from palimpsest.platform.budget import Budget
-from palimpsest.platform.compiler import compile_plan
+from palimpsest.platform.compile.budget import Budget
+from palimpsest.platform.compile.compiler import compile_plan
 from palimpsest.platform.policies import WindowConfig
 from tests.helpers import per_turn, step
 
@@ -205,7 +205,7 @@ def test_a_range_line_keeps_the_identifiers_its_steps_introduced(runtime):
     """Folded steps keep, on their one line and within its cap, what later actions reuse: the identifiers the
     run introduced (no earlier step names them) first, those several of its steps name before the others;
     inside the block of the least trusted authority they came from; and the same line at every later turn."""
-    from palimpsest.platform.salient import RANGE_ID_CHARS, RANGE_IDS, capped, range_ids
+    from palimpsest.platform.prompt.salient import RANGE_ID_CHARS, RANGE_IDS, capped, range_ids
 
     runtime.ledger.create_session("r", "Fix the loader.", system="You are a careful coding agent.")
     steps = [("cat README.md", "see settings/loader.py, port 8080"),
@@ -271,8 +271,8 @@ def test_only_the_runs_the_compiler_hid_or_a_boundary_drew_get_lines(runtime, se
 
 
 def test_a_kept_region_names_the_runs_its_boundary_drew(runtime, session):
-    from palimpsest.platform.epoch_compile import _lined
-    from palimpsest.platform.epochs import Boundary
+    from palimpsest.platform.compile.epoch_turn import _lined
+    from palimpsest.platform.compile.epochs import Boundary
     from palimpsest.platform.types import Segment
 
     snap = runtime.snapshot(session)
@@ -287,7 +287,7 @@ def test_a_kept_region_names_the_runs_its_boundary_drew(runtime, session):
 
 def test_a_range_line_shows_its_names_under_the_least_trusted_authority_of_its_steps():
     from palimpsest.platform import Authority
-    from palimpsest.platform.render import range_names
+    from palimpsest.platform.prompt.render import range_names
 
     steps = [step(0, "cat notes.txt", "see deploy_config.yaml", authority=Authority.USER),
              step(1, "curl https://example.com/doc", "the page names release_tag_v2", authority=Authority.RETRIEVED),

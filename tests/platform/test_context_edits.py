@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from palimpsest.platform.context_edits import ContextEdits, Retain, applied, cleared, edited_config
+from palimpsest.platform.compile.context_edits import ContextEdits, Retain, applied, cleared, edited_config
 from palimpsest.platform.policies import parse_policy_config
 from palimpsest.platform.types import Resolution
 from tests.helpers import per_turn

@@ -1,4 +1,4 @@
-"""Compaction epochs (platform/epochs.py): append-only turns between boundaries, a boundary exactly when the
+"""Compaction epochs (platform/compile/epochs.py): append-only turns between boundaries, a boundary exactly when the
 high watermark is crossed, the budget on every turn, and replicas that agree byte for byte."""
 
 import re
@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from palimpsest.platform import Ledger, Runtime
-from palimpsest.platform.chat import chat_ids
-from palimpsest.platform.epochs import Boundary, Compaction, cached_tokens, turn_cost, with_soft
+from palimpsest.platform.compile.epochs import Boundary, Compaction, cached_tokens, turn_cost, with_soft
 from palimpsest.platform.policies import parse_policy_config
-from palimpsest.platform.render import step_messages
+from palimpsest.platform.prompt.chat import chat_ids
+from palimpsest.platform.prompt.render import step_messages
 from palimpsest.platform.types import Authority, ConfigError, Resolution, Step
 from tests.helpers import STEPS, TASK, per_turn, step
 
@@ -61,9 +61,9 @@ def test_a_boundary_happens_exactly_when_the_high_watermark_is_crossed(runtime):
         prev = runtime.boundary(sid, f"{pol.config_hash}@{BUDGET}/{RESERVE}")
         snap = runtime.snapshot(sid)
         # what the append-only turn would send: the last boundary's messages plus every step since, raw
-        from palimpsest.platform.chat import message_overhead, prefix_messages
-        from palimpsest.platform.compiler import prefix_segments
-        from palimpsest.platform.epochs import empty_boundary, extend
+        from palimpsest.platform.compile.compiler import prefix_segments
+        from palimpsest.platform.compile.epochs import empty_boundary, extend
+        from palimpsest.platform.prompt.chat import message_overhead, prefix_messages
 
         base = prev or empty_boundary(prefix_messages(snap.session), prefix_segments(prefix_messages(snap.session)))
         msgs, _ = extend(base, snap, message_overhead(tok))
@@ -470,7 +470,7 @@ def test_the_replica_that_loses_a_compaction_race_serves_the_winners_boundary_as
 def test_on_a_ledger_holding_duplicate_boundaries_the_stored_row_and_the_row_in_effect_agree(tmp_path):
     """A ledger written before migration 0006 may hold two boundaries at one (session, key, t). The row that
     add_boundary answers a losing writer with is the row last_boundary puts in effect, and what is served."""
-    from palimpsest.platform.stores import migrations
+    from palimpsest.platform.ledger.backends import migrations
 
     url = str(tmp_path / "ledger.db")
     rt = Runtime(Ledger(url))

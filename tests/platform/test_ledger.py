@@ -11,7 +11,7 @@ from palimpsest.platform import (
     UnknownSessionError,
     UnknownStepError,
 )
-from palimpsest.platform.abstraction import RuleSummarizer
+from palimpsest.platform.prompt.abstraction import RuleSummarizer
 from tests.helpers import TASK, step
 
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from palimpsest.platform import Resolution, StepRecord, toolcalls
-from palimpsest.platform.render import INPUT_MASKED, RESULT_MASKED, authority_block, masked_note
+from palimpsest.platform import Resolution, StepRecord
+from palimpsest.platform.prompt import toolcalls
+from palimpsest.platform.prompt.render import INPUT_MASKED, RESULT_MASKED, authority_block, masked_note
 from tests.helpers import STEPS, per_turn, step
 
 M = 4

@@ -1,13 +1,13 @@
-"""A summarised step names, within its caps, the identifiers a later action may reuse (platform/names.py)."""
+"""A summarised step names, within its caps, the identifiers a later action may reuse (platform/prompt/names.py)."""
 
 import numpy as np
 
 from palimpsest.platform import Resolution
-from palimpsest.platform.abstraction import BRIEF_NAMES
-from palimpsest.platform.budget import Budget
-from palimpsest.platform.compiler import compile_plan
-from palimpsest.platform.names import RECUR_WINDOW, name_order, summary_body
+from palimpsest.platform.compile.budget import Budget
+from palimpsest.platform.compile.compiler import compile_plan
 from palimpsest.platform.policies.base import Reasons, new_plan
+from palimpsest.platform.prompt.abstraction import BRIEF_NAMES
+from palimpsest.platform.prompt.names import RECUR_WINDOW, name_order, summary_body
 from tests.helpers import step
 
 # A listing whose frequent names fill a brief's cap; `needle_loader_v2` is named once, and step 1 goes back to it.

@@ -3,7 +3,7 @@
 import dataclasses
 
 from palimpsest.platform import Ledger, Runtime
-from palimpsest.platform.abstraction import RuleSummarizer
+from palimpsest.platform.prompt.abstraction import RuleSummarizer
 from palimpsest.platform.types import Fold
 from tests.helpers import same_snapshot, step
 

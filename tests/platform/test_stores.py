@@ -12,8 +12,8 @@ from collections import Counter
 import pytest
 
 from palimpsest.platform import Ledger, LedgerError, LedgerUnavailableError, Runtime
-from palimpsest.platform.abstraction import RuleSummarizer
-from palimpsest.platform.stores import migrations, redact
+from palimpsest.platform.ledger.backends import migrations, redact
+from palimpsest.platform.prompt.abstraction import RuleSummarizer
 from tests import pg
 from tests.helpers import TASK, step
 

@@ -55,7 +55,7 @@ def tiny_relevance(tmp_path_factory):
     import numpy as np
 
     from palimpsest.models.relevance_head import write_head
-    from palimpsest.platform.relevance import SCALARS, RelevanceHead
+    from palimpsest.platform.policies.relevance import SCALARS, RelevanceHead
 
     f = len(SCALARS)
     head = RelevanceHead(mean=np.zeros(f), scale=np.ones(f), w1=np.zeros((0, 0)), b1=np.zeros(0),

@@ -85,7 +85,7 @@ def test_a_turn_that_served_its_reference_is_recorded_identical_and_never_scored
     import asyncio
 
     from palimpsest.platform import Ledger, Runtime
-    from palimpsest.platform.budget import Budget
+    from palimpsest.platform.compile.budget import Budget
     from palimpsest.serving.serve_config import ABConfig
     from palimpsest.serving.turn.shadow import ShadowLane
     from tests.helpers import STEPS, TASK, per_turn, step
@@ -123,7 +123,7 @@ def test_the_full_reference_is_the_whole_history_uncompacted_whenever_it_fits(tm
     the reference is the arm's policy planned per turn at the window, labelled so, never smaller than a
     per-turn plan at a smaller budget; a reference smaller than the served prompt is noted."""
     from palimpsest.platform import Ledger, Runtime
-    from palimpsest.platform.budget import Budget
+    from palimpsest.platform.compile.budget import Budget
     from palimpsest.platform.types import Resolution
     from palimpsest.serving.turn.shadow import reference, smaller_note
     from tests.helpers import TASK, per_turn, step

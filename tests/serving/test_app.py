@@ -129,8 +129,8 @@ def test_paired_traffic_runs_every_trajectory_once_per_arm_and_the_report_pairs_
 
 
 def test_an_arm_serving_a_memory_otherwise_than_it_was_trained_is_warned_about(client, tiny_dir, tiny_memory, tmp_path):
-    from palimpsest.platform.chat import MEMORY_READ_VERSION
     from palimpsest.platform.policies import parse_policy_config
+    from palimpsest.platform.prompt.chat import MEMORY_READ_VERSION
     from palimpsest.serving.serve_config import parse_serve_config
     from palimpsest.serving.turn.replica import memory_warnings
 
@@ -688,7 +688,7 @@ def test_a_served_boundary_with_a_relevance_predictor_scores_old_steps_as_its_he
     from palimpsest.models.relevance_head import read_head
     from palimpsest.platform import Runtime
     from palimpsest.platform.policies.base import query_text, relative_softmax
-    from palimpsest.platform.relevance import features
+    from palimpsest.platform.policies.relevance import features
 
     ledger = Ledger(server.cfg.ledger)
     audits = {}

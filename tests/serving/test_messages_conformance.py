@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from palimpsest.platform import Ledger
-from palimpsest.platform.chat import prefix_messages
+from palimpsest.platform.prompt.chat import prefix_messages
 from palimpsest.serving.http import anthropic_proxy, errors
 from palimpsest.serving.http.server import ARM_HEADER
 from tests.helpers import error_message

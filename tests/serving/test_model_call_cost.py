@@ -8,7 +8,7 @@ import pytest
 
 from palimpsest.experiments.ab_report import ab_summary, summary_markdown
 from palimpsest.platform import Ledger, Runtime
-from palimpsest.platform.chat import chat_ids
+from palimpsest.platform.prompt.chat import chat_ids
 from palimpsest.serving.models.summarizer import LLMSummarizer, sent_ids, summary_messages
 from palimpsest.serving.serve_config import parse_serve_config
 from palimpsest.serving.turn.enrichment import Enrichment

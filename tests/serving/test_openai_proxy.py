@@ -135,7 +135,7 @@ def test_malformed_tool_declarations_are_refused_by_field_not_crashed_on():
 
 
 def test_a_tool_message_before_any_action_keeps_its_call_id():
-    from palimpsest.platform import toolcalls
+    from palimpsest.platform.prompt import toolcalls
     from palimpsest.serving.http.openai_protocol import parse_messages
     from palimpsest.serving.http.schemas import ChatIn
 

@@ -359,7 +359,7 @@ def test_a_failed_stream_and_its_events_are_the_openai_types():
 
 def test_a_literal_clear_tool_uses_edit_is_the_policy_with_its_parameters():
     pytest.importorskip("vllm")
-    from palimpsest.platform.context_edits import edited_config
+    from palimpsest.platform.compile.context_edits import edited_config
     from palimpsest.serving.http import anthropic_protocol
 
     base = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "x"}]}

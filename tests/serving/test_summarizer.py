@@ -3,7 +3,7 @@ is slow or writes nothing usable."""
 
 import asyncio
 
-from palimpsest.platform.abstraction import RuleSummarizer
+from palimpsest.platform.prompt.abstraction import RuleSummarizer
 from palimpsest.platform.types import Authority, StepRecord
 from palimpsest.serving.models.summarizer import LLMSummarizer, parse_reply
 

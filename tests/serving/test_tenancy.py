@@ -8,8 +8,8 @@ import hashlib
 import pytest
 
 from palimpsest.platform import Ledger, Runtime
-from palimpsest.platform.budget import Budget
-from palimpsest.platform.context_edits import ContextEdits
+from palimpsest.platform.compile.budget import Budget
+from palimpsest.platform.compile.context_edits import ContextEdits
 from palimpsest.platform.policies import parse_policy_config
 from palimpsest.platform.types import ConfigError
 from palimpsest.serving.http.tenancy import OFF, PinnedError, TurnPolicies

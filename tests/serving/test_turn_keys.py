@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from palimpsest.platform import Ledger, Runtime
-from palimpsest.platform.budget import Budget
+from palimpsest.platform.compile.budget import Budget
 from palimpsest.serving.turn.turn import TurnRequest, compile_turn
 from tests.helpers import STEPS, TASK, per_turn, step
 

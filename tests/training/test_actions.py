@@ -157,7 +157,7 @@ def test_an_epoch_policy_is_scored_on_its_chain_as_served_with_boundary_and_appe
     """The student at a scored step is the turn serving sends there: the epoch's prompt extended since its last
     boundary (an append turn), not a fresh compaction at that step; the summary gives the two kinds apart."""
     from palimpsest.pipelines.replay_sessions import walk_turns
-    from palimpsest.platform.budget import Budget
+    from palimpsest.platform.compile.budget import Budget
 
     f = tmp_path / "long.jsonl"
     f.write_text(json.dumps(traj("tr/long", n=40, obs=8)) + "\n")

@@ -198,7 +198,7 @@ def test_a_served_boundary_and_its_evaluation_give_the_memory_the_same_soft_span
     from palimpsest.pipelines.environment import open_runtime
     from palimpsest.pipelines.replay_sessions import prepare_sessions, walk_turns
     from palimpsest.pipelines.trajectories import read_trajectories
-    from palimpsest.platform.budget import Budget
+    from palimpsest.platform.compile.budget import Budget
     from palimpsest.platform.policies import parse_policy_config
     from palimpsest.serving.models.memory_encoder import MemoryDeployment as Deployment
     from palimpsest.serving.serve_config import MemoryConfigServe

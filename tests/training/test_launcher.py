@@ -201,7 +201,7 @@ def _check_run(summary, marker, tracking, store, cfg):
     from palimpsest.models.memory import MemoryConfig
 
     assert MemoryConfig(**bundle.memory) == cfg.memory
-    from palimpsest.platform.chat import MEMORY_READ_VERSION
+    from palimpsest.platform.prompt.chat import MEMORY_READ_VERSION
 
     assert bundle.data["memory_read"] == MEMORY_READ_VERSION  # what serving compares its read with
     assert run.info.artifact_uri.startswith(store.as_uri()) and any(store.rglob("checkpoint"))  # config's location

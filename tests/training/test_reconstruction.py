@@ -124,7 +124,7 @@ def test_on_smollm2_a_memory_that_carries_its_span_passes_and_ones_that_ignore_i
     from palimpsest.evaluation.reconstruction import REPEAT_INSTRUCTION
     from palimpsest.models.actor import FrozenActor
     from palimpsest.models.assets import smollm2_dir
-    from palimpsest.platform.tokens import get_tokenizer
+    from palimpsest.platform.prompt.tokens import get_tokenizer
 
     actor = FrozenActor.from_pretrained(smollm2_dir())
     tok = get_tokenizer(str(smollm2_dir()))

@@ -10,7 +10,7 @@ from palimpsest.models.relevance_head import RelevanceResolver, load_head, read_
 from palimpsest.pipelines.trajectories import read_trajectories
 from palimpsest.platform import Ledger, Runtime
 from palimpsest.platform.policies.base import query_text, relative_softmax
-from palimpsest.platform.relevance import SCALARS, features, recurrence
+from palimpsest.platform.policies.relevance import SCALARS, features, recurrence
 from palimpsest.platform.types import ConfigError
 from palimpsest.training.relevance_data import build_rows, half_of, labels, ranking
 from palimpsest.training.relevance_trainer import RelevanceTrainConfig, fit_head

@@ -11,7 +11,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from palimpsest.platform.budget import Budget
+from palimpsest.platform.compile.budget import Budget
 from palimpsest.platform.policies import (
     load_policy_file,
     parse_policy_config,

@@ -30,11 +30,11 @@ from palimpsest.pipelines.environment import open_runtime
 from palimpsest.pipelines.trajectories import import_file
 from palimpsest.pipelines.view import run_demo
 from palimpsest.platform import Ledger, Runtime
-from palimpsest.platform.budget import Budget
-from palimpsest.platform.chat import tool_tokens
+from palimpsest.platform.compile.budget import Budget
 from palimpsest.platform.policies import (
     default_configs,
 )
+from palimpsest.platform.prompt.chat import tool_tokens
 from palimpsest.platform.types import PalimpsestError
 from palimpsest.serving.serve_config import ActorConfig
 

@@ -31,11 +31,11 @@ from palimpsest.pipelines.environment import open_runtime
 from palimpsest.pipelines.replay_sessions import TimedEmbedder, prepare_sessions
 from palimpsest.pipelines.tracking import log_actions
 from palimpsest.pipelines.trajectories import file_sha256, read_trajectories
-from palimpsest.platform.budget import Budget
+from palimpsest.platform.compile.budget import Budget
 from palimpsest.platform.policies import (
     parse_policy_config,
 )
-from palimpsest.platform.tokens import get_tokenizer
+from palimpsest.platform.prompt.tokens import get_tokenizer
 from palimpsest.platform.types import PalimpsestError
 from palimpsest.serving.serve_config import ActorConfig, MemoryConfigServe
 from palimpsest.training.launcher import launch

@@ -35,8 +35,8 @@ import torch
 from palimpsest.models.encoder import MemoryEncoder
 from palimpsest.models.registry import read_bundle
 from palimpsest.pipelines.replay_sessions import teacher_boundaries, walk_turns
-from palimpsest.platform.budget import Budget
-from palimpsest.platform.chat import memory_read
+from palimpsest.platform.compile.budget import Budget
+from palimpsest.platform.prompt.chat import memory_read
 from palimpsest.platform.types import BudgetError, PalimpsestError
 from palimpsest.training.losses import student_logits
 from palimpsest.training.teachers import TOP_K, Teacher, TeacherCache, compute_teacher, score, teacher_of

@@ -36,12 +36,12 @@ from palimpsest.pipelines.trajectories import (
     file_sha256,
     read_trajectories,
 )
-from palimpsest.platform.budget import Budget
-from palimpsest.platform.chat import chat_ids, prefix_messages
-from palimpsest.platform.epochs import CACHE_BLOCK, compaction_of, turn_cost
+from palimpsest.platform.compile.budget import Budget
+from palimpsest.platform.compile.epochs import CACHE_BLOCK, compaction_of, turn_cost
 from palimpsest.platform.ledger import SessionSnapshot
 from palimpsest.platform.policies import PolicyConfigBase
-from palimpsest.platform.render import own_words, step_messages
+from palimpsest.platform.prompt.chat import chat_ids, prefix_messages
+from palimpsest.platform.prompt.render import own_words, step_messages
 from palimpsest.platform.runtime import Runtime
 from palimpsest.platform.types import (
     BudgetError,

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from palimpsest.models.registry import register_version, tracking_uri
-from palimpsest.platform.relevance import ARCHITECTURE, FEATURES_VERSION, SCALARS, RelevanceHead
+from palimpsest.platform.policies.relevance import ARCHITECTURE, FEATURES_VERSION, SCALARS, RelevanceHead
 from palimpsest.platform.types import ConfigError
 
 REGISTERED_RELEVANCE = "palimpsest-relevance"

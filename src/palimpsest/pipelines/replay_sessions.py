@@ -18,12 +18,12 @@ from palimpsest.pipelines.trajectories import (
     import_trajectory,
     to_record,
 )
-from palimpsest.platform.abstraction import extract_salient
-from palimpsest.platform.budget import Budget
+from palimpsest.platform.compile.budget import Budget
+from palimpsest.platform.compile.epochs import Boundary
 from palimpsest.platform.embedding import Embedder
-from palimpsest.platform.epochs import Boundary
 from palimpsest.platform.ledger import SessionSnapshot
 from palimpsest.platform.policies import PolicyConfigBase, parse_policy_config
+from palimpsest.platform.prompt.abstraction import extract_salient
 from palimpsest.platform.runtime import Runtime
 from palimpsest.platform.types import (
     Authority,

@@ -9,7 +9,7 @@ from rich.table import Table
 
 from palimpsest.pipelines.trajectories import import_file
 from palimpsest.platform import Runtime
-from palimpsest.platform.render import gist
+from palimpsest.platform.prompt.render import gist
 from palimpsest.platform.types import CompiledTurn, PalimpsestError, Resolution, Segment
 
 

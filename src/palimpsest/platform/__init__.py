@@ -3,14 +3,14 @@
 Importing this package loads no torch, ray, vllm, deepspeed or mlflow (a test checks it).
 """
 
-from palimpsest.platform.abstraction import Abstraction, RuleSummarizer, abstract_step
-from palimpsest.platform.budget import Budget
-from palimpsest.platform.compiler import compile_plan
+from palimpsest.platform.compile.budget import Budget
+from palimpsest.platform.compile.compiler import compile_plan
 from palimpsest.platform.embedding import Embedder, HashingEmbedder
 from palimpsest.platform.ledger import Ledger, SessionSnapshot
 from palimpsest.platform.policies import build_policy, parse_policy_config, policy_names
+from palimpsest.platform.prompt.abstraction import Abstraction, RuleSummarizer, abstract_step
+from palimpsest.platform.prompt.tokens import ApproxTokenizer, HFTokenizer, Tokenizer, get_tokenizer
 from palimpsest.platform.runtime import Runtime
-from palimpsest.platform.tokens import ApproxTokenizer, HFTokenizer, Tokenizer, get_tokenizer
 from palimpsest.platform.types import (
     Authority,
     BudgetError,

@@ -19,19 +19,19 @@ from typing import Protocol
 
 import numpy as np
 
-from palimpsest.platform.abstraction import RuleSummarizer, Summaries
-from palimpsest.platform.budget import Budget
-from palimpsest.platform.chat import prefix_tokens
-from palimpsest.platform.compiler import ELIDE_SHARE, compile_plan
+from palimpsest.platform.compile.budget import Budget
+from palimpsest.platform.compile.compiler import ELIDE_SHARE, compile_plan
+from palimpsest.platform.compile.epoch_turn import compile_epoch
+from palimpsest.platform.compile.epochs import Boundary, compaction_of, epoch_key, recent_of, turn_cost
+from palimpsest.platform.compile.retain import retained
 from palimpsest.platform.embedding import Embedder, HashingEmbedder
-from palimpsest.platform.epoch_compile import compile_epoch
-from palimpsest.platform.epochs import Boundary, compaction_of, epoch_key, recent_of, turn_cost
 from palimpsest.platform.ledger import Ledger, SessionSnapshot
 from palimpsest.platform.policies import PolicyConfigBase, PolicyDeps, build_policy
 from palimpsest.platform.policies.base import ContextPolicy
-from palimpsest.platform.render import key_text, render_full_body
-from palimpsest.platform.retain import retained
-from palimpsest.platform.snapshots import SnapshotCache
+from palimpsest.platform.prompt.abstraction import RuleSummarizer, Summaries
+from palimpsest.platform.prompt.chat import prefix_tokens
+from palimpsest.platform.prompt.render import key_text, render_full_body
+from palimpsest.platform.snapshot_cache import SnapshotCache
 from palimpsest.platform.types import CompiledTurn, GlimpseLimitError, Resolution, Step, StepRecord
 
 
@@ -177,7 +177,7 @@ class Runtime:
                 boundary: Boundary | None = None) -> CompiledTurn:
         """Plan and compile over a snapshot, with no side effect (the pure part of a turn). The prompt's ids
         plus the reserve (the reply's max_tokens and any soft positions) fit the budget: a
-        :class:`~palimpsest.platform.budget.Budget`, or a plain total with ``reserve`` as its reply.
+        :class:`~palimpsest.platform.compile.budget.Budget`, or a plain total with ``reserve`` as its reply.
 
         A policy in compaction epochs (``compaction.mode: epochs``, platform.epochs) extends ``boundary``, the
         session's last one (None: the session's start), and plans anew only when the extension would pass

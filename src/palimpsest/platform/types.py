@@ -117,7 +117,7 @@ class StepRecord:
     observation: str | None = None
     authority: Authority = Authority.TOOL
     tool: str | None = None  # tool or command name, for placeholders
-    # The structure of a tool-calling step (``palimpsest.platform.toolcalls``): canonical JSON of the
+    # The structure of a tool-calling step (``palimpsest.platform.prompt.toolcalls``): canonical JSON of the
     # assistant's tool calls and of the messages that answered them; None for a plain step.
     calls: str | None = None
 
@@ -294,7 +294,7 @@ class Prompt:
     bridge_ids: tuple[int, ...] = ()
     text: str = ""
     reserve: int = 0
-    soft_at: int = 0  # the message index of the soft-memory slot (``palimpsest.platform.chat.soft_slot``)
+    soft_at: int = 0  # the message index of the soft-memory slot (``palimpsest.platform.prompt.chat.soft_slot``)
 
     @property
     def ids(self) -> list[int]:

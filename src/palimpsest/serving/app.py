@@ -20,7 +20,7 @@ from ray.serve import Application
 
 from palimpsest.models.registry import resolve_actor_path
 from palimpsest.pipelines.tracking import check, configure
-from palimpsest.platform.stores import open_store
+from palimpsest.platform.ledger.backends import open_store
 from palimpsest.serving.models.deployments import (
     Actor,
     EmbedderDeployment,

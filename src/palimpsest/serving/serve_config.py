@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from palimpsest.platform.budget import Budget
+from palimpsest.platform.compile.budget import Budget
 from palimpsest.platform.config_files import StrictSection, problems, read_yaml
 from palimpsest.platform.policies import load_policy_file, parse_policy_config
 from palimpsest.platform.types import BudgetError, ConfigError

@@ -20,8 +20,8 @@ import numpy as np
 from palimpsest.pipelines.replay_sessions import Skipped, appears, prepare_sessions
 from palimpsest.pipelines.trajectories import Trajectory, file_sha256, half_of, read_trajectories
 from palimpsest.platform.policies.base import query_text
-from palimpsest.platform.relevance import features
-from palimpsest.platform.render import own_words
+from palimpsest.platform.policies.relevance import features
+from palimpsest.platform.prompt.render import own_words
 from palimpsest.platform.runtime import Runtime
 from palimpsest.platform.types import PalimpsestError
 

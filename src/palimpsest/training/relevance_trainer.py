@@ -26,7 +26,7 @@ from palimpsest.pipelines.environment import open_runtime
 from palimpsest.pipelines.tracking import check, configure
 from palimpsest.pipelines.trajectories import half_of, split_of
 from palimpsest.platform.config_files import StrictSection, problems, read_yaml
-from palimpsest.platform.relevance import FEATURES_VERSION, SCALARS, RelevanceHead
+from palimpsest.platform.policies.relevance import FEATURES_VERSION, SCALARS, RelevanceHead
 from palimpsest.platform.types import ConfigError, PalimpsestError
 from palimpsest.training.relevance_data import Rows, build_rows, ranking
 

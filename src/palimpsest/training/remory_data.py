@@ -35,8 +35,8 @@ from palimpsest.pipelines.environment import open_runtime
 from palimpsest.pipelines.recall_sessions import recall_sessions
 from palimpsest.pipelines.replay_sessions import Skipped, prepare_sessions, teacher_boundaries, walk_turns
 from palimpsest.pipelines.trajectories import Trajectory, file_sha256, read_trajectories, split_of
-from palimpsest.platform.budget import Budget
-from palimpsest.platform.chat import MEMORY_READ_VERSION, memory_read
+from palimpsest.platform.compile.budget import Budget
+from palimpsest.platform.prompt.chat import MEMORY_READ_VERSION, memory_read
 from palimpsest.platform.types import BudgetError, PalimpsestError
 
 REPEAT_INSTRUCTION = "Repeat the text above exactly."

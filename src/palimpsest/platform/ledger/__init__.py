@@ -1,6 +1,6 @@
 """The step ledger: an append-only store of every step, its representations, keys and audits.
 
-The backend is chosen by URL (:mod:`palimpsest.platform.stores`): SQLite in WAL mode with
+The backend is chosen by URL (:mod:`palimpsest.platform.ledger.backends`): SQLite in WAL mode with
 ``synchronous=FULL`` is the embedded default, PostgreSQL (``postgresql://...``) serves several
 replicas and machines. Either way a step is committed before :meth:`Ledger.append` returns, and
 triggers make every table append-only, so raw text can never be updated or deleted by any code

@@ -8,9 +8,9 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from palimpsest.platform.abstraction import Abstraction, step_facts
 from palimpsest.platform.ledger.store import _STEP_COLS, _step_from_row, _version
-from palimpsest.platform.render import render_full_body
+from palimpsest.platform.prompt.abstraction import Abstraction, step_facts
+from palimpsest.platform.prompt.render import render_full_body
 from palimpsest.platform.types import Fold, LedgerError, Resolution, Session, Step
 
 _REPR_ORDER = (Resolution.DETAILED, Resolution.BRIEF, Resolution.PLACEHOLDER)

@@ -15,11 +15,11 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from palimpsest.platform.abstraction import Summaries
-from palimpsest.platform.render import render_placeholder_body, step_text
-from palimpsest.platform.stores import open_store
-from palimpsest.platform.tokens import Tokenizer, get_tokenizer
-from palimpsest.platform.toolcalls import check_calls
+from palimpsest.platform.ledger.backends import open_store
+from palimpsest.platform.prompt.abstraction import Summaries
+from palimpsest.platform.prompt.render import render_placeholder_body, step_text
+from palimpsest.platform.prompt.tokens import Tokenizer, get_tokenizer
+from palimpsest.platform.prompt.toolcalls import check_calls
 from palimpsest.platform.types import (
     Authority,
     Fold,

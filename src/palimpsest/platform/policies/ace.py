@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
 import numpy as np
 from pydantic import Field
 
-from palimpsest.platform.abstraction import extract_salient
 from palimpsest.platform.policies.base import (
     PolicyConfigBase,
     PolicyDeps,
@@ -22,6 +21,7 @@ from palimpsest.platform.policies.base import (
     fallback_missing,
     new_plan,
 )
+from palimpsest.platform.prompt.abstraction import extract_salient
 from palimpsest.platform.types import ConfigError, RenderPlan, Resolution
 
 if TYPE_CHECKING:

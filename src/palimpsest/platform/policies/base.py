@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Callable, ClassVar, Literal, Protocol
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from palimpsest.platform.compile.epochs import Compaction
+from palimpsest.platform.compile.folding import HistoryBound
+from palimpsest.platform.compile.retain import Retain
 from palimpsest.platform.embedding import Embedder, HashingEmbedder
-from palimpsest.platform.epochs import Compaction
-from palimpsest.platform.folding import HistoryBound
-from palimpsest.platform.render import head_tail, key_text, own_words
-from palimpsest.platform.retain import Retain
-from palimpsest.platform.salient import extract_salient, uniq
-from palimpsest.platform.tokens import ApproxTokenizer, Tokenizer
+from palimpsest.platform.prompt.render import head_tail, key_text, own_words
+from palimpsest.platform.prompt.salient import extract_salient, uniq
+from palimpsest.platform.prompt.tokens import ApproxTokenizer, Tokenizer
 from palimpsest.platform.types import ConfigError, Fold, RenderPlan, Resolution
 
 if TYPE_CHECKING:

@@ -5,8 +5,9 @@ passes ``trigger`` tokens (or, with ``trigger_type: tool_uses``, that many tool 
 tool uses are cleared: every tool use but the latest ``keep`` (counted per call), never one of ``exclude_tools``,
 and with ``clear_tool_inputs`` (all tools, or the named ones) the calls' inputs too. When clearing them would free
 fewer than ``clear_at_least`` tokens, nothing is cleared. A cleared result is one line naming the step (``glimpse``
-shows it whole); the call and its result stay in place, in their roles (``platform/masking.py``). The defaults are
-the API's: trigger 100,000 input tokens, keep 3 tool uses, clear_at_least 0, no excluded tool, inputs kept.
+shows it whole); the call and its result stay in place, in their roles (``platform/prompt/masking.py``).
+The defaults are the API's: trigger 100,000 input tokens, keep 3 tool uses, clear_at_least 0, no excluded tool,
+inputs kept.
 
 Like the API, the edit is computed from the whole history on every plan (stateless), so a result once cleared
 stays cleared while the history grows. Departures (docs/methods.md, Baselines): the latest step is never cleared
@@ -21,12 +22,12 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 import numpy as np
 from pydantic import Field
 
-from palimpsest.platform import toolcalls
-from palimpsest.platform.chat import chat_ids, history_messages, prefix_messages
-from palimpsest.platform.masking import masked_costs
+from palimpsest.platform.compile.retain import tool_names
 from palimpsest.platform.policies.base import PolicyConfigBase, PolicyDeps, Reasons, new_plan, recency
-from palimpsest.platform.render import INPUT_MASKED, RESULT_MASKED
-from palimpsest.platform.retain import tool_names
+from palimpsest.platform.prompt import toolcalls
+from palimpsest.platform.prompt.chat import chat_ids, history_messages, prefix_messages
+from palimpsest.platform.prompt.masking import masked_costs
+from palimpsest.platform.prompt.render import INPUT_MASKED, RESULT_MASKED
 from palimpsest.platform.types import Authority, RenderPlan, Resolution
 
 if TYPE_CHECKING:

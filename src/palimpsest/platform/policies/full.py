@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 import numpy as np
 from pydantic import Field
 
-from palimpsest.platform.folding import HistoryBound
+from palimpsest.platform.compile.folding import HistoryBound
 from palimpsest.platform.policies.base import PolicyConfigBase, PolicyDeps, Reasons, new_plan, recency
 from palimpsest.platform.types import RenderPlan, Resolution
 

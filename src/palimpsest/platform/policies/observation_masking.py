@@ -16,7 +16,7 @@ import numpy as np
 from pydantic import Field
 
 from palimpsest.platform.policies.base import PolicyConfigBase, PolicyDeps, Reasons, new_plan, recency
-from palimpsest.platform.render import RESULT_MASKED, UNMASKED
+from palimpsest.platform.prompt.render import RESULT_MASKED, UNMASKED
 from palimpsest.platform.types import Authority, RenderPlan, Resolution
 
 if TYPE_CHECKING:

@@ -34,7 +34,7 @@ from palimpsest.platform.policies.base import (
     relative_softmax,
     scored_plan_start,
 )
-from palimpsest.platform.relevance import RelevanceSection, predicted
+from palimpsest.platform.policies.relevance import RelevanceSection, predicted
 from palimpsest.platform.types import RenderPlan, Resolution
 
 if TYPE_CHECKING:

@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 import numpy as np
 from pydantic import Field, field_validator
 
-from palimpsest.platform.abstraction import extract_salient
 from palimpsest.platform.policies.base import (
     PolicyConfigBase,
     PolicyDeps,
@@ -41,7 +40,8 @@ from palimpsest.platform.policies.base import (
     relative_softmax,
     scored_plan_start,
 )
-from palimpsest.platform.relevance import RelevanceSection, predicted
+from palimpsest.platform.policies.relevance import RelevanceSection, predicted
+from palimpsest.platform.prompt.abstraction import extract_salient
 from palimpsest.platform.types import RenderPlan, Resolution
 
 if TYPE_CHECKING:

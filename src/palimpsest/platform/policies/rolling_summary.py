@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 import numpy as np
 from pydantic import Field
 
-from palimpsest.platform.abstraction import RuleSummarizer
-from palimpsest.platform.chat import fold_message
 from palimpsest.platform.policies.base import PolicyConfigBase, PolicyDeps, Reasons, new_plan, recency
-from palimpsest.platform.render import gist
+from palimpsest.platform.prompt.abstraction import RuleSummarizer
+from palimpsest.platform.prompt.chat import fold_message
+from palimpsest.platform.prompt.render import gist
 from palimpsest.platform.types import Fold, RenderPlan, Resolution
 
 if TYPE_CHECKING:

@@ -20,7 +20,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from palimpsest.platform.context_edits import MAX_TOKENS, MAX_TOOL_USES, ContextEdits
+from palimpsest.platform.compile.context_edits import MAX_TOKENS, MAX_TOOL_USES, ContextEdits
 from palimpsest.platform.types import PalimpsestError
 from palimpsest.serving.http.errors import unread_field
 

@@ -22,7 +22,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
-from palimpsest.platform.chat import chat_ids, raw_history_messages
+from palimpsest.platform.prompt.chat import chat_ids, raw_history_messages
 from palimpsest.platform.types import Session, UnknownSessionError
 from palimpsest.serving.http import anthropic_protocol, openai_proxy, sessions
 from palimpsest.serving.http.errors import anthropic_error

@@ -6,7 +6,7 @@ assistant message with the user/tool/system messages that follow it = one step (
 assistant message followed directly by another is a step without an observation. Messages that come
 before any action (a user or system speaking twice) are a step of their own. An assistant's tool calls and
 the tool messages answering them (by ``tool_call_id``, each checked against the calls) are recorded
-structurally with their step (``palimpsest.platform.toolcalls``). A request ends with what the reply
+structurally with their step (``palimpsest.platform.prompt.toolcalls``). A request ends with what the reply
 answers (a user, tool or system message): a trailing assistant message (a prefill to continue) is refused,
 as is the legacy ``function_call`` format and any other field of a message that would be ignored. Matching
 is by position and content hash: steps already in the ledger must hash the same (resending history is a
@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 
-from palimpsest.platform import toolcalls
+from palimpsest.platform.prompt import toolcalls
 from palimpsest.platform.types import Authority, PalimpsestError, StepRecord
 from palimpsest.serving.http.errors import HistoryConflict
 

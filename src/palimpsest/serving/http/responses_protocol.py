@@ -32,7 +32,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from palimpsest.platform.context_edits import MAX_TOKENS, ContextEdits
+from palimpsest.platform.compile.context_edits import MAX_TOKENS, ContextEdits
 from palimpsest.platform.types import PalimpsestError
 from palimpsest.serving.http.errors import unread_field
 

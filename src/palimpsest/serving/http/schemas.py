@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from palimpsest.platform.context_edits import ContextEdits
+from palimpsest.platform.compile.context_edits import ContextEdits
 from palimpsest.platform.types import Authority
 
 MAX_INT = 2**53  # JSON numbers beyond this are not integers anywhere else either

@@ -14,8 +14,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from palimpsest.platform.budget import Budget
-from palimpsest.platform.context_edits import ContextEdits, edited_config
+from palimpsest.platform.compile.budget import Budget
+from palimpsest.platform.compile.context_edits import ContextEdits, edited_config
 from palimpsest.platform.policies import parse_policy_config
 from palimpsest.platform.types import PalimpsestError
 

@@ -13,10 +13,10 @@ import os
 
 from ray import serve
 
-from palimpsest.platform.abstraction import Abstraction, RuleSummarizer, Summaries
-from palimpsest.platform.chat import chat_ids
 from palimpsest.platform.embedding import HashingEmbedder
-from palimpsest.platform.tokens import get_tokenizer
+from palimpsest.platform.prompt.abstraction import Abstraction, RuleSummarizer, Summaries
+from palimpsest.platform.prompt.chat import chat_ids
+from palimpsest.platform.prompt.tokens import get_tokenizer
 from palimpsest.platform.types import StepRecord
 from palimpsest.serving.models.remote import RemoteEngine
 from palimpsest.serving.models.summarizer import LLMSummarizer
@@ -42,7 +42,7 @@ class Actor:
         self.cfg = ActorConfig.model_validate(cfg)
         self.engine = ActorEngine(self.cfg, replica_rank=_replica_rank())
         self.template = self.cfg.template_source()
-        # the chat template and ids of palimpsest.platform.chat
+        # the chat template and ids of palimpsest.platform.prompt.chat
         self.tokenizer = get_tokenizer(str(self.engine.path), self.template)
         self.tools = None
         if self.cfg.tool_parser:

@@ -24,7 +24,7 @@ import os
 import time
 from typing import Any, AsyncIterator
 
-from palimpsest.platform.tokens import for_template
+from palimpsest.platform.prompt.tokens import for_template
 from palimpsest.platform.types import ConfigError, PalimpsestError
 from palimpsest.serving.models.tools import call_id
 

@@ -15,7 +15,7 @@ import re
 from dataclasses import replace
 from typing import Awaitable, Callable
 
-from palimpsest.platform.abstraction import (
+from palimpsest.platform.prompt.abstraction import (
     Abstraction,
     RuleSummarizer,
     Summaries,
@@ -23,7 +23,7 @@ from palimpsest.platform.abstraction import (
     render_brief,
     render_detailed,
 )
-from palimpsest.platform.chat import chat_ids
+from palimpsest.platform.prompt.chat import chat_ids
 from palimpsest.platform.types import StepRecord
 
 LLM_VERSION = "v1"

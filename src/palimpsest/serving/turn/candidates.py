@@ -28,7 +28,7 @@ from palimpsest.experiments.gate import (
     tracking_configured,
 )
 from palimpsest.pipelines import tracking
-from palimpsest.platform.epochs import compaction_of, epoch_key
+from palimpsest.platform.compile.epochs import compaction_of, epoch_key
 from palimpsest.serving.turn.turn import turn_memory
 
 log = logging.getLogger("palimpsest.rollouts")

@@ -15,7 +15,7 @@ import numpy as np
 
 from palimpsest.platform.embedding import EmbedderUnavailable
 from palimpsest.platform.policies.base import EPOCH_QUERY_STEPS, query_texts
-from palimpsest.platform.render import key_text
+from palimpsest.platform.prompt.render import key_text
 from palimpsest.platform.types import StepRecord
 from palimpsest.serving.models.summarizer import sent_ids, summary_messages
 

@@ -22,9 +22,9 @@ from fastapi import Request
 
 from palimpsest.models.relevance_head import RelevanceResolver
 from palimpsest.platform import Ledger, Runtime
-from palimpsest.platform.abstraction import RuleSummarizer
-from palimpsest.platform.chat import MEMORY_READ_VERSION
-from palimpsest.platform.tokens import get_tokenizer
+from palimpsest.platform.prompt.abstraction import RuleSummarizer
+from palimpsest.platform.prompt.chat import MEMORY_READ_VERSION
+from palimpsest.platform.prompt.tokens import get_tokenizer
 from palimpsest.platform.types import ConfigError
 from palimpsest.serving.http import anthropic_protocol, server
 from palimpsest.serving.http.schemas import TurnIn, TurnOut

@@ -43,8 +43,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from palimpsest.platform.budget import Budget
-from palimpsest.platform.epochs import Compaction
+from palimpsest.platform.compile.budget import Budget
+from palimpsest.platform.compile.epochs import Compaction
 from palimpsest.platform.ledger import SessionSnapshot
 from palimpsest.platform.types import CompiledTurn, Resolution
 

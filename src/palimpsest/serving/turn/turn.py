@@ -3,7 +3,7 @@
 :class:`TurnService` is what every route that serves a turn calls (``POST .../turn``, the OpenAI chat proxy, the
 Messages endpoint); the routes keep HTTP and tenants, each protocol its wire format. :func:`run_turn` is the generation
 loop inside it (compile, soft memory, the actor, glimpses answered within the turn), over small handles so that tests
-and the REMORY data builder run it without Serve. The prompt is the platform's (``palimpsest.platform.chat``): its ids
+and the REMORY data builder run it without Serve. The prompt is the platform's (``platform.prompt.chat``): its ids
 plus the reply's ``max_tokens`` plus the soft positions are at most the budget, and a glimpse answered inside the turn
 is cut to what is left, so the bound holds on every generation of the turn.
 """
@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
 from palimpsest.models.memory import MemoryConfig
-from palimpsest.platform.budget import Budget
-from palimpsest.platform.chat import declared_tools, glimpse_call, memory_read, with_glimpse
-from palimpsest.platform.context_edits import applied
+from palimpsest.platform.compile.budget import Budget
+from palimpsest.platform.compile.context_edits import applied
+from palimpsest.platform.compile.epochs import with_soft
 from palimpsest.platform.embedding import EmbedderUnavailable
-from palimpsest.platform.epochs import with_soft
+from palimpsest.platform.prompt.chat import declared_tools, glimpse_call, memory_read, with_glimpse
 from palimpsest.platform.runtime import Runtime
 from palimpsest.platform.types import (
     BudgetError,

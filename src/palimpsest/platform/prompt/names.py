@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from palimpsest.platform.abstraction import Abstraction, render_brief, render_detailed
-from palimpsest.platform.salient import extract_salient, step_identifiers, uniq
+from palimpsest.platform.prompt.abstraction import Abstraction, render_brief, render_detailed
+from palimpsest.platform.prompt.salient import extract_salient, step_identifiers, uniq
 from palimpsest.platform.types import Resolution
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from palimpsest.platform.render import INPUT_MASKED, UNMASKED
+from palimpsest.platform.prompt.render import INPUT_MASKED, UNMASKED
 from palimpsest.platform.types import RenderPlan, Resolution
 
 if TYPE_CHECKING:

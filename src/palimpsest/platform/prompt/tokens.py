@@ -3,7 +3,7 @@
 ``Tokenizer`` counts text (the ledger stores per-step counts with it: estimates for planning).
 ``ChatTokenizer`` is what the actor receives: the model's chat template applied to messages, the
 text encoded to ids (special tokens of the template parsed as such), and ids decoded back. The
-compiler budgets the exact ids of the assembled chat (``palimpsest.platform.chat``).
+compiler budgets the exact ids of the assembled chat (``palimpsest.platform.prompt.chat``).
 
 Two implementations: the actor's own (an HF ``tokenizer.json`` plus the chat template saved beside it,
 the same files vLLM loads; rendered with jinja2 as transformers does), or a dependency-free

@@ -10,7 +10,7 @@ Layout (the history in the model's own roles):
     user       the rolling summary, when the plan has one
     per step   assistant (thought and action), then its result: a tool message, or a user message where
                the principal spoke; a degraded step keeps both roles and its place, its content becomes
-               the detailed, brief or placeholder rendering (``palimpsest.platform.render.step_messages``)
+               the detailed, brief or placeholder rendering (``palimpsest.platform.prompt.render.step_messages``)
     user       one line in place of each hidden run of steps (their ids, to glimpse)
     assistant  the generation prompt that the next action follows
 
@@ -18,7 +18,7 @@ The soft-memory slot is where REMORY puts it: after the summary part of the cont
 rolling summary and every step before the recent raw turns), before the trailing run of steps shown at
 full resolution (``soft_slot``). The ids are ``context + [soft] + bridge``, split there: ``bridge`` is the
 recent raw turns and the assistant prompt, and the budget counts exactly these ids (see
-``palimpsest.platform.compiler``). Glimpses answered within a turn are appended as an assistant
+``palimpsest.platform.compile.compiler``). Glimpses answered within a turn are appended as an assistant
 ``glimpse(#ID)`` call and a tool message with the step's text (after the slot).
 
 What the memory reads (``memory_input``) is defined by the same compiled prompt: the raw text of the
@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from palimpsest.platform.names import summary_body
-from palimpsest.platform.render import (
+from palimpsest.platform.prompt.names import summary_body
+from palimpsest.platform.prompt.render import (
     head_tail,
     observation_role,
     range_message,
@@ -44,7 +44,7 @@ from palimpsest.platform.render import (
     render_placeholder_body,
     step_messages,
 )
-from palimpsest.platform.tokens import ChatTokenizer
+from palimpsest.platform.prompt.tokens import ChatTokenizer
 from palimpsest.platform.types import Fold, Resolution, Session, Step, StepRecord
 
 if TYPE_CHECKING:
@@ -84,7 +84,7 @@ def prefix_messages(session: Session) -> list[dict]:
     """The stable prefix: byte-identical on every turn of a session, so a prefix cache survives re-rendering.
 
     Declared function tools ride on the system message (``tools``): the chat template renders them in its
-    own format, or the tokenizer writes them into the system text (``palimpsest.platform.tokens.for_template``).
+    own format, or the tokenizer writes them into the system text (``palimpsest.platform.prompt.tokens.for_template``).
     Tools given as free text are part of the system text."""
     system = [session.system.strip() or DEFAULT_SYSTEM]
     tools = declared_tools(session.tools)

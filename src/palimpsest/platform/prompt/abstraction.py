@@ -6,7 +6,7 @@ renders the ``detailed`` and ``brief`` texts from it. It is the default summaris
 fallback whenever an LLM summariser is slow or down, so it must never fail on any input.
 
 Content that came from the environment stays inside an untrusted block in every text rendered
-here (see :func:`palimpsest.platform.render.authority_block`).
+here (see :func:`palimpsest.platform.prompt.render.authority_block`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import re
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 
-from palimpsest.platform.render import authority_block, gist
-from palimpsest.platform.salient import extract_salient, ranked_ids, uniq
+from palimpsest.platform.prompt.render import authority_block, gist
+from palimpsest.platform.prompt.salient import extract_salient, ranked_ids, uniq
 from palimpsest.platform.types import Authority, StepRecord
 
 WRITER_NAME = "rule-abstraction"

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from palimpsest.platform import toolcalls
+from palimpsest.platform.prompt import toolcalls
 from palimpsest.platform.types import Resolution
 
 if TYPE_CHECKING:

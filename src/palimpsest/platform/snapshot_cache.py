@@ -27,9 +27,9 @@ from dataclasses import replace
 
 import numpy as np
 
-from palimpsest.platform.abstraction import step_facts
-from palimpsest.platform.compiler import step_message_counts
+from palimpsest.platform.compile.compiler import step_message_counts
 from palimpsest.platform.ledger import Ledger, SalientIndex, SessionSnapshot, SnapshotDelta
+from palimpsest.platform.prompt.abstraction import step_facts
 from palimpsest.platform.types import Resolution
 
 _REPR_ORDER = (Resolution.DETAILED, Resolution.BRIEF, Resolution.PLACEHOLDER)

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from palimpsest.platform import toolcalls
+from palimpsest.platform.compile.retain import Retain, tool_names
 from palimpsest.platform.policies import parse_policy_config
-from palimpsest.platform.retain import Retain, tool_names
+from palimpsest.platform.prompt import toolcalls
 from palimpsest.platform.types import Resolution
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
 """A turn under compaction epochs: a boundary compacts the history to the low watermark once
 (``compiler.compile_plan``), and every turn until the next boundary appends its new steps to that prompt byte
-for byte, so the actor's prefix cache holds it (``platform/epochs.py`` owns the boundary and its watermarks)."""
+for byte, so the actor's prefix cache holds it (``platform/compile/epochs.py`` owns the boundary and its watermarks)."""
 
 from __future__ import annotations
 
@@ -8,16 +8,10 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from palimpsest.platform import compiler
-from palimpsest.platform.budget import Budget
-from palimpsest.platform.chat import (
-    chat_ids,
-    message_overhead,
-    prefix_messages,
-    prefix_size,
-)
-from palimpsest.platform.compiler import assemble_prompt, compile_plan, messages_per_step, prefix_segments
-from palimpsest.platform.epochs import (
+from palimpsest.platform.compile import compiler
+from palimpsest.platform.compile.budget import Budget
+from palimpsest.platform.compile.compiler import assemble_prompt, compile_plan, messages_per_step, prefix_segments
+from palimpsest.platform.compile.epochs import (
     Boundary,
     Compaction,
     boundary_of,
@@ -26,8 +20,14 @@ from palimpsest.platform.epochs import (
     extend,
     extended_plan,
 )
-from palimpsest.platform.folding import RANGE_LINE_TOKENS
-from palimpsest.platform.tokens import ChatTokenizer
+from palimpsest.platform.compile.folding import RANGE_LINE_TOKENS
+from palimpsest.platform.prompt.chat import (
+    chat_ids,
+    message_overhead,
+    prefix_messages,
+    prefix_size,
+)
+from palimpsest.platform.prompt.tokens import ChatTokenizer
 from palimpsest.platform.types import (
     BudgetError,
     Prompt,
@@ -44,7 +44,7 @@ _DROP = int(Resolution.DROP)
 def compile_epoch(snap: "SessionSnapshot", plan_at: Callable[[int], RenderPlan], limit: Budget,
                   tokenizer: ChatTokenizer, prev: Boundary | None, compaction: Compaction,
                   policy: tuple[str, str] = ("", ""), recent: int = 1) -> tuple[RenderPlan, Prompt, Boundary, bool]:
-    """One turn of a compaction epoch (:mod:`palimpsest.platform.epochs`): the previous boundary's prompt plus
+    """One turn of a compaction epoch (:mod:`palimpsest.platform.compile.epochs`): the previous boundary's prompt plus
     the steps appended since, raw, unless those ids plus the reserve would pass ``compaction.high`` x the total;
     then a boundary: ``plan_at(plan budget)`` plans anew and the prompt is compacted to ``compaction.low`` x
     budget. A boundary never degrades the policy's ``recent`` latest steps (PACE's N, the latest step for

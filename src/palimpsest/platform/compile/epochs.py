@@ -33,11 +33,11 @@ from typing import TYPE_CHECKING, Literal, Sequence
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from palimpsest.platform.render import step_messages
+from palimpsest.platform.prompt.render import step_messages
 from palimpsest.platform.types import Fold, RenderPlan, Resolution, Segment
 
 if TYPE_CHECKING:
-    from palimpsest.platform.budget import Budget
+    from palimpsest.platform.compile.budget import Budget
     from palimpsest.platform.ledger import SessionSnapshot
 
 #: vLLM's KV-cache block: the prefix cache serves whole blocks only.

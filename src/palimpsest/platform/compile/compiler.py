@@ -1,16 +1,16 @@
 """Plan -> prompt. The only place that enforces the budget, in the actor's own tokens.
 
-The layout belongs to :mod:`palimpsest.platform.chat` (stable prefix, then the history in its own
+The layout belongs to :mod:`palimpsest.platform.prompt.chat` (stable prefix, then the history in its own
 roles, then the assistant prompt); this module decides how much of it fits.
 
-Budget (:class:`palimpsest.platform.budget.Budget`): the prompt's exact ids (chat template, tool
+Budget (:class:`palimpsest.platform.compile.budget.Budget`): the prompt's exact ids (chat template, tool
 declarations, every message) plus its reserve (the reply's ``max_tokens`` and the soft-memory positions)
 must be at most its total. Planning uses the
 per-step counts stored in the ledger plus a per-message overhead (an estimate, O(M) numpy): while the
 estimate overflows, the lowest-scored unpinned steps are degraded one level at a time (full -> detailed
 -> brief -> placeholder -> drop), lowest score first, every step older than the policy's recent window
 before any step inside it. History older than that window first folds into range lines once it costs more
-than its share of the room (:mod:`palimpsest.platform.folding`), so a session of any length keeps room for
+than its share of the room (:mod:`palimpsest.platform.compile.folding`), so a session of any length keeps room for
 its recent steps. Then the chat is assembled and its ids counted;
 while they overflow, degradation continues from the measured excess. The pinned latest step is never
 degraded: when it alone does not fit, its fields are shown head and tail with a marker naming the step
@@ -25,8 +25,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from palimpsest.platform.budget import Budget
-from palimpsest.platform.chat import (
+from palimpsest.platform.compile.budget import Budget
+from palimpsest.platform.compile.folding import RANGE_LINE_TOKENS, fold_old_history, protected_order
+from palimpsest.platform.prompt.chat import (
     ChatIds,
     chat_ids,
     history_messages,
@@ -35,9 +36,8 @@ from palimpsest.platform.chat import (
     prefix_size,
     soft_slot,
 )
-from palimpsest.platform.folding import RANGE_LINE_TOKENS, fold_old_history, protected_order
-from palimpsest.platform.masking import masked_costs, masked_of, shown_levels
-from palimpsest.platform.tokens import ChatTokenizer
+from palimpsest.platform.prompt.masking import masked_costs, masked_of, shown_levels
+from palimpsest.platform.prompt.tokens import ChatTokenizer
 from palimpsest.platform.types import (
     BudgetError,
     Prompt,

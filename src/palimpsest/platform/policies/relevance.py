@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from palimpsest.platform.salient import extract_salient
+from palimpsest.platform.prompt.salient import extract_salient
 
 if TYPE_CHECKING:
     from palimpsest.platform.ledger import SessionSnapshot

@@ -10,8 +10,8 @@ from __future__ import annotations
 import re
 from typing import Sequence
 
-from palimpsest.platform import toolcalls
-from palimpsest.platform.salient import RANGE_ID_CHARS, RANGE_IDS, capped, placeholder_ids, range_ids
+from palimpsest.platform.prompt import toolcalls
+from palimpsest.platform.prompt.salient import RANGE_ID_CHARS, RANGE_IDS, capped, placeholder_ids, range_ids
 from palimpsest.platform.types import Authority, Resolution, Step, StepRecord
 
 _WS = re.compile(r"\s+")
