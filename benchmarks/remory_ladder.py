@@ -130,6 +130,7 @@ def main() -> None:
     )
     from palimpsest.models.actor import FrozenActor
     from palimpsest.models.encoder import MemoryEncoder
+    from palimpsest.models.memory import MemoryRead
     from palimpsest.pipelines.environment import open_runtime
     from palimpsest.pipelines.replay_sessions import prepare_sessions
     from palimpsest.pipelines.trajectories import file_sha256, read_trajectories
@@ -256,7 +257,8 @@ def main() -> None:
     # ledger would number the steps from 1 and hand the arms a prompt 12 ids away from the rows trained on
     rt = open_runtime(data_dir / "ledger.db", cfg.data.embedder, actor_path)
     sessions = prepare_sessions(rt, [t for t in pool if t.id in wanted], False, file_sha256(Path(cfg.data.file)), [])
-    arm = MemoryArm(MemoryEncoder(net.eval(), actor), cfg.data.memory_tokens, cfg.data.max_observation_chars)
+    arm = MemoryArm(MemoryEncoder(net.eval(), actor), MemoryRead(max_history_tokens=cfg.data.memory_tokens,
+                                                             max_field_chars=cfg.data.max_observation_chars))
     arms = [Arm("pace", policy), Arm("pace+empty", policy, arm, inject=False), Arm("pace+memory", policy, arm)]
     result = evaluate_actions(rt, sessions, arms, cfg.data.budget, actor, data_sha=data_sha,
                               actor_key=actor_key(actor_path, cfg.actor.dtype), window=cfg.data.max_history_tokens,

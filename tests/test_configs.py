@@ -60,6 +60,9 @@ def test_serve_configs_validate(path):
     ({"budget": 0}, "budget"),
     ({"actor": {"dtype": "int8"}}, "dtype"),
     ({"colour": "blue"}, "colour"),
+    # what the memory reads of a turn is its bundle's (MemoryBundle.read), not a serve field to get wrong
+    ({"memory": {"max_history_tokens": 512}}, "memory.max_history_tokens"),
+    ({"memory": {"max_field_chars": 300}}, "memory.max_field_chars"),
 ])
 def test_bad_serve_configs_are_refused_before_anything_starts(bad, match):
     from palimpsest.platform import ConfigError

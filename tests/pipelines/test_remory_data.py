@@ -87,9 +87,9 @@ def test_the_data_builder_and_the_served_turn_hand_the_memory_identical_ids(tmp_
     """Train like you serve: for one boundary, the row the data builder writes and the turn serving compiles
     (``serving.turn.run_turn`` over a ledger filled by appends, with serving's memory read) give the memory
     network the same ids, and the actor the same ids around the soft span."""
+    from palimpsest.models.memory import MemoryRead
     from palimpsest.pipelines.trajectories import read_trajectories, to_record
     from palimpsest.platform import HashingEmbedder, Ledger, Runtime
-    from palimpsest.serving.serve_config import MemoryConfigServe
     from palimpsest.serving.turn.turn import TurnRequest, run_turn, turn_memory
 
     data = tmp_path / "d.jsonl"
@@ -107,7 +107,7 @@ def test_the_data_builder_and_the_served_turn_hand_the_memory_identical_ids(tmp_
     for s in tr.steps[: row["t"]]:  # the agent's steps so far, appended one by one as the ingress appends them
         rt.append(tr.id, to_record(s))
     rt.enrich(tr.id)
-    mem_cfg = MemoryConfigServe(max_history_tokens=cfg.memory_tokens, max_field_chars=cfg.max_observation_chars)
+    mem_cfg = MemoryRead(max_history_tokens=cfg.memory_tokens, max_field_chars=cfg.max_observation_chars)
     seen: dict = {}
 
     async def memory_for(ct):

@@ -43,7 +43,8 @@ def tiny_memory(tiny_dir, tmp_path_factory):
     net = MemoryNetwork(cfg, actor)
     d = tmp_path_factory.mktemp("tiny-memory")
     torch.save(net.state_dict(), d / BUNDLE_WEIGHTS)
-    meta = bundle_record(cfg.to_dict(), {"path": str(tiny_dir), "hidden_size": HIDDEN, "layers": 2})
+    meta = bundle_record(cfg.to_dict(), {"path": str(tiny_dir), "hidden_size": HIDDEN, "layers": 2},
+                         data={"memory_tokens": 256, "max_observation_chars": 400})  # what it reads of a turn
     (d / BUNDLE_META).write_text(json.dumps(meta))
     return d
 
@@ -77,7 +78,7 @@ def tiny_config(tiny_dir, memory_dir, ledger, shadow_rate: float = 0.0, relevanc
         "actor": {"model": str(tiny_dir), "max_model_len": 2048, "max_tokens": 6, "max_embeds_len": 2048,
                   "chat_template": str(HERMES), "tool_parser": "hermes"},
         "summarizer": {"mode": "llm", "timeout_s": 10, "max_tokens": 16},
-        "memory": {"model": str(memory_dir), "max_history_tokens": 256},
+        "memory": {"model": str(memory_dir)},  # it reads what its bundle says (256 tokens)
         "arms": [{"name": "pace", "policy": {"type": "pace"}, "weight": 1.0},
                  {"name": "pace+memory", "policy": {"type": "pace"}, "memory": True, "weight": 1.0},
                  {"name": "memory-b", "policy": {"type": "pace"}, "memory": True, "memory_model": str(memory_dir),

@@ -192,7 +192,7 @@ def test_a_memory_that_carries_nothing_does_no_harm(tmp_path, actor_dir, data):
     (its only difference) sends its span and moves the actor: the check can fail."""
     from palimpsest.evaluation.actions import MemoryArm
     from palimpsest.models.encoder import MemoryEncoder
-    from palimpsest.models.memory import MemoryConfig
+    from palimpsest.models.memory import MemoryConfig, MemoryRead
     from palimpsest.models.memory_network import MemoryNetwork
 
     rt = open_runtime(tmp_path / "l.db", "hashing", str(actor_dir))
@@ -202,7 +202,7 @@ def test_a_memory_that_carries_nothing_does_no_harm(tmp_path, actor_dir, data):
     def arm(gate_bias: float) -> MemoryArm:
         torch.manual_seed(0)
         cfg = MemoryConfig(block_size=16, queries=4, max_slots=8, lora_rank=4, summary_layers=1, gate_bias=gate_bias)
-        return MemoryArm(MemoryEncoder(MemoryNetwork(cfg, actor), actor), max_history_tokens=64)
+        return MemoryArm(MemoryEncoder(MemoryNetwork(cfg, actor), actor), MemoryRead(max_history_tokens=64))
 
     pace = parse_policy_config("pace")
     closed, opened = arm(-4.0), arm(4.0)  # the default starting logit, and an open gate

@@ -201,7 +201,6 @@ def test_a_served_boundary_and_its_evaluation_give_the_memory_the_same_soft_span
     from palimpsest.platform.compile.budget import Budget
     from palimpsest.platform.policies import parse_policy_config
     from palimpsest.serving.models.memory_encoder import MemoryDeployment as Deployment
-    from palimpsest.serving.serve_config import MemoryConfigServe
     from palimpsest.serving.turn.turn import turn_memory
 
     d, actor, net, bundle, data = setup
@@ -214,14 +213,13 @@ def test_a_served_boundary_and_its_evaluation_give_the_memory_the_same_soft_span
     bundle = trained
     rt = open_runtime(tmp_path / "l.db", "hashing", str(d / "actor"))
     sessions = prepare_sessions(rt, read_trajectories(data).trajectories, False, "sha", [])
-    arm = memory_arm(str(bundle), actor, MemoryConfigServe().model_dump())
-    assert (arm.max_history_tokens, arm.max_field_chars) == (200, 150)  # as trained, not the serve defaults
-    serve_memory = MemoryConfigServe(max_history_tokens=200, max_field_chars=150)  # served as it was trained
-    deployment = Deployment.func_or_class(str(d / "actor"), {"default": str(bundle)},
-                                          max_history_tokens=serve_memory.max_history_tokens)
+    arm = memory_arm(str(bundle), actor)
+    assert (arm.spec.max_history_tokens, arm.spec.max_field_chars) == (200, 150)  # as trained: its bundle says it
+    deployment = Deployment.func_or_class(str(d / "actor"), {"default": str(bundle)})
+    assert deployment.info()["models"]["default"]["read"] == arm.spec.model_dump()  # served from the same record
     compared = 0
     for _, _, turn, _ in walk_turns(rt, sessions[0], parse_policy_config({"type": "pace"}), Budget(700, 8, arm.slots)):
-        read = turn_memory(rt, turn, serve_memory) if not isinstance(turn, Exception) else None
+        read = turn_memory(rt, turn, arm.spec) if not isinstance(turn, Exception) else None
         if read is None:
             continue
         assert read == arm.read(rt.ledger.tokenizer, turn)

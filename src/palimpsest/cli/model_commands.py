@@ -37,7 +37,7 @@ from palimpsest.platform.policies import (
 )
 from palimpsest.platform.prompt.tokens import get_tokenizer
 from palimpsest.platform.types import PalimpsestError
-from palimpsest.serving.serve_config import ActorConfig, MemoryConfigServe
+from palimpsest.serving.serve_config import ActorConfig
 from palimpsest.training.launcher import launch
 from palimpsest.training.train_config import load_train_config
 
@@ -159,10 +159,8 @@ def _eval_actions_run(data, names, configs, budget, memory, include_train, max_t
     from palimpsest.models.actor import FrozenActor
     from palimpsest.training.teachers import actor_key
 
-    serve_mem = MemoryConfigServe()
     ref, trained_on = None, None
     if any(n != _memory_base(n) for n in names):
-
         ref = resolve_memory_ref(memory or "auto")
         if ref is None:
             raise PalimpsestError("NAME+memory needs a memory model: --memory, or a registered palimpsest-memory")
@@ -173,8 +171,8 @@ def _eval_actions_run(data, names, configs, budget, memory, include_train, max_t
                                   "unknown: pass --include-train to score every trajectory")
     actor_path = str(resolve_actor_path("smollm2" if tokenizer == "smollm2" else tokenizer))
     act = FrozenActor.from_pretrained(actor_path, device=device)
-    # read as the memory was trained to read (serving's memory.* should say the same)
-    mem_arm = None if ref is None else memory_arm(ref, act, serve_mem.model_dump())
+    # read as the memory was trained to read: its bundle says what (MemoryBundle.read), as serving reads it
+    mem_arm = None if ref is None else memory_arm(ref, act)
     arms = [Arm(n, configs[_memory_base(n)], mem_arm if n != _memory_base(n) else None, inject=not n.endswith("+empty"),
                 donor=n.endswith("+other")) for n in names]
 

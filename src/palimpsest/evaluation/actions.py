@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from palimpsest.models.encoder import MemoryEncoder
+from palimpsest.models.memory import MemoryRead
 from palimpsest.models.registry import read_bundle
 from palimpsest.pipelines.replay_sessions import teacher_boundaries, walk_turns
 from palimpsest.platform.compile.budget import Budget
@@ -44,19 +45,18 @@ from palimpsest.training.teachers import TOP_K, Teacher, TeacherCache, compute_t
 
 @dataclass
 class MemoryArm:
-    """Soft memory on top of a text policy, as serving adds it (``memory.*`` of the serve config)."""
+    """Soft memory on top of a text policy, as serving adds it: reading what its bundle says it reads."""
     encoder: Any  # palimpsest.models.encoder.MemoryEncoder
-    max_history_tokens: int = 1024
-    max_field_chars: int = 4000
+    spec: MemoryRead = field(default_factory=MemoryRead)
 
     @property
     def slots(self) -> int:
-        return self.encoder.slots_for(self.max_history_tokens)
+        return self.encoder.slots_for(self.spec.max_history_tokens)
 
     def read(self, tok, turn) -> tuple[list[int], list[int]] | None:
         """What the memory reads of a compiled turn (the call serving makes, ``serving.turn.turn_memory``): the
         ids of what the prompt left out and of the context before the slot; None where it left nothing out."""
-        return memory_read(tok, turn, self.max_field_chars, self.max_history_tokens)
+        return memory_read(tok, turn, self.spec.max_field_chars, self.spec.max_history_tokens)
 
     def encode(self, read: tuple[list[int], list[int]]) -> torch.Tensor:
         """The soft span of a read (S, d), as the memory deployment encodes it."""
@@ -65,13 +65,10 @@ class MemoryArm:
             return self.encoder.encode(torch.tensor(history, dtype=torch.long), torch.tensor(summary, dtype=torch.long))
 
 
-def memory_arm(ref: str, actor, reads: dict) -> MemoryArm:
-    """The memory of bundle ``ref`` beside ``actor``, reading as it was trained (the bundle's recorded
-    ``memory_tokens`` and ``max_observation_chars``; ``reads``, the serve config's ``memory.max_history_tokens``
-    and ``max_field_chars``, where the bundle records none): what ``eval-actions`` and ``eval-memory`` score."""
-    bundle = read_bundle(ref)
-    return MemoryArm(MemoryEncoder.load(ref, actor), bundle.memory_tokens or reads["max_history_tokens"],
-                     bundle.max_field_chars or reads["max_field_chars"])
+def memory_arm(ref: str, actor) -> MemoryArm:
+    """The memory of bundle ``ref`` beside ``actor``, reading what the bundle says it reads (``MemoryBundle.read``,
+    as serving reads it): what ``eval-actions`` and ``eval-memory`` score."""
+    return MemoryArm(MemoryEncoder.load(ref, actor), read_bundle(ref).read)
 
 
 @dataclass

@@ -12,10 +12,23 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["ARCHITECTURE", "LORA_TARGETS", "MemoryConfig"]
+__all__ = ["ARCHITECTURE", "LORA_TARGETS", "MemoryConfig", "MemoryRead"]
 
 ARCHITECTURE = "actor-lora/1"  # what a bundle records (models.registry); a bundle of any other is refused by name
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class MemoryRead(BaseModel):
+    """What the memory reads of a compiled turn: one spec, written into a bundle by its training (its data's
+    ``memory_tokens`` and ``max_observation_chars``) and read from the bundle by serving and evaluation
+    (``models.registry.MemoryBundle.read``, ``platform.prompt.chat.memory_read``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_history_tokens: int = Field(1024, ge=16, description="at most this many tokens of the steps the compiled "
+                                    "prompt left out")
+    max_field_chars: int = Field(400, ge=64, description="each field of a step it reads is cut to this (head and "
+                                 "tail)")
 
 
 class MemoryConfig(BaseModel):

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from palimpsest.models.assets import smollm2_dir
-from palimpsest.models.memory import ARCHITECTURE, MemoryConfig
+from palimpsest.models.memory import ARCHITECTURE, MemoryConfig, MemoryRead
 from palimpsest.platform.types import ConfigError, PalimpsestError
 
 if TYPE_CHECKING:
@@ -147,14 +147,12 @@ class MemoryBundle:
         return int(b) if b is not None else None
 
     @property
-    def memory_tokens(self) -> int | None:
-        v = self.data.get("memory_tokens")
-        return int(v) if v is not None else None
-
-    @property
-    def max_field_chars(self) -> int | None:
-        v = self.data.get("max_observation_chars")
-        return int(v) if v is not None else None
+    def read(self) -> MemoryRead:
+        """What the memory reads, as it was trained to (its data's ``memory_tokens`` and ``max_observation_chars``;
+        a field the record lacks at ``MemoryRead``'s default)."""
+        given = {"max_history_tokens": self.data.get("memory_tokens"),
+                 "max_field_chars": self.data.get("max_observation_chars")}
+        return MemoryRead(**{k: int(v) for k, v in given.items() if v is not None})
 
     @property
     def max_target_tokens(self) -> int | None:

@@ -55,7 +55,7 @@ def build_app(config: ServeConfig | dict | None = None) -> Application:
         cfg.summarizer.model_dump(), actor, actor_path.rstrip("/").rsplit("/", 1)[-1])
     memory = MemoryDeployment.options(num_replicas=n.memory,
                                       ray_actor_options={"num_cpus": res.memory, "runtime_env": env}).bind(
-        actor_path, cfg.memory_models(), cfg.device, cfg.memory.max_history_tokens)
+        actor_path, cfg.memory_models(), cfg.device)
     spread = {"max_replicas_per_node": n.ingress_max_per_node} if n.ingress_max_per_node else {}
     return Ingress.options(num_replicas=n.ingress, ray_actor_options={"num_cpus": res.ingress, "runtime_env": env},
                            **spread).bind(cfg.model_dump(), actor, embedder, summarizer, memory)

@@ -108,12 +108,11 @@ class SummarizerConfig(StrictSection):
 
 
 class MemoryConfigServe(StrictSection):
+    """The memory model served. What it reads of a turn is not configured here: its bundle says it
+    (``MemoryBundle.read``, written by its training)."""
+
     model: str | None = Field("auto", description="`auto` (the latest registered palimpsest-memory, else off), "
                                                   "an MLflow model URI, a bundle directory, or null (off)")
-    max_history_tokens: int = Field(1024, ge=16, description="the memory reads at most this many tokens of the "
-                                    "steps the compiled prompt left out (data.memory_tokens of its training)")
-    max_field_chars: int = Field(400, ge=100, description="each field of a step the memory reads is cut to this "
-                                 "(head and tail), as the training data builder cuts it (data.max_observation_chars)")
 
 
 class ArmConfig(StrictSection):

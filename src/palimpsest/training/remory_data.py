@@ -58,7 +58,7 @@ class DataConfig(BaseModel):
     min_history_steps: int = Field(2, ge=1, description="the first boundary: this many steps of history")
     stride: int = Field(1, ge=1, description="every stride-th boundary")
     max_observation_chars: int = Field(800, ge=64, description="each field of a step the memory reads is cut to "
-                                       "this (serving's memory.max_field_chars)")
+                                       "this (its bundle's read: MemoryRead.max_field_chars)")
     span_tokens: int = Field(256, ge=8, description="Stage I: spans of at most this many tokens (training: a multiple "
                              "of memory.block_size, whose default it is)")
     val_fraction: float = Field(0.2, ge=0.0, lt=1.0, description="the share of trajectories (by a hash of the "
@@ -66,7 +66,7 @@ class DataConfig(BaseModel):
     budget: int = Field(1024, ge=64, description="the student's token budget: the policy's prompt is compiled at "
                         "it, with the soft positions reserved, as the served arm compiles it")
     memory_tokens: int = Field(1024, ge=16, description="the memory reads at most this many tokens of what the "
-                               "prompt left out (serving's memory.max_history_tokens)")
+                               "prompt left out (its bundle's read: MemoryRead.max_history_tokens)")
     soft_slots: int = Field(64, ge=0, description="soft positions the budget reserves for the memory (derived: "
                             "MemoryNetwork.slots_for(memory_tokens))")
     embedder: Literal["minilm", "hashing"] = Field("minilm", description="the key embedder the policy plans with "

@@ -25,8 +25,7 @@ class MemoryDeployment:
     It holds every memory model the arms use (``default`` and per-arm ones) over one frozen actor copy, so an
     A/B test can compare two memory models as well as memory against none."""
 
-    def __init__(self, actor_path: str, models: dict[str, str | None], device: str = "cpu",
-                 max_history_tokens: int = 1024, cache_size: int = 4096):
+    def __init__(self, actor_path: str, models: dict[str, str | None], device: str = "cpu", cache_size: int = 4096):
         self.models: dict[str, dict] = {}
         encoders: dict[str, Any] = {}
         actor = None
@@ -52,12 +51,11 @@ class MemoryDeployment:
                 bundle = read_bundle(ref)
                 data = bundle.data
                 net = encoders[ref].memory.cfg  # how many soft positions a read yields (TurnService.soft_positions)
-                entry.update(enabled=True, max_slots=encoders[ref].slots_for(max_history_tokens),
-                             block_size=net.block_size, queries=net.queries,
+                read = bundle.read  # what it reads of a turn: its bundle says it, as it was trained
+                entry.update(enabled=True, max_slots=encoders[ref].slots_for(read.max_history_tokens),
+                             block_size=net.block_size, queries=net.queries, read=read.model_dump(),
                              # what it was trained with: the ingress warns when an arm serves it otherwise
-                             policy_hash=bundle.policy_hash,
-                             trained_reads={k: data.get(k) for k in ("memory_tokens", "max_observation_chars",
-                                                                     "memory_read")},
+                             policy_hash=bundle.policy_hash, memory_read_version=data.get("memory_read"),
                              trained_budget=data.get("budget"))
             else:
                 entry["model"] = None

@@ -144,7 +144,7 @@ async def judge(turns, c: Judged, s, reference: list[int], threads: int | None) 
         if compaction_of(policy) is not None:  # the epoch it would extend: its own key's last boundary, if any
             prev = rt.boundary(s.session_id, epoch_key(policy.config_hash, budget), s.turn.t)
         ct = rt.compile(s.turn.snapshot, policy, budget, boundary=prev)
-        return ct, (turn_memory(rt, ct, turns.cfg.memory) if mem else None)
+        return ct, (turn_memory(rt, ct, turns.read_spec(mem)) if mem else None)
 
     ct, read = await asyncio.to_thread(compiled)
     p = ct.prompt

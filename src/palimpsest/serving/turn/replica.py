@@ -60,13 +60,7 @@ def memory_warnings(cfg, memory_info: dict) -> list[str]:
         elif theirs != mine:
             out.append(f"arm {arm.name!r}: its policy config (hash {mine}) differs from the one memory model "
                        f"{entry.get('model')} was trained with (hash {theirs})")
-        reads = entry.get("trained_reads") or {}
-        served = {"memory_tokens": cfg.memory.max_history_tokens, "max_observation_chars": cfg.memory.max_field_chars}
-        for key, value in served.items():
-            if reads.get(key) is not None and reads[key] != value:
-                out.append(f"arm {arm.name!r}: the memory reads {key}={value}, trained with {reads[key]} "
-                           "(memory.max_history_tokens / memory.max_field_chars)")
-        trained_read = reads.get("memory_read") or 1  # none recorded: trained before it was (version 1)
+        trained_read = entry.get("memory_read_version") or 1  # none recorded: trained before it was (version 1)
         if trained_read != MEMORY_READ_VERSION:
             out.append(f"arm {arm.name!r}: memory model {entry.get('model')} was trained on version {trained_read} "
                        f"of what the memory reads, served version {MEMORY_READ_VERSION} "

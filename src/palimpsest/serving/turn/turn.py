@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
-from palimpsest.models.memory import MemoryConfig
+from palimpsest.models.memory import MemoryConfig, MemoryRead
 from palimpsest.platform.compile.budget import Budget
 from palimpsest.platform.compile.context_edits import applied
 from palimpsest.platform.compile.epochs import with_soft
@@ -136,11 +136,10 @@ async def compile_turn(rt: Runtime, req: TurnRequest,
         return await asyncio.to_thread(plan, False), spent, "embedder"
 
 
-def turn_memory(rt: Runtime, ct: CompiledTurn, memory_cfg) -> tuple[list[int], list[int]] | None:
-    """What the memory network reads on a served turn (``memory_cfg``: the serve config's ``memory``): the
-    steps the compiled prompt left out and the context before its soft slot, or None when it left none out.
-    The REMORY data builder makes the same call (``platform.chat.memory_read``) on the same compiled turn."""
-    return memory_read(rt.ledger.tokenizer, ct, memory_cfg.max_field_chars, memory_cfg.max_history_tokens)
+def turn_memory(rt: Runtime, ct: CompiledTurn, spec: MemoryRead) -> tuple[list[int], list[int]] | None:
+    """What the memory reads of a served turn, as its bundle says (``spec``), or None where nothing was left out;
+    the REMORY data builder makes the same call (``platform.prompt.chat.memory_read``) on the same compiled turn."""
+    return memory_read(rt.ledger.tokenizer, ct, spec.max_field_chars, spec.max_history_tokens)
 
 
 _GLIMPSE_PREFIX = re.compile(r"^\s*#?\d{0,18}\s*(\)\s*)?$")
@@ -273,12 +272,13 @@ class TurnService:
         key = armcfg.name if armcfg.name in models else "default"
         return key if models[key]["enabled"] else None
 
+    def read_spec(self, mem: str) -> MemoryRead:  # what memory model ``mem`` reads of a turn: its bundle's spec
+        return MemoryRead(**self.memory_info["models"][mem]["read"])
+
     def soft_positions(self, mem: str, history: int) -> int:
-        """The soft positions memory model ``mem`` yields for a read of ``history`` ids (``MemoryConfig.slots_for``,
-        up to ``max_slots``: what a read of ``memory.max_history_tokens`` yields, the room reserved)."""
+        """Soft positions model ``mem`` yields for a read of ``history`` ids (MemoryConfig.slots_for, <= the room)."""
         m = self.memory_info["models"][mem]
-        return MemoryConfig(block_size=m["block_size"], queries=m["queries"],
-                            max_slots=m["max_slots"]).slots_for(history)
+        return MemoryConfig(**{k: m[k] for k in ("block_size", "queries", "max_slots")}).slots_for(history)
 
     def size(self, armcfg, budget: int | None, max_tokens: int | None) -> tuple[Budget, str | None]:
         """(budget, memory key) of a turn on this arm; a BudgetError (422) when the budget exceeds the actor's
@@ -326,7 +326,7 @@ class TurnService:
 
         async def read_of(ct):
             if id(ct) not in reads:
-                reads[id(ct)] = await asyncio.to_thread(turn_memory, self.runtime, ct, self.cfg.memory)
+                reads[id(ct)] = await asyncio.to_thread(turn_memory, self.runtime, ct, self.read_spec(mem))
             return reads[id(ct)]
 
         async def memory_for(ct):
@@ -390,7 +390,7 @@ class TurnService:
     def _offer(self, sid: str, arm: str, mem: str | None, ct: CompiledTurn, res: TurnResult, budget=None) -> None:
         async def score(reference: list[int], reply: list[int], threads: int | None = None) -> tuple[float, float]:
             """Both prompts of the turn scored by the memory encoder's actor (a memory arm's span is cached)."""
-            read = await asyncio.to_thread(turn_memory, self.runtime, ct, self.cfg.memory) if mem else None
+            read = await asyncio.to_thread(turn_memory, self.runtime, ct, self.read_spec(mem)) if mem else None
             p = ct.prompt
             return await self.memory.score.remote(mem if read else None, sid, *(read or ([], [])),
                                                   list(p.context_ids), list(p.bridge_ids), reply, reference, threads)
