@@ -1,7 +1,7 @@
 """How often the A/B report's paired verdict comes out "significant" when the arms do not differ (BENCHMARKS.md,
 "A/B verdicts"): simulated per-trajectory differences with no real effect, normal and heavy-tailed (Student's t
 with 2 degrees of freedom, Cauchy), at the 3-12 trajectories a rollout has; the sign-flip permutation test of
-``pipelines.ab_stats.paired_test`` beside the interval test it replaced (``mean_ci``: Student's t where the
+``experiments.stats.paired_test`` beside the interval test it replaced (``mean_ci``: Student's t where the
 sample looks normal, a seeded bootstrap otherwise; "significant" when the 95% interval excludes 0).
 
     .venv/bin/python benchmarks/ab_null.py [--sims 2000] [--out benchmarks/results/ab_null.json]

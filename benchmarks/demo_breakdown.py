@@ -34,7 +34,7 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8133)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "demo_breakdown.json")
     args = ap.parse_args()
-    from palimpsest.demo import DEMO_TRAJECTORIES, busy_markdown, fitting
+    from palimpsest.demo import DEMO_SESSIONS, busy_markdown, fitting
     from palimpsest.experiments.live import drive
     from palimpsest.serving.local import LocalServer
     from palimpsest.serving.serve_config import load_serve_config
@@ -42,7 +42,7 @@ def main() -> None:
     cfg = load_serve_config(args.config)
     if args.full:
         cfg = cfg.model_copy(update={"summarizer": cfg.summarizer.model_copy(update={"mode": "llm"})})
-    trajs, _ = fitting(args.data, None if args.full else DEMO_TRAJECTORIES, cfg.budget, cfg.actor.max_tokens)
+    trajs, _ = fitting([args.data], None if args.full else DEMO_SESSIONS, cfg.budget, cfg.actor.max_tokens)
     arms = [a.name for a in cfg.arms]
     t0 = time.perf_counter()
     server = LocalServer(cfg, port=args.port).start()

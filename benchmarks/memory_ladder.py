@@ -11,12 +11,12 @@
                                                                      # a trained bundle on rung 4's spans
 
 Spans are ``--tokens`` (64) ids of Stage I text: the dev trajectories' actions and observations and the
-interpreter's standard library (``pipelines.remory_data.stage1_rows``), split by file or trajectory (the
+interpreter's standard library (``training.remory_data.stage1_rows``), split by file or trajectory (the
 config's ``val_fraction``). The network is ``--config``'s ``memory:`` with ``block_size`` = the span and
 ``queries`` = ``--slots`` (8: 8 source tokens per soft token), trained with the launcher's own step
 (``training.step.TrainStep``, Stage I, ``LocalBackend``; ``--batch`` spans per step in one actor pass and
 ``--autocast bfloat16`` for mixed precision, as ``optim.stage1_batch`` / ``optim.autocast`` train them) and
-scored in fp32 by ``training.reconstruction`` (none / own / other). Results:
+scored in fp32 by ``evaluation.reconstruction`` (none / own / other). Results:
 ``benchmarks/results/memory_ladder/rungN.json``.
 
 What each rung asks, and its control:
@@ -30,7 +30,7 @@ What each rung asks, and its control:
 - 4: validation spans (files never trained on): own <= other - 0.3 and own <= none - 0.5 nats/token.
   With ``--model``, nothing is trained: a bundle ``palimpsest train`` wrote (``runs:/ID/stage1`` is the one Stage I
   left) is scored on the same validation spans, which lie in files and trajectories of the launcher's validation
-  split too (the split is by name, ``pipelines.remory_data.split_of``).
+  split too (the split is by name, ``training.remory_data.split_of``).
 - 5: a ``kind=value`` line (a port, an 8-hex id, a log path) at a random place in ``--tokens`` ids of filler
   (Stage I text), ``--slots`` soft tokens; trained on ``--spans`` needles with [memory; "What is the value of
   KIND ...?"; value]; exact greedy recovery of the value >= 50% on training needles, then on held-out ones

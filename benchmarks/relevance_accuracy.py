@@ -4,7 +4,7 @@ r"""The relevance predictor's own accuracy against the cosine, on a hash half of
         --out benchmarks/results/relevance/accuracy.json
 
 At every turn t of every trajectory of the half, each old step (older than PACE's N = 2 recent steps) is a
-candidate, labelled as the predictor was trained (``pipelines.relevance_data.labels``: a step of the epoch ahead,
+candidate, labelled as the predictor was trained (``training.relevance_data.labels``: a step of the epoch ahead,
 t .. t + horizon - 1, needs a token the old step showed and that neither the recent steps nor a step appended since
 show). Each scorer ranks the candidates of a turn: the predictor (its probability), PACE's cosine (the first
 feature: the ``recent_first`` query against the step's key) and pace_plus's hybrid (cosine + 0.5 x identifier

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/remory_stage1.py [--config configs/train/remory_small.yaml] [--corpus stdlib]
         [--chunks 12000] [--steps 1500] [--lr 1e-3] [--eval 200] [--out FILE]
 
-Data: the Stage I spans the training run reads (``pipelines.remory_data``: every ``span_tokens`` tokens of the
+Data: the Stage I spans the training run reads (``training.remory_data``: every ``span_tokens`` tokens of the
 dev trajectories' actions and observations, plus ``--corpus``, by default the interpreter's standard library,
 Python source that exists offline on every machine and is in no evaluation set), split by file/trajectory
 (``val_fraction`` of the config). The memory network of ``--config`` is trained on training spans with the

@@ -1,5 +1,5 @@
 """The rollout gate's sequential test under continuous monitoring (BENCHMARKS.md, "A/B gate: the sequential
-test read after every session"): ``pipelines.ab_stats.sequential_test`` read after every paired difference,
+test read after every session"): ``experiments.stats.sequential_test`` read after every paired difference,
 n = 1..200, a false positive being a rejection by either side at any n.
 
 - the false-positive rate on nulls symmetric about 0 (the sign-flip null): normal, Student's t with 2 degrees

@@ -100,7 +100,7 @@ def serve_phase(args, trajs):
     cfg = {"ledger": str(args.work / "bench-serve.db"), "embedder": "minilm", "budget": args.budget,
            "actor": {"model": "smollm2", "max_tokens": args.max_tokens},
            "summarizer": {"mode": "rule"},  # LLM summaries would share the 2 cores with the turns being timed
-           "memory": {"model": "auto", "max_history_tokens": 1024},
+           "memory": {"model": "auto"},
            "arms": [{"name": "pace", "policy": {"type": "pace"}},
                     {"name": "pace+memory", "policy": {"type": "pace"}, "memory": True}]}
     results = {}

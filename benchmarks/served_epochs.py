@@ -68,7 +68,7 @@ def main() -> None:
         if ref is None:
             sys.exit("no memory model is registered and none could be trained")
         # what the memory reads, as the demo memory was trained (configs/serve/demo.yaml)
-        cfg["memory"] = {"model": ref, "max_history_tokens": 1024, "max_field_chars": 300}
+        cfg["memory"] = {"model": ref}  # it reads what its bundle says
     t0 = time.perf_counter()
     with LocalServer(cfg, port=args.port) as srv, httpx.Client(base_url=srv.url, timeout=1800) as client:
         ready_s = time.perf_counter() - t0

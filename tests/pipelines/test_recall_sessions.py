@@ -53,7 +53,7 @@ def test_the_data_builder_adds_recall_rows_split_by_session(tmp_path, tok_dir, m
     rows = pq.read_table(tmp_path / "ds" / "stage2.parquet").to_pylist()
     recall = [r for r in rows if r["trajectory"].startswith("recall/")]
     # fillers are cut where the run cuts what the memory reads (data.max_observation_chars), not at a constant
-    from palimpsest.pipelines import remory_data as module  # where the builder reads it from
+    from palimpsest.training import remory_data as module  # where the builder reads it from
 
     made = []
     monkeypatch.setattr(module, "recall_sessions", lambda *a, **k: made.append(k) or recall_sessions(*a, **k))

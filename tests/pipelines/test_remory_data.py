@@ -59,7 +59,7 @@ def test_stage2_rows_are_compiled_prompts_with_the_memory_reading_what_they_left
     assert read and read == hidden[-len(read):] and read != hidden and "\n…\n" not in memory
     assert [memory.index(f"parse_config_{j}(env)") for j in read] == sorted(memory.index(f"parse_config_{j}(env)")
                                                                            for j in read)  # oldest first
-    # the soft slot is the compaction boundary (platform.epochs): the compacted history before it (with the
+    # the soft slot is the compaction boundary (platform.compile.epochs): the compacted history before it (with the
     # hidden steps' range lines), only the steps appended since, raw, after it
     context, bridge = tok.decode(r["context"]), tok.decode(r["bridge"])
     assert "glimpse" in context and "glimpse" not in bridge and bridge.startswith("<|im_start|>assistant")
@@ -85,7 +85,7 @@ def test_no_boundary_that_fits_is_a_clear_error(tmp_path, tok_dir):
 
 def test_the_data_builder_and_the_served_turn_hand_the_memory_identical_ids(tmp_path, tok_dir):
     """Train like you serve: for one boundary, the row the data builder writes and the turn serving compiles
-    (``serving.turn.run_turn`` over a ledger filled by appends, with serving's memory read) give the memory
+    (``serving.turn.turn.run_turn`` over a ledger filled by appends, with serving's memory read) give the memory
     network the same ids, and the actor the same ids around the soft span."""
     from palimpsest.models.memory import MemoryRead
     from palimpsest.pipelines.trajectories import read_trajectories, to_record

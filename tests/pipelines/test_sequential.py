@@ -1,5 +1,5 @@
 """The rollout gate's sequential test: anytime-valid under continuous monitoring, with power, margins, and the
-gate's promote / withdraw / hold (``pipelines.ab_stats.sequential_test``, ``gate_decision``)."""
+gate's promote / withdraw / hold (``experiments.stats.sequential_test``, ``gate_decision``)."""
 
 import math
 

@@ -147,7 +147,7 @@ def test_an_arm_serving_a_memory_otherwise_than_it_was_trained_is_warned_about(c
     assert any("'pace+memory': its policy config" in w for w in warned)
     # what it reads of a turn is its bundle's, never the serve config's: nothing to reconcile, nothing to warn
     assert not any("memory_tokens" in w or "max_observation_chars" in w for w in warned)
-    # what the memory reads changed (platform.chat.MEMORY_READ_VERSION): a model trained on another read, or
+    # what the memory reads changed (platform.prompt.chat.MEMORY_READ_VERSION): a model trained on another read, or
     # before the read was recorded (version 1), is warned about
     assert any(f"trained on version 1 of what the memory reads, served version {MEMORY_READ_VERSION}" in w
                for w in warned)

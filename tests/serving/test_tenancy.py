@@ -1,5 +1,5 @@
 """A tenant's pinned policy, budget and compaction mode, and a request's context edit on top: which policy
-config serves a turn (``serving.tenancy``), without a server."""
+config serves a turn (``serving.http.tenancy``), without a server."""
 
 from __future__ import annotations
 

@@ -360,3 +360,23 @@ def test_the_span_gate_opens_where_the_memory_beats_the_text_alone_and_closes_wh
     misses = cache.misses
     stage2_loss(gated, actor, s, prefix=cache)
     assert cache.misses == misses  # the context's cache, the memory's features and the text alone's KL: kept
+
+
+def test_the_text_alone_is_scored_from_the_contexts_last_id_when_there_is_no_bridge():
+    """Without a bridge, the text alone is [context; target]: the context's last position predicts the target's
+    first token, as a whole forward pass would (a cached context must not shift the target by one)."""
+    from palimpsest.training.step import PrefixCache
+
+    actor = tiny_actor()
+    s = {**sample2(), "bridge": torch.zeros(0, dtype=torch.long)}
+    gated = memnet(actor, span_gate=True)
+    w = position_weights(s["target"].shape[0])
+    p = teacher_logits(actor, s)
+    with torch.no_grad():
+        mem = gated(s["memory"], actor.embed(s["summary"]))
+        kl_mem = float(reverse_kl(stage2_student(gated, actor, s), p, w))
+        kl_alone = float(reverse_kl(student_logits(actor, actor.embed(s["context"]), s["target"]), p, w))
+    g = float(gated.openness(mem))
+    for cache in (None, PrefixCache(rows=2)):
+        loss = float(stage2_loss(gated, actor, s, prefix=cache).detach())
+        assert loss == pytest.approx(kl_mem + g * kl_mem + (1 - g) * kl_alone, rel=1e-4)

@@ -7,7 +7,7 @@ history, with the recorded next action, fits the actor's window):
 - each **student** is the actor given a policy's served prompt at the budget (the prompt serving sends:
   ``pipelines.replay_sessions.walk_turns`` compiles it with the served code). ``NAME+memory`` keeps room for the
   soft span of a memory model and puts it where serving puts it (before the recent raw turns), reading
-  what the prompt left out (``platform.chat.memory_read``, the call serving makes); ``NAME+empty`` is
+  what the prompt left out (``platform.prompt.chat.memory_read``, the call serving makes); ``NAME+empty`` is
   the same prompt with the soft span left out (what the memory adds over its own text); plain ``NAME``
   spends those positions on text (the memory against the same positions of extra text);
 - each is scored on the recorded next action (step t's thought and action, its first
@@ -54,7 +54,7 @@ class MemoryArm:
         return self.encoder.slots_for(self.spec.max_history_tokens)
 
     def read(self, tok, turn) -> tuple[list[int], list[int]] | None:
-        """What the memory reads of a compiled turn (the call serving makes, ``serving.turn.turn_memory``): the
+        """What the memory reads of a compiled turn (the call serving makes, ``serving.turn.turn.turn_memory``): the
         ids of what the prompt left out and of the context before the slot; None where it left nothing out."""
         return memory_read(tok, turn, self.spec.max_field_chars, self.spec.max_history_tokens)
 

@@ -53,6 +53,8 @@ class FidelityScorer:
         """(KL, top-1, positions run through the actor): the student is [context; ``span``; bridge] (no span:
         ids only), the teacher ``reference``; both followed by ``reply``."""
         actor, n = self.actor, len(reply)
+        if span is not None and span.shape[0] == 0:  # a closed span gate sent nothing: the ids alone
+            span = None
         teacher, reused = self._teacher(reference, reply)
         # the student's start that the reference shares, less one position when nothing else would follow it
         # (the logits before the reply's first id come from the student's last position)

@@ -179,7 +179,7 @@ class Runtime:
         plus the reserve (the reply's max_tokens and any soft positions) fit the budget: a
         :class:`~palimpsest.platform.compile.budget.Budget`, or a plain total with ``reserve`` as its reply.
 
-        A policy in compaction epochs (``compaction.mode: epochs``, platform.epochs) extends ``boundary``, the
+        A policy in compaction epochs (``compaction.mode: epochs``, platform.compile.epochs) extends ``boundary``, the
         session's last one (None: the session's start), and plans anew only when the extension would pass
         the high watermark; the turn then carries the new boundary (``compacted``)."""
         limit = Budget.of(budget, reserve)

@@ -219,7 +219,7 @@ class RenderPlan:
     fold: Fold | None = None
     new_fold: bool = False
     fold_ranges: bool = False  # render each run of dropped steps as one line (ids to glimpse)
-    # The policy's HistoryBound (platform.folding): how much old history may cost before the compiler folds it
+    # The policy's HistoryBound (platform.compile.folding): how much old history may cost before the compiler folds it
     history: Any = None
     # (K, 3) int64 rows of (t, before, after), in the order the compiler applied them
     degraded: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), dtype=np.int64))
@@ -310,10 +310,10 @@ class CompiledTurn:
     prompt: Prompt
     # The snapshot the turn was compiled over (what the memory reads is chosen from its steps); not compared.
     snapshot: Any = field(default=None, compare=False, repr=False)
-    # Compaction epochs (platform.epochs): the boundary the prompt extends, and whether this turn made it.
+    # Compaction epochs (platform.compile.epochs): the boundary the prompt extends, and whether this turn made it.
     boundary: Any = field(default=None, compare=False, repr=False)
     compacted: bool = False
     epoch_key: str | None = None
     # What this turn's ids cost against the previous turn of the session and policy on this runtime
-    # (platform.epochs.turn_cost: cached, uncached, billed, prefix_reuse); None where it has no previous turn.
+    # (platform.compile.epochs.turn_cost: cached, uncached, billed, prefix_reuse); None where it has no previous turn.
     cost: dict | None = field(default=None, compare=False)

@@ -8,7 +8,7 @@ served prompt of a policy at a budget, with the memory's soft span at its slot (
 before the recent raw turns), the memory having read the steps that prompt left out. Both predict the
 trajectory's real next assistant response. Loss: reverse KL sum_j w_j KL(q_j || p_j) over the full
 vocabulary, q = student, p = teacher, w_j gently favouring the first response tokens (w_j proportional to
-1 / (1 + decay * j), summing to 1). The rows are built by ``pipelines.remory_data`` with serving's code.
+1 / (1 + decay * j), summing to 1). The rows are built by ``training.remory_data`` with serving's code.
 """
 
 from __future__ import annotations
@@ -174,8 +174,10 @@ def _student(actor: FrozenActor, sample: StageIISample, mem: torch.Tensor | None
         parts.append(actor.embed(sample["bridge"]))
     target = sample["target"]
     r = target.shape[0]
-    suffix = torch.cat(parts + [actor.embed(target)])  # (M + G + R, d)
     context = sample["context"]
+    if not parts and context.numel():  # the text alone, no bridge: the context's last id predicts the target's first
+        parts, context = [actor.embed(context[-1:])], context[:-1]
+    suffix = torch.cat(parts + [actor.embed(target)])  # (M + G + R, d)
     if not context.numel():
         return actor(inputs_embeds=suffix[None], last=r + 1)[0, :r]
     if prefix is not None:
@@ -194,7 +196,8 @@ def stage2_loss(memnet: MemoryNetwork, actor: FrozenActor, sample: StageIISample
     With a span gate (``MemoryConfig.span_gate``) the loss adds what serving would cost under the gate's
     decision, g KL(memory) + (1 - g) KL(text alone), both without gradient: the gate's gradient is
     g (1 - g) (KL(memory) - KL(text alone)), so it opens where the memory beats the text alone and closes
-    where it does not; the memory itself learns from its own KL whatever the gate says."""
+    where it does not; the memory itself learns from its own KL whatever the gate says. The value is then
+    KL(memory) plus what serving would cost (about twice the KL while the gate is closed)."""
     net = memnet.module if hasattr(memnet, "module") else memnet
     mem = memory_of(memnet, actor, sample["memory"], sample["summary"], min_passes, prefix)
     w = position_weights(sample["target"].shape[0], decay, mem.device)
@@ -211,8 +214,10 @@ def stage2_loss(memnet: MemoryNetwork, actor: FrozenActor, sample: StageIISample
         with torch.no_grad():
             return kl_of(_student(actor, sample, None, prefix)).detach()
 
-    ids = [sample[k] for k in ("context", "bridge", "target") if sample.get(k) is not None]
-    key = ("alone", *(int(t.numel()) for t in ids), hash(tuple(torch.cat(ids).tolist())))
-    none = prefix.get(key, alone) if prefix is not None else alone()
+    if prefix is not None:  # the text alone's KL never changes (the actor is frozen): once per row
+        ids = [sample[k] for k in ("teacher", "context", "bridge", "target") if sample.get(k) is not None]
+        none = prefix.get(("alone", *(int(t.numel()) for t in ids), hash(tuple(torch.cat(ids).tolist()))), alone)
+    else:
+        none = alone()
     g = net.openness(mem)
     return kl + g * kl.detach() + (1 - g) * none

@@ -1,5 +1,5 @@
 """What a training run needs before its workers start: the actor's path, the datasets built by the serving code
-(``pipelines.remory_data``), and the teacher cache (the frozen actor's targets, computed once per data file
+(``training.remory_data``), and the teacher cache (the frozen actor's targets, computed once per data file
 and config)."""
 
 from __future__ import annotations

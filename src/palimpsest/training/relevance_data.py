@@ -1,5 +1,5 @@
 """The relevance predictor's rows: at each turn t of each trajectory (every turn is a boundary candidate), every old
-step's feature row (``platform.relevance.features``, what a served boundary computes) and its label, read from
+step's feature row (``platform.policies.relevance.features``, what a served boundary computes) and its label, read from
 the trajectories' need annotations: does a step of the epoch ahead (t .. t + horizon - 1) need a token that the old
 step showed and that nothing appended since t shows again? Those are the needs only the boundary's plan can
 serve. Also the ranking figures the predictor is judged on, against the cosine (precision and recall of the

@@ -1,11 +1,11 @@
 """`palimpsest train-relevance --config configs/relevance/train.yaml`: the relevance predictor, a Ray Train job.
 
-The driver builds the rows (``pipelines.relevance_data.build_rows``: the fit half's turns, each old step's
+The driver builds the rows (``training.relevance_data.build_rows``: the fit half's turns, each old step's
 features from the served embedder and its label from the need annotations) before any worker starts, holds out
 a share of the fit half's trajectories to watch, and a TorchTrainer (one CPU worker by default) fits the head:
 a logistic regression (``hidden: 0``) or one hidden layer, class-weighted binary cross-entropy, AdamW, full
 batch. The worker reports each epoch's loss and the held-out figures and checkpoints the head's arrays; the
-driver writes the bundle (``models.relevance``) and registers it in MLflow as ``palimpsest-relevance``.
+driver writes the bundle (``models.relevance_head``) and registers it in MLflow as ``palimpsest-relevance``.
 The report half is refused: it is what the predictor is judged on.
 """
 

@@ -13,7 +13,7 @@ soft positions reserved as serving reserves them. A boundary is one ``eval-actio
   teacher  = the whole history, the ``full`` policy's served prompt (ids up to the assistant prompt),
   memory   = what the memory network reads: the raw chat of the steps the compiled prompt rendered below
              full resolution or hid, and ``summary``, the context before the soft slot
-             (``platform.chat.memory_read``, the call serving makes),
+             (``platform.prompt.chat.memory_read``, the call serving makes),
   context  = the student's ids before the soft slot, ``bridge`` the recent raw turns and the assistant
              prompt after it (the soft span goes between them),
   target   = the real next assistant response (step t's thought and action).
@@ -81,7 +81,7 @@ class DataConfig(BaseModel):
                                       "of .py/.md/.rst/.txt files, or 'stdlib' (the interpreter's standard library)")
     stage1_chunks: int = Field(0, ge=0, le=10_000_000, description="at most this many corpus spans (0: all)")
     seed: int = Field(0, description="the order of Stage I spans and the recall sessions (derived: optim.seed)")
-    # what the memory reads (platform.chat.MEMORY_READ_VERSION): recorded in report.json and the bundle, so a
+    # what the memory reads (platform.prompt.chat.MEMORY_READ_VERSION): recorded in report.json and the bundle, so a
     # build of another read is not reused and a model trained on one is warned about where served otherwise
     memory_read: int = MEMORY_READ_VERSION
 
@@ -90,7 +90,7 @@ class DataConfig(BaseModel):
     def _read_version(cls, v: int) -> int:
         if v != MEMORY_READ_VERSION:
             raise ValueError(f"memory_read {v}: this code builds what the memory reads at version "
-                             f"{MEMORY_READ_VERSION} only (platform.chat.MEMORY_READ_VERSION)")
+                             f"{MEMORY_READ_VERSION} only (platform.prompt.chat.MEMORY_READ_VERSION)")
         return v
 
     def to_dict(self) -> dict[str, Any]:

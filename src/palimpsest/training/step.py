@@ -35,7 +35,7 @@ STAGE2_KEYS = ("teacher", "memory", "summary", "context", "bridge", "target")
 
 
 def sample_tensors(row: dict, stage: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """A Parquet row of ``pipelines.remory_data`` as the loss's tensors."""
+    """A Parquet row of ``training.remory_data`` as the loss's tensors."""
     if stage not in (1, 2):
         raise ValueError(f"stage must be 1 or 2, got {stage}")
     keys = STAGE1_KEYS if stage == 1 else STAGE2_KEYS

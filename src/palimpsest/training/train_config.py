@@ -25,8 +25,9 @@ class OptimSection(StrictSection):
     lr_slots: float = Field(1e-3, gt=0, description="the per-slot input vectors'")
     lr_readout: float = Field(1e-5, gt=0, description="the readout's (it starts at identity)")
     lr_summary: float = Field(1e-4, gt=0, description="the summary attention's and its gates'")
-    lr_span_gate: float = Field(0.05, gt=0, description="the span gate's (Adam moves its logit ~lr a step: at "
-                                "0.05 it can open from -4 within ~100 steps where the memory helps)")
+    lr_span_gate: float = Field(0.01, gt=0, description="the span gate's: Adam moves each of its d + 1 weights "
+                                "by about lr a step, so its logit by up to lr (1 + |x|_1), x = the span's mean / "
+                                "embed_norm (|x|_1 <= sqrt(d))")
     warmup_steps: int = Field(0, ge=0, description="linear warmup at the start of each stage")
     schedule: Literal["constant", "cosine"] = Field("cosine", description="the learning rate over each stage's "
                                                     "steps after warmup: constant, or cosine to 0 "
@@ -86,7 +87,7 @@ def group_lrs(o: OptimSection) -> dict[str, float]:
 
 
 class TrainConfig(StrictSection):
-    """The whole training config (``data:`` is ``pipelines.remory_data.DataConfig``, what the data builder
+    """The whole training config (``data:`` is ``training.remory_data.DataConfig``, what the data builder
     reads; ``memory:`` is ``models.memory.MemoryConfig``, the network as served)."""
 
     name: str = Field(..., pattern=r"^[\w.-]{1,64}$")

@@ -207,7 +207,7 @@ def compile_plan(snap: "SessionSnapshot", plan: RenderPlan, limit: Budget, token
     overhead = message_overhead(tokenizer)
     costs = step_costs(snap, overhead)
     whole = prefix_tokens + int(np.maximum(costs[:, Resolution.FULL], 0).sum())  # the whole history, raw
-    masked = plan.masked = masked_of(plan)  # steps shown full with their result as a line (platform.masking)
+    masked = plan.masked = masked_of(plan)  # steps shown full with their result as a line (platform.prompt.masking)
     if masked is not None:
         costs[:, Resolution.FULL] = masked_costs(snap, masked, overhead, costs[:, Resolution.FULL])
     level = _available_at_or_below(costs, plan.resolution.astype(np.int64))
@@ -231,7 +231,7 @@ def compile_plan(snap: "SessionSnapshot", plan: RenderPlan, limit: Budget, token
     fold = plan.fold
     fold_tokens = (fold.tokens + overhead) if fold is not None else 0
     degraded: list[np.ndarray] = []
-    # Old history at a bounded cost (platform.folding): the recent window is degraded last, and history older
+    # Old history at a bounded cost (platform.compile.folding): the recent window is degraded last, and history older
     # than it folds into range lines once it costs more than its share of the room.
     bound = plan.history
     order = protected_order(plan.score, bound.recent_window if bound is not None else 0)

@@ -3,7 +3,7 @@
 Clients now ask the server to manage context: Anthropic's ``clear_tool_uses_20250919`` edit (``trigger``,
 ``keep``, ``clear_at_least``, ``exclude_tools``) and the Responses API's ``compaction`` entry
 (``compact_threshold``). The gateway does not apply a second, fixed rule on top of its own: it maps each
-request onto the policy's compaction epochs (``platform.epochs``) for that turn:
+request onto the policy's compaction epochs (``platform.compile.epochs``) for that turn:
 
 - the trigger sets where an epoch boundary falls (the high watermark, ``trigger / budget``, at most 1: the
   budget stays a hard bound);

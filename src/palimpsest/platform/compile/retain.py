@@ -1,4 +1,4 @@
-"""Steps no plan degrades: what a client's context edit keeps raw (``platform.context_edits`` maps the edit onto
+"""Steps no plan degrades: what a client's context edit keeps raw (``platform.compile.context_edits`` maps the edit onto
 it; every policy config carries one, ``PolicyConfigBase.retain``, and ``Runtime.compile`` applies it)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Compaction boundaries (``platform.epochs``) and work leases: what several replicas coordinate through (mixed
+"""Compaction boundaries (``platform.compile.epochs``) and work leases: what several replicas coordinate through (mixed
 into :class:`palimpsest.platform.ledger.Ledger`)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from palimpsest.platform.types import LedgerError, UnknownSessionError
 class Boundaries:
     """A session's compaction boundaries under each policy key, and named leases on background work."""
 
-    # -- compaction boundaries (platform.epochs) ----------------------------------------------
+    # -- compaction boundaries (platform.compile.epochs) ----------------------------------------------
 
     def add_boundary(self, session_id: str, key: str, boundary) -> tuple[int, bool]:
         """Store a compaction boundary (its exact messages and decisions) of a session under ``key`` at its step

@@ -1,5 +1,5 @@
 """Reads: the immutable :class:`SessionSnapshot` a policy plans on, in one read transaction, and the
-:class:`SnapshotDelta` that brings a cached snapshot up to date (``platform.snapshots``)."""
+:class:`SnapshotDelta` that brings a cached snapshot up to date (``platform.snapshot_cache``)."""
 
 from __future__ import annotations
 

@@ -45,7 +45,7 @@ class PolicyDeps:
     # A served language model, when there is one: chat message lists in, one reply each out (None where a
     # reply failed or timed out). The LLM elasticizer of `ace` uses it; it is absent offline.
     chat: Callable[[list[list[dict]]], list[str | None]] | None = None
-    # Finds a relevance predictor by its reference (``platform.relevance``; None where none is registered), for
+    # Finds a relevance predictor by its reference (``platform.policies.relevance``; None where none is registered), for
     # the policies whose config names one; absent, they score by the cosine.
     relevance: Callable[[str], object] | None = None
 
@@ -56,11 +56,11 @@ class PolicyConfigBase(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     name: ClassVar[str]
     history: HistoryBound = Field(default_factory=HistoryBound, description="how much of the budget history older "
-                                  "than the recent window may take before the compiler folds it (platform.folding)")
+                                  "than the recent window may take before the compiler folds it (compile.folding)")
     compaction: Compaction = Field(default_factory=Compaction, description="when the session's prompt is rebuilt: "
-                                   "at compaction boundaries, append-only between (platform.epochs), or per turn")
+                                   "at compaction boundaries, append-only between (compile.epochs), or per turn")
     retain: Retain = Field(default_factory=Retain, description="steps no plan degrades (a client's context edit: "
-                           "platform.context_edits)")
+                           "platform.compile.context_edits)")
 
     def config_hash(self) -> str:
         data = self.model_dump(mode="json")

@@ -62,7 +62,7 @@ class PaceConfig(PolicyConfigBase):
         1.0, gt=0.0, description="the most the length term t/T_max adds to pressure (None: unbounded, the paper). "
         "Old history's cost is bounded by the fold, so past T_max the budget term |C|/B_max measures pressure")
     relevance: RelevanceSection | None = Field(None, description="a learned relevance predictor scoring old steps "
-                                               "in place of the cosine (platform.relevance); None: the cosine")
+                                               "in place of the cosine (platform.policies.relevance); None: the cosine")
 
     @model_validator(mode="after")
     def _ordered(self) -> "PaceConfig":

@@ -80,7 +80,7 @@ class PacePlusConfig(PolicyConfigBase):
         (0.182, 0.62, 0.869, 1.0),
         description="expected share of a step's facts kept at placeholder, brief, detailed, full")
     relevance: RelevanceSection | None = Field(None, description="a learned relevance predictor whose probabilities "
-                                               "replace the hybrid score (platform.relevance); None: the hybrid")
+                                               "replace the hybrid score (policies.relevance); None: the hybrid")
 
     @field_validator("coverage")
     @classmethod

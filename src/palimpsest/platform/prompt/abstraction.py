@@ -147,7 +147,7 @@ def abstract_step(step: StepRecord) -> Abstraction:
 
 
 def _first(items: list[str], order: list[str] | None, n: int) -> list[str]:
-    """``items[:n]``, or with ``order`` (the identifiers the session may reuse, first: ``platform.names``) the
+    """``items[:n]``, or with ``order`` (the identifiers the session may reuse, first: ``platform.prompt.names``) the
     items ``order`` names first, in its order, then the rest as they were: within the same cap."""
     if not order:
         return items[:n]
@@ -181,7 +181,7 @@ BRIEF_NAMES = _IDS_BRIEF + 3
 
 
 def render_brief(a: Abstraction, order: list[str] | None = None) -> str:
-    """The one-line brief; ``order`` (``platform.names``) replaces the most frequent paths and ids by the
+    """The one-line brief; ``order`` (``platform.prompt.names``) replaces the most frequent paths and ids by the
     identifiers a later step may reuse, first, within the same number of items."""
     head = f"{a.summary[:100]} -> {a.outcome}"
     if a.failed_actions:

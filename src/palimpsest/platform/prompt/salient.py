@@ -1,6 +1,6 @@
 """The identifiers of a text: paths, URLs, dotted names, hashes, ids, numbers, in order of first occurrence.
 
-What later actions reuse. The abstraction writer extracts them (``platform.abstraction``); a placeholder keeps
+What later actions reuse. The abstraction writer extracts them (``platform.prompt.abstraction``); a placeholder keeps
 the few a step's result is most about (``render.step_messages``), so a step degraded to one line still names
 them; policies match them (ACE's elasticizer, PACE+), and replay checks needs against them.
 """
@@ -67,7 +67,7 @@ PLACEHOLDER_ID_CHARS = 72
 PLACEHOLDER_IDS = 4
 
 
-#: a range line's identifiers (``platform.render.range_message``): at most this many characters, and items
+#: a range line's identifiers (``platform.prompt.render.range_message``): at most this many characters, and items
 #: (a placeholder's caps: a range line stands for one step or for thousands, and is one line either way)
 RANGE_ID_CHARS = 72
 RANGE_IDS = 4

@@ -174,7 +174,7 @@ def _amount(value: Any, where: str, unit: str, minimum: int = 0, maximum: int = 
 
 
 def context_edit(edit: dict, where: str, literal: bool = False) -> ContextEdits:
-    """A ``clear_tool_uses_20250919`` edit as the gateway's compaction honours it (``platform.context_edits``):
+    """A ``clear_tool_uses_20250919`` edit as the gateway's compaction honours it (``platform.compile.context_edits``):
     ``trigger`` (input tokens) sets the epoch boundary, ``clear_at_least`` how far it compacts, ``keep`` the
     latest tool uses kept raw, ``exclude_tools`` tools never degraded. ``clear_tool_inputs: true`` is what the
     gateway does (a degraded step's call is abstracted with its result, its identifiers kept); keeping inputs

@@ -129,7 +129,7 @@ def closing_events(turn, text_open: bool, index: int, extension: dict) -> list[s
 class MessagesEvents:
     """Anthropic's server-sent events for one streamed turn: ``message_start``, the answer's text as
     ``content_block_delta`` events (its block opened on the first text), each tool call as a ``tool_use`` block,
-    the ``message_delta`` with the stop reason and usage, ``message_stop`` (``serving.http.stream_turn`` drives it)."""
+    the ``message_delta`` with the stop reason and usage, ``message_stop`` (``server.stream_turn`` drives it)."""
 
     def __init__(self, model: str, extension: Callable[[Any], dict]):
         self.model, self.extension, self.opened, self.begun = model, extension, False, False

@@ -54,7 +54,7 @@ def completion(turn, head: dict, ext: str) -> dict:
 
 class ChunkWriter:
     """Server-sent events in OpenAI's chunk format for one streamed turn: the role, content deltas of the final
-    answer, tool calls, the finish reason, usage if asked, ``[DONE]`` (``serving.http.stream_turn`` drives it)."""
+    answer, tool calls, the finish reason, usage if asked, ``[DONE]`` (``server.stream_turn`` drives it)."""
 
     def __init__(self, head: dict, ext: str, include_usage: bool):
         self.head, self.ext, self.include_usage = head, ext, include_usage

@@ -357,7 +357,7 @@ def read_request(raw: Any) -> ResponsesRequest:
 
 def _compaction(entries: Any) -> ContextEdits | None:
     """``context_management: [{"type": "compaction", "compact_threshold": N}]`` as the gateway's compaction
-    honours it: the epoch boundary falls at N tokens (``platform.context_edits``)."""
+    honours it: the epoch boundary falls at N tokens (``platform.compile.context_edits``)."""
     if entries is None:
         return None
     if not isinstance(entries, list) or len(entries) > 1:

@@ -122,7 +122,7 @@ def response_object(req: ResponsesRequest, ids: Ids, model: str, created: int, s
 
 
 class ResponsesEvents:
-    """The Responses API's server-sent events for one streamed turn (``serving.http.stream_turn`` drives it)."""
+    """The Responses API's server-sent events for one streamed turn (``serving.http.server.stream_turn`` drives it)."""
 
     def __init__(self, req: ResponsesRequest, ids: Ids, model: str, ext: str):
         self.req, self.ids, self.model, self.ext = req, ids, model, ext

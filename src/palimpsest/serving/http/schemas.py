@@ -80,7 +80,7 @@ class TurnIn(_In):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stop: list[Annotated[str, Field(min_length=1)]] | None = Field(None, max_length=4)
     edits: ContextEdits | None = Field(None, description="a context-management edit honoured by this turn's "
-                                       "compaction (platform.context_edits): trigger, clear_at_least, keep, "
+                                       "compaction (platform.compile.context_edits): trigger, clear_at_least, keep, "
                                        "exclude_tools")
 
 

@@ -4,7 +4,7 @@ A tenant (``auth.tenants.<name>``) may pin the policy, the budget and the compac
 key opens: ``policy`` replaces the arm's policy config, ``budget`` the arm's budget, and ``compaction`` is
 ``epochs``, ``per_turn`` or ``off`` (the ``full`` policy planned every turn: every step raw, the oldest
 degraded only past the budget, which stays a hard bound). A request's context edit
-(``platform.context_edits``) applies on top. Each distinct policy config is built once; the served row of every
+(``platform.compile.context_edits``) applies on top. Each distinct policy config is built once; the served row of every
 turn names the pin it ran under (``tenant_pin``) and the config it used (``policy_hash``).
 """
 

@@ -2,7 +2,7 @@
 at each refresh (the router follows them), the rollout gate run there, and the judge the shadow lane calls.
 
 - **Judged**: a candidate whose memory model is loaded (or that has no memory), as its policy config and memory
-  model (``pipelines.rollouts.subject_of``); one whose memory is off is not judged and keeps its configured stage.
+  model (``experiments.gate.subject_of``); one whose memory is off is not judged and keeps its configured stage.
 - **Refresh** (every ``ab.refresh_s``, and once at start-up): the gate runs on each dark or canary candidate with
   new pairs (under a ledger lease, so one replica decides at a time; the ledger refuses a decision on a stale
   view), then the latest decision per candidate is read and handed to the router: every replica reads the same

@@ -64,7 +64,7 @@ def memory_warnings(cfg, memory_info: dict) -> list[str]:
         if trained_read != MEMORY_READ_VERSION:
             out.append(f"arm {arm.name!r}: memory model {entry.get('model')} was trained on version {trained_read} "
                        f"of what the memory reads, served version {MEMORY_READ_VERSION} "
-                       "(platform.chat.MEMORY_READ_VERSION: retrain it)")
+                       "(platform.prompt.chat.MEMORY_READ_VERSION: retrain it)")
         budget, trained = arm.budget or cfg.budget, entry.get("trained_budget")
         if trained and trained != budget:  # the prompts leave out other steps than the ones it learned from
             out.append(f"arm {arm.name!r}: serves at budget {budget}, its memory was trained on prompts at {trained}")

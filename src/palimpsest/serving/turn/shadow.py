@@ -95,7 +95,7 @@ class Sample:
     queued: float
     budget: Any = None  # the turn's Budget (a candidate is compiled at its total and reply)
     regular: bool = True  # sampled at ab.shadow_rate (else only for its candidates: no `shadow` row of its own)
-    candidates: tuple = ()  # the arm's candidates judged on this turn (serving.candidates.Judged)
+    candidates: tuple = ()  # the arm's candidates judged on this turn (serving.turn.candidates.Judged)
 
     @property
     def tokens(self) -> int:

@@ -371,7 +371,7 @@ class TurnService:
     def _record(self, sid: str, arm: str, ct: CompiledTurn, res: TurnResult, tokens: dict, streamed: bool,
                 noted: dict, tool_choice: Any = None, policy: dict | None = None) -> None:
         """The turn under its arm: tokens, latency by stage, and what its ids should cost against the session's
-        previous turn (``platform.epochs.turn_cost``) beside what the actor's cache really held (tokens_cached)."""
+        previous turn (``compile.epochs.turn_cost``) beside what the actor's cache really held (tokens_cached)."""
         cost = with_soft(ct.cost, len(ct.prompt.ids), res.soft_tokens) if ct.cost else {}
         self.runtime.ledger.record_served(sid, ct.t, arm, {
             **{f"tokens_{k}": v for k, v in tokens.items()}, **{f"{k}_ms": v for k, v in res.latency.items()},
