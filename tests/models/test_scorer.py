@@ -37,3 +37,17 @@ def test_a_student_sharing_the_references_start_runs_only_its_own_tail_with_the_
     kl, top1, positions = scorer.score(reference[:50], None, [], reply, reference)
     want = _full(actor, actor.embed(torch.tensor(reference[:50] + reply)), reference, reply)
     assert kl == pytest.approx(want[0], abs=1e-5) and positions == 1 + len(reply) + len(reply)
+
+
+def test_an_empty_span_a_closed_span_gate_sent_is_scored_as_no_span():
+    """A memory whose span gate is closed sends a (0, d) span: the student is its ids alone, scored as with no
+    span at all (a student that is all prefix of the reference still runs its last id)."""
+    actor = tiny_actor()
+    reference, reply = list(range(10, 120)), [1, 2, 3]
+    scorer = FidelityScorer(actor)
+    for context in (reference[:60], list(range(10, 40)) + [9, 8]):
+        empty = scorer.score(context, torch.zeros(0, 64), [], reply, reference)
+        none = FidelityScorer(actor).score(context, None, [], reply, reference)
+        want = _full(actor, actor.embed(torch.tensor(context + reply)), reference, reply)
+        assert empty[0] == pytest.approx(none[0], abs=1e-6) == pytest.approx(want[0], abs=1e-5)
+        assert empty[1] == none[1] == want[1]
