@@ -100,7 +100,8 @@ def test_the_demo_report_opens_with_the_share_of_turns_that_served_their_referen
 
 
 MEMORY = {"models": {"default": {"enabled": True, "model": "models:/palimpsest-memory/7", "max_slots": 8,
-                                 "block_size": 32, "queries": 4}}}
+                                 "block_size": 32, "queries": 4,  # and what it reads, as its bundle says:
+                                 "read": {"max_history_tokens": 1024, "max_field_chars": 400}}}}
 
 
 def _candidate_run(tmp_path, diffs):

@@ -20,7 +20,8 @@ from tests.helpers import STEPS, TASK, step
 
 SESSIONS = [f"session-{i}" for i in range(3000)]
 MEMORY_INFO = {"models": {"default": {"enabled": True, "model": "models:/palimpsest-memory/7", "max_slots": 8,
-                                     "block_size": 32, "queries": 4}}}
+                                     "block_size": 32, "queries": 4,  # and what it reads, as its bundle says:
+                                     "read": {"max_history_tokens": 1024, "max_field_chars": 400}}}}
 
 
 def _config(stage="dark", share=0.5, **ab):
