@@ -1,4 +1,4 @@
-"""The pure core of Palimpsest: ledger, policies, compiler, runtime.
+"""The pure core of Palimpsest: the ledger, the prompt, compiling a turn, the policies and the runtime.
 
 Importing this package loads no torch, ray, vllm, deepspeed or mlflow (a test checks it).
 """
