@@ -395,6 +395,6 @@ def _rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     cos, sin = cos[:, None], sin[:, None]
 
     def half(x):
-        return torch.cat([-x.chunk(2, dim=-1)[1], x.chunk(2, dim=-1)[0]], -1)
+        return torch.cat([-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]], -1)
 
     return q * cos + half(q) * sin, k * cos + half(k) * sin

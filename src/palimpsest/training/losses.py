@@ -202,9 +202,10 @@ def stage2_loss(memnet: MemoryNetwork, actor: FrozenActor, sample: StageIISample
     mem = memory_of(memnet, actor, sample["memory"], sample["summary"], min_passes, prefix)
     w = position_weights(sample["target"].shape[0], decay, mem.device)
 
+    p = teacher_logits(actor, sample) if teacher is None else None  # one teacher pass for both students
+
     def kl_of(q: torch.Tensor) -> torch.Tensor:
-        return ((w * coarse_kl(q, teacher)).sum() if teacher is not None
-                else reverse_kl(q, teacher_logits(actor, sample), w))
+        return (w * coarse_kl(q, teacher)).sum() if teacher is not None else reverse_kl(q, p, w)
 
     kl = kl_of(_student(actor, sample, mem, prefix))
     if not net.cfg.span_gate:
@@ -215,8 +216,8 @@ def stage2_loss(memnet: MemoryNetwork, actor: FrozenActor, sample: StageIISample
             return kl_of(_student(actor, sample, None, prefix)).detach()
 
     if prefix is not None:  # the text alone's KL never changes (the actor is frozen): once per row
-        ids = [sample[k] for k in ("teacher", "context", "bridge", "target") if sample.get(k) is not None]
-        none = prefix.get(("alone", *(int(t.numel()) for t in ids), hash(tuple(torch.cat(ids).tolist()))), alone)
+        ids = torch.cat([sample[k] for k in ("teacher", "context", "bridge", "target") if sample.get(k) is not None])
+        none = prefix.get(prefix.key("alone", ids), alone)
     else:
         none = alone()
     g = net.openness(mem)
