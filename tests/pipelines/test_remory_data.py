@@ -167,3 +167,27 @@ def test_a_stage1_corpus_adds_reconstruction_spans_split_by_file(tmp_path, tok_d
     build_datasets(data, tok_dir, tmp_path / "again", DataConfig(val_fraction=0.34, stage1_corpus=str(corpus),
                                                                  **WINDOW), parse_policy_config("window"))
     assert pq.read_table(tmp_path / "again" / "stage1.parquet").to_pylist() == spans  # the same order each build
+
+
+def test_rows_come_from_every_training_file_split_by_id_and_files_may_not_share_an_id(tmp_path, tok_dir):
+    """``data.extra_files``: a second file's boundaries are rows too, each trajectory split by its own id (so a
+    held-out trajectory of either file is never trained on); the build records each file's digest; an id in two
+    files is refused by name."""
+    from palimpsest.pipelines.trajectories import file_sha256, files_sha256
+
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("\n".join(json.dumps(traj(f"a/{i}", n=10, obs=30)) for i in range(4)) + "\n")
+    b.write_text("\n".join(json.dumps(traj(f"b/{i}", n=10, obs=30)) for i in range(4)) + "\n")
+    cfg = DataConfig(val_fraction=0.34, **WINDOW)
+    one = build_datasets(a, tok_dir, tmp_path / "one", cfg, parse_policy_config("window"))
+    both = build_datasets([a, b], tok_dir, tmp_path / "both", cfg, parse_policy_config("window"))
+    rows = pq.read_table(tmp_path / "both" / "stage2.parquet").to_pylist()
+    assert {r["trajectory"].split("/")[0] for r in rows} == {"a", "b"}
+    assert sum(both["counts"]["stage2"].values()) > sum(one["counts"]["stage2"].values())
+    assert all(r["split"] == split_of(r["trajectory"], 0.34) for r in rows)
+    assert both["files"] == {str(a): file_sha256(a), str(b): file_sha256(b)}
+    assert both["data_sha256"] == files_sha256([a, b]) != one["data_sha256"] == file_sha256(a)
+    dup = tmp_path / "dup.jsonl"
+    dup.write_text(json.dumps(traj("a/1", n=10, obs=30)) + "\n")
+    with pytest.raises(PalimpsestError, match="'a/1' is in both"):
+        build_datasets([a, dup], tok_dir, tmp_path / "dup", cfg, parse_policy_config("window"))

@@ -63,3 +63,23 @@ def test_a_bad_pin_is_refused_with_the_config():
         config(a={"policy": {"type": "nope"}})
     with pytest.raises(ConfigError, match="compaction"):
         config(a={"compaction": "sometimes"})
+
+
+def test_every_route_but_health_and_metrics_resolves_its_caller_by_the_one_dependency():
+    """The tenant is checked in one place (``ingress.caller``, a FastAPI dependency), not by each handler: every
+    route but the health checks, the metrics and the documents depends on it, so a new route that forgets the key
+    check fails here (the 401 of each route is ``test_app``'s)."""
+    from fastapi.routing import APIRoute
+
+    from palimpsest.serving.http.ingress import app, caller
+
+    def depends(dependant) -> bool:
+        return any(d.call is caller or depends(d) for d in dependant.dependencies)
+
+    open_routes = {"/healthz", "/readyz", "/metrics"}
+    routes = [r for r in app.routes if isinstance(r, APIRoute)]
+    assert len(routes) > 15
+    unguarded = sorted(f"{sorted(r.methods)} {r.path}" for r in routes
+                       if r.path not in open_routes and not depends(r.dependant))
+    assert unguarded == []
+    assert not any(depends(r.dependant) for r in routes if r.path in open_routes)

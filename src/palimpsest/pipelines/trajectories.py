@@ -149,6 +149,14 @@ def file_sha256(path: str | Path) -> str:
     return h.hexdigest()
 
 
+def files_sha256(paths: list[str | Path]) -> str:
+    """One file's :func:`file_sha256`; of several, the SHA-256 of their digests in order (what a build of them
+    read)."""
+    if len(paths) == 1:
+        return file_sha256(paths[0])
+    return hashlib.sha256("".join(file_sha256(p) for p in paths).encode()).hexdigest()
+
+
 def import_trajectory(ledger: Ledger, traj: Trajectory, upto: int | None = None) -> int:
     """Create the session and append its steps (all, or those with t < upto). Returns steps stored."""
     ledger.create_session(traj.id, traj.task, traj.system, traj.tools,

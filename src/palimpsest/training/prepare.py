@@ -83,12 +83,14 @@ def prepare(cfg: TrainConfig) -> PreparedRun:
     if getattr(arch, "model_type", None) not in ("llama", "qwen2", "qwen3", "mistral"):
         raise ConfigError(f"the memory network runs the actor's own decoder layers: {actor} is a "
                           f"{getattr(arch, 'model_type', '?')} model (llama, qwen2, qwen3 and mistral are supported)")
-    data = Path(cfg.data.file)
-    if not data.is_file():
-        raise ConfigError(f"training data not found: {data}")
+    files = [Path(f) for f in (cfg.data.file, *cfg.data.extra_files)]
+    for f in files:
+        if not f.is_file():
+            raise ConfigError(f"training data not found: {f}")
+    data = ", ".join(map(str, files))
     storage = Path(cfg.storage).expanduser().resolve() / cfg.name
     policy = load_policy_file(cfg.tracking.policy_config)
-    report = build_datasets(data, str(actor), storage / "data", data_config(cfg), policy)
+    report = build_datasets(files, str(actor), storage / "data", data_config(cfg), policy)
     if cfg.optim.stage2_steps and not report["counts"]["stage2"]["train"]:
         raise ConfigError(f"{data}: no Stage II training sample (all boundaries fell in the validation split)")
     if cfg.optim.stage1_steps and not report["counts"]["stage1"]["train"]:

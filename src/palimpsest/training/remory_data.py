@@ -34,7 +34,14 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from palimpsest.pipelines.environment import open_runtime
 from palimpsest.pipelines.recall_sessions import recall_sessions
 from palimpsest.pipelines.replay_sessions import Skipped, prepare_sessions, teacher_boundaries, walk_turns
-from palimpsest.pipelines.trajectories import Trajectory, file_sha256, read_trajectories, split_of
+from palimpsest.pipelines.trajectories import (
+    ReadResult,
+    Trajectory,
+    file_sha256,
+    files_sha256,
+    read_trajectories,
+    split_of,
+)
 from palimpsest.platform.compile.budget import Budget
 from palimpsest.platform.prompt.chat import MEMORY_READ_VERSION, memory_read
 from palimpsest.platform.types import BudgetError, PalimpsestError
@@ -52,6 +59,9 @@ class DataConfig(BaseModel):
 
     file: str | None = Field(None, description="trajectories (JSONL); Stage I/II Parquet is built from it (a "
                              "training config must name it)")
+    extra_files: tuple[str, ...] = Field((), description="more trajectory files read beside ``file`` (ids "
+                                         "disjoint from it and each other): each trajectory is split by its id "
+                                         "as ``file``'s are, so their held-out trajectories are never trained on")
     max_history_tokens: int = Field(2048, ge=16, le=131072, description="the teacher's window: a boundary's whole "
                                     "history and its target fit in it")
     max_target_tokens: int = Field(64, ge=1)
@@ -210,16 +220,33 @@ def stage2_recall(trajectories: list[Trajectory], cfg: DataConfig) -> list[Traje
                            max_observation_chars=cfg.max_observation_chars, max_fill=cfg.recall_steps)
 
 
-def build_datasets(data: Path, tokenizer: str, out: Path, cfg: DataConfig, policy) -> dict[str, Any]:
+def read_files(files: list[Path]) -> ReadResult:
+    """The trajectories of several files, in order; an id that two files share is an error (a trajectory would
+    be counted twice, and its split would no longer say where it was trained)."""
+    out, seen = ReadResult(), {}
+    for f in files:
+        read = read_trajectories(f)
+        for traj in read.trajectories:
+            if traj.id in seen:
+                raise PalimpsestError(f"trajectory {traj.id!r} is in both {seen[traj.id]} and {f}: training files "
+                                      "must not share ids")
+            seen[traj.id] = f
+            out.trajectories.append(traj)
+        out.errors += [f"{f.name}: {e}" for e in read.errors] if len(files) > 1 else read.errors
+    return out
+
+
+def build_datasets(data: Path | list[Path], tokenizer: str, out: Path, cfg: DataConfig, policy) -> dict[str, Any]:
     """Write stage1.parquet (spans in a seeded order) and stage2.parquet (rows sorted by history length: the
     curriculum) into ``out``; returns counts per split, the trajectories of each split and the policy record.
-    ``tokenizer`` is the actor's (a folder or tokenizer.json), ``policy`` the memory's policy config,
-    ``cfg.embedder`` the key embedder serving uses. An input with no usable sample is an error."""
+    ``data`` is one trajectory file or several (``file`` and ``extra_files``), ``tokenizer`` the actor's (a folder
+    or tokenizer.json), ``policy`` the memory's policy config, ``cfg.embedder`` the key embedder serving uses. An
+    input with no usable sample is an error."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-
-    read = read_trajectories(data)
+    files = [Path(data)] if isinstance(data, (str, Path)) else [Path(f) for f in data]
+    read = read_files(files)
     recall = stage2_recall(read.trajectories, cfg)
     out.mkdir(parents=True, exist_ok=True)
     ledger = out / "ledger.db"
@@ -228,7 +255,7 @@ def build_datasets(data: Path, tokenizer: str, out: Path, cfg: DataConfig, polic
     rt = open_runtime(ledger, cfg.embedder, tokenizer)
     try:
         skipped: list[Skipped] = []
-        sessions = prepare_sessions(rt, read.trajectories + recall, False, file_sha256(data), skipped)
+        sessions = prepare_sessions(rt, read.trajectories + recall, False, files_sha256(files), skipped)
         tok = rt.ledger.tokenizer
         rows2: list[dict] = []
         rows1 = stage1_rows(read.trajectories, tok, cfg)
@@ -238,8 +265,9 @@ def build_datasets(data: Path, tokenizer: str, out: Path, cfg: DataConfig, polic
         rt.ledger.close()
     errors = list(read.errors) + [f"{s.trajectory}: {s.reason}" for s in skipped]
     if not rows2:
-        raise PalimpsestError(f"{data}: no Stage II boundary: none fits max_history_tokens={cfg.max_history_tokens} "
-                              f"with a compiled prompt at budget {cfg.budget} that leaves a step out"
+        raise PalimpsestError(f"{', '.join(map(str, files))}: no Stage II boundary: none fits "
+                              f"max_history_tokens={cfg.max_history_tokens} with a compiled prompt at budget "
+                              f"{cfg.budget} that leaves a step out"
                               + (f" ({'; '.join(errors[:2])})" if errors else ""))
     # Stage II is a curriculum by history length (the seed's); Stage I spans come in a seeded order, so that a
     # run of a few steps sees spans of every length and source (sorted, its first rows are the short tails)
@@ -255,7 +283,8 @@ def build_datasets(data: Path, tokenizer: str, out: Path, cfg: DataConfig, polic
     counts["stage2_recall"] = {sp: sum(1 for r in rows2 if r["split"] == sp and r["trajectory"].startswith("recall/"))
                                for sp in ("train", "val")}
     report = {"config": cfg.to_dict(), "counts": counts, "skipped": errors, "embedder": cfg.embedder,
-              "policy": policy_record(policy), "data_sha256": file_sha256(data),
+              "policy": policy_record(policy), "data_sha256": files_sha256(files),
+              "files": {str(f): file_sha256(f) for f in files},
               "trajectories": {sp: sorted({r["trajectory"] for r in rows2 if r["split"] == sp})
                                for sp in ("train", "val")}}
     (out / "report.json").write_text(json.dumps(report, indent=2))

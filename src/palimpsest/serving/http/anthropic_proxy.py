@@ -28,7 +28,7 @@ from palimpsest.serving.http import anthropic_protocol, openai_proxy, sessions
 from palimpsest.serving.http.errors import anthropic_error
 from palimpsest.serving.http.openai_protocol import parse_messages, plain
 from palimpsest.serving.http.schemas import ChatIn, TurnIn, valid_text
-from palimpsest.serving.http.server import ARM_HEADER, SESSION_HEADER, HTTPProblem, stream_turn, unsent
+from palimpsest.serving.http.server import ARM_HEADER, SESSION_HEADER, HTTPProblem, Tenant, stream_turn, unsent
 
 
 def stop_reason(turn) -> str:
@@ -260,10 +260,9 @@ async def read(replica, request: Request, counting: bool = False) -> tuple[Any, 
     return req, chat
 
 
-async def messages(replica, request: Request):
+async def messages(replica, tenant: Tenant, request: Request):
     """``POST /v1/messages``: the history recorded in its session, the turn served, the reply as a message or
     as server-sent events."""
-    tenant = replica.tenant(request)
     req, chat = await read(replica, request)
     ext = request.headers.get(SESSION_HEADER) or req.user_id or anthropic_protocol.history_session(req.chat["messages"])
     sid = await sessions.record_chat(replica, chat, tenant, ext, request)
@@ -285,13 +284,12 @@ async def messages(replica, request: Request):
     return message(turn, model, openai_proxy.extension(ext, turn))
 
 
-async def count_tokens(replica, request: Request) -> dict:
+async def count_tokens(replica, tenant: Tenant, request: Request) -> dict:
     """``POST /v1/messages/count_tokens``, recording nothing. ``input_tokens``: the whole history as a served
     turn renders it for the actor, uncompressed (the session's prefix with Palimpsest's memory-tool text, the
     tool declarations, every step at full resolution): what a turn costs before the policy compacts it, and
     the most it can send. Beside it (``palimpsest``): the client's messages alone through the actor's
     template, and the budget a served turn of the session's arm is held to."""
-    tenant = replica.tenant(request)
     req, chat = await read(replica, request, counting=True)
     parsed = parse_messages(chat.messages, replica.cfg.proxy.user_messages_after_actions)
     tools = json.dumps(chat.tools, sort_keys=True, ensure_ascii=False) if chat.tools else None

@@ -1,11 +1,11 @@
 """The HTTP ingress (FastAPI inside a Serve deployment): the routes, and nothing else.
 
-Each route checks that the replica is composed (``replica.py``: ledger, runtime, arms, the served turn,
-enrichment, shadow lane, tenants) and hands the request to the module of its protocol: Palimpsest's own
-sessions (``sessions.py``), OpenAI's chat and completions (``openai_proxy.py``) and Responses
-(``responses_proxy.py``), Anthropic's Messages
-(``anthropic_proxy.py``). The shapes every route shares (the app, errors per protocol, the body limit,
-tenants, streaming) are ``http.py``'s. A turn: the session's arm (the router) -> the served turn
+Every route but the health checks and the metrics takes one dependency, :func:`caller`: the replica is composed
+(``serving/turn/replica.py``: ledger, runtime, arms, the served turn, enrichment, shadow lane, tenants) and the
+caller's key names its tenant. The route hands both to the module of its protocol: Palimpsest's own sessions
+(``sessions.py``), OpenAI's chat and completions (``openai_proxy.py``) and Responses (``responses_proxy.py``),
+Anthropic's Messages (``anthropic_proxy.py``). The shapes every route shares (the app, errors per protocol, the
+body limit, tenants, streaming) are ``server.py``'s. A turn: the session's arm (the router) -> the served turn
 (``turn.py:TurnService``) -> its wire format. Appends return once the step is durable; summaries and key
 embeddings are written in the background (``enrichment.py``) and a turn never waits for them.
 """
@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import types
+from dataclasses import dataclass
 
-from fastapi import FastAPI, Query, Request
+from fastapi import Depends, FastAPI, Query, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from ray import serve
 
@@ -39,7 +40,7 @@ from palimpsest.serving.http.schemas import (
     TurnIn,
     TurnOut,
 )
-from palimpsest.serving.http.server import HTTPProblem, app
+from palimpsest.serving.http.server import HTTPProblem, Tenant, app
 from palimpsest.serving.turn.replica import Replica
 
 
@@ -66,6 +67,26 @@ def _openapi(self: FastAPI) -> dict:
 app.openapi = types.MethodType(_openapi, app)
 
 
+@dataclass(frozen=True)
+class Caller:
+    """Who calls and who answers: the composed replica and the caller's tenant (``Replica.tenant``: 401 without a
+    valid key when tenants are configured). Every route but the health checks and the metrics takes one."""
+
+    replica: Replica
+    tenant: Tenant
+
+
+async def caller(request: Request) -> Caller:
+    """The routes' one dependency: the replica is composed (503 until it is) and the caller's key names its
+    tenant, before the body is read."""
+    ingress = serve.get_replica_context().servable_object  # this replica's Ingress (as Serve's own routes find it)
+    replica = await ingress._ready()
+    return Caller(replica, replica.tenant(request))
+
+
+CALLER = Depends(caller)
+
+
 @serve.deployment(name="Ingress", max_ongoing_requests=64, health_check_period_s=10)
 @serve.ingress(app)
 class Ingress:
@@ -83,74 +104,72 @@ class Ingress:
     # -- sessions and steps (sessions.py) -----------------------------------------------------------
 
     @app.post("/v1/sessions", response_model=SessionOut, summary="Create a session (idempotent)")
-    async def create_session(self, body: SessionIn, request: Request) -> SessionOut:
-        return await sessions.create(await self._ready(), body, request)
+    async def create_session(self, body: SessionIn, request: Request, c: Caller = CALLER) -> SessionOut:
+        return await sessions.create(c.replica, c.tenant, body, request)
 
     @app.post("/v1/sessions/{session_id:path}/steps", response_model=StepOut,
               summary="Append a step (durable on return)")
-    async def append_step(self, session_id: str, body: StepIn, request: Request) -> StepOut:
-        return await sessions.append(await self._ready(), session_id, body, request)
+    async def append_step(self, session_id: str, body: StepIn, c: Caller = CALLER) -> StepOut:
+        return await sessions.append(c.replica, c.tenant, session_id, body)
 
     @app.post("/v1/sessions/{session_id:path}/turn", response_model=TurnOut,
               summary="Compile the context and generate the next action")
-    async def turn(self, session_id: str, request: Request, body: TurnIn | None = None) -> TurnOut:
-        return await sessions.turn(await self._ready(), session_id, body, request)
+    async def turn(self, session_id: str, body: TurnIn | None = None, c: Caller = CALLER) -> TurnOut:
+        return await sessions.turn(c.replica, c.tenant, session_id, body)
 
     @app.post("/v1/sessions/{session_id:path}/glimpse", response_model=GlimpseOut,
               summary="The full text of a step (counts against the turn's limit)")
-    async def glimpse(self, session_id: str, body: GlimpseIn, request: Request) -> GlimpseOut:
-        return await sessions.glimpse(await self._ready(), session_id, body, request)
+    async def glimpse(self, session_id: str, body: GlimpseIn, c: Caller = CALLER) -> GlimpseOut:
+        return await sessions.glimpse(c.replica, c.tenant, session_id, body)
 
     @app.get("/v1/sessions/{session_id:path}/steps", summary="The recorded steps of a session, paged")
-    async def list_steps(self, session_id: str, request: Request, start: int = Query(0, ge=0, le=2**53),
-                         limit: int = Query(100, ge=1, le=1000)) -> dict:
-        return await sessions.steps(await self._ready(), session_id, start, limit, request)
+    async def list_steps(self, session_id: str, start: int = Query(0, ge=0, le=2**53),
+                         limit: int = Query(100, ge=1, le=1000), c: Caller = CALLER) -> dict:
+        return await sessions.steps(c.replica, c.tenant, session_id, start, limit)
 
     @app.get("/v1/sessions/{session_id:path}/audit", summary="Every audited turn of a session")
-    async def audit(self, session_id: str, request: Request, plans: bool = False) -> dict:
-        return await sessions.audit(await self._ready(), session_id, plans, request)
+    async def audit(self, session_id: str, plans: bool = False, c: Caller = CALLER) -> dict:
+        return await sessions.audit(c.replica, c.tenant, session_id, plans)
 
     @app.post("/v1/sessions/{session_id:path}/outcome", summary="Post the session's outcome (A/B feedback)")
-    async def outcome(self, session_id: str, body: OutcomeIn, request: Request) -> dict:
-        return await sessions.outcome(await self._ready(), session_id, body, request)
+    async def outcome(self, session_id: str, body: OutcomeIn, c: Caller = CALLER) -> dict:
+        return await sessions.outcome(c.replica, c.tenant, session_id, body)
 
     # -- OpenAI-compatible (openai_proxy.py) ---------------------------------------------------------
 
     @app.get("/v1/models", summary="The served actor (OpenAI's list; Anthropic's to a client that sends "
                                    "anthropic-version)")
-    async def models(self, request: Request) -> dict:
-        replica = await self._ready()
-        replica.tenant(request)
+    async def models(self, request: Request, c: Caller = CALLER) -> dict:
         if "anthropic-version" in request.headers:
-            return anthropic_proxy.models(replica)
-        return openai_proxy.models(replica)
+            return anthropic_proxy.models(c.replica)
+        return openai_proxy.models(c.replica)
 
     @app.post("/v1/chat/completions",
               summary="OpenAI-compatible chat: the history is recorded and the context compiled")
-    async def chat_completions(self, body: ChatIn, request: Request):
-        return await openai_proxy.chat_completions(await self._ready(), body, request)
+    async def chat_completions(self, body: ChatIn, request: Request, c: Caller = CALLER):
+        return await openai_proxy.chat_completions(c.replica, c.tenant, body, request)
 
     @app.post("/v1/completions", summary="Raw completion from a prompt or from prompt_embeds (base64 of torch.save)")
-    async def completions(self, body: CompletionIn, request: Request) -> dict:
-        return await openai_proxy.completions(await self._ready(), body, request)
+    async def completions(self, body: CompletionIn, c: Caller = CALLER) -> dict:
+        return await openai_proxy.completions(c.replica, c.tenant, body)
 
     @app.post("/v1/responses", summary="OpenAI Responses API (Codex CLI, client.responses): the conversation is "
                                        "recorded and the context compiled; stored responses resolve "
                                        "previous_response_id")
-    async def responses(self, request: Request):
-        return await responses_proxy.responses(await self._ready(), request)
+    async def responses(self, request: Request, c: Caller = CALLER):
+        return await responses_proxy.responses(c.replica, c.tenant, request)
 
     # -- Anthropic Messages (anthropic_proxy.py) -----------------------------------------------------
 
     @app.post("/v1/messages", summary="Anthropic Messages API: the history is recorded and the context compiled")
-    async def messages(self, request: Request):
-        return await anthropic_proxy.messages(await self._ready(), request)
+    async def messages(self, request: Request, c: Caller = CALLER):
+        return await anthropic_proxy.messages(c.replica, c.tenant, request)
 
     @app.post("/v1/messages/count_tokens", summary="Anthropic count_tokens: the whole history as a served turn "
                                                     "renders it, uncompressed, tools and Palimpsest's prefix included "
                                                     "(nothing is recorded)")
-    async def count_tokens(self, request: Request) -> dict:
-        return await anthropic_proxy.count_tokens(await self._ready(), request)
+    async def count_tokens(self, request: Request, c: Caller = CALLER) -> dict:
+        return await anthropic_proxy.count_tokens(c.replica, c.tenant, request)
 
     # -- operations ---------------------------------------------------------------------------------
 
@@ -166,24 +185,20 @@ class Ingress:
             return JSONResponse({"ready": False, "error": e.message}, status_code=503)
 
     @app.get("/v1/ab/shadow", summary="Shadow fidelity: samples queued, scored and skipped on this replica")
-    async def shadow_state(self, request: Request, wait_s: float = Query(0.0, ge=0.0, le=3600.0)) -> dict:
+    async def shadow_state(self, wait_s: float = Query(0.0, ge=0.0, le=3600.0), c: Caller = CALLER) -> dict:
         """With ``wait_s``, first wait (at most that long) until the queued samples are scored or skipped. The
         replica's counts over every tenant, with no session named; a valid key is required, as on every route
         that is not a health check."""
-        replica = await self._ready()
-        replica.tenant(request)
-        shadow = replica.shadow
+        shadow = c.replica.shadow
         drained = await shadow.drained(wait_s) if wait_s else shadow.queue.qsize() == 0
         return {**shadow.state(), "drained": drained}
 
     @app.get("/v1/busy", summary="Where the models' time went: the actor by kind of generation (turn, summary, "
                                  "elasticizer), the memory encoder's encoding and shadow scoring")
-    async def busy(self, request: Request) -> dict:
+    async def busy(self, c: Caller = CALLER) -> dict:
         """Request-seconds and tokens per kind since the replicas started (``ActorEngine.busy``,
         ``MemoryEncoder.stats``): the demo's breakdown of the actor's time reads it."""
-        replica = await self._ready()
-        replica.tenant(request)
-        actor, memory = await asyncio.gather(replica.actor.busy.remote(), replica.memory.stats.remote())
+        actor, memory = await asyncio.gather(c.replica.actor.busy.remote(), c.replica.memory.stats.remote())
         return {"actor": actor, "memory": memory}
 
     @app.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse)

@@ -17,7 +17,7 @@ from fastapi.responses import StreamingResponse
 from palimpsest.serving.http import sessions
 from palimpsest.serving.http.errors import openai_error
 from palimpsest.serving.http.schemas import RECORDED, ChatIn, CompletionIn, TurnIn
-from palimpsest.serving.http.server import SESSION_HEADER, HTTPProblem, _retriable_error, stream_turn, unsent
+from palimpsest.serving.http.server import SESSION_HEADER, HTTPProblem, Tenant, _retriable_error, stream_turn, unsent
 from palimpsest.serving.models.embeds import decode_embeds
 
 # -- the OpenAI wire format of a served turn  ------------------------------
@@ -123,9 +123,8 @@ def models(replica) -> dict:
                                         "palimpsest": info}]}
 
 
-async def chat_completions(replica, body: ChatIn, request: Request):
+async def chat_completions(replica, tenant: Tenant, body: ChatIn, request: Request):
     """``POST /v1/chat/completions``: the history recorded, the turn served, the reply whole or streamed."""
-    tenant = replica.tenant(request)
     replica.check_model(body.model)
     ext = request.headers.get(SESSION_HEADER) or body.user
     if not ext:
@@ -154,10 +153,9 @@ async def chat_completions(replica, body: ChatIn, request: Request):
     return completion(turn, head, ext)
 
 
-async def completions(replica, body: CompletionIn, request: Request) -> dict:
+async def completions(replica, tenant: Tenant, body: CompletionIn) -> dict:
     """``POST /v1/completions``: a raw completion from ``prompt`` or from ``prompt_embeds`` (base64 of
     ``torch.save``; a tenant must be allowed to send them), checked against the actor's size and window."""
-    tenant = replica.tenant(request)
     replica.check_model(body.model)
     if (body.prompt is None) == (body.prompt_embeds is None):
         raise HTTPProblem(400, "prompt: give exactly one of prompt or prompt_embeds")

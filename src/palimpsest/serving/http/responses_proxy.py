@@ -34,7 +34,7 @@ from palimpsest.serving.http.errors import openai_error
 from palimpsest.serving.http.openai_proxy import extension
 from palimpsest.serving.http.responses_protocol import ResponsesRequest
 from palimpsest.serving.http.schemas import ChatIn, TurnIn, valid_text
-from palimpsest.serving.http.server import SESSION_HEADER, HTTPProblem, stream_turn, unsent
+from palimpsest.serving.http.server import SESSION_HEADER, HTTPProblem, Tenant, stream_turn, unsent
 
 
 def _id(prefix: str) -> str:
@@ -289,10 +289,9 @@ def documented(doc: dict, models: list[str] | None = None) -> dict:
     return doc
 
 
-async def responses(replica, request: Request):
+async def responses(replica, tenant: Tenant, request: Request):
     """``POST /v1/responses``: the conversation recorded in its session, the turn served, the reply as a
     ``response`` object or as its events; stored (``store``, the default) for a later ``previous_response_id``."""
-    tenant = replica.tenant(request)
     try:
         raw = await request.json()
         valid_text(raw)  # a lone surrogate reaches no tokenizer and no database

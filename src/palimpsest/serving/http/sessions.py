@@ -25,10 +25,10 @@ from palimpsest.serving.http.schemas import (
     TurnIn,
     TurnOut,
 )
-from palimpsest.serving.http.server import ARM_HEADER, HTTPProblem
+from palimpsest.serving.http.server import ARM_HEADER, HTTPProblem, Tenant
 
 
-async def record_chat(replica, body: ChatIn, tenant, ext: str, request: Request) -> str:
+async def record_chat(replica, body: ChatIn, tenant: Tenant, ext: str, request: Request) -> str:
     """Record a chat request's message list in its session (the chat proxy and the Messages endpoint alike):
     the session is created on first sight, new steps are appended (resent ones must hash the same), and the
     next turn's embeddings are primed. Returns the session's internal id."""
@@ -61,8 +61,7 @@ async def record_chat(replica, body: ChatIn, tenant, ext: str, request: Request)
     return sid
 
 
-async def create(replica, body: SessionIn, request: Request) -> SessionOut:
-    tenant = replica.tenant(request)
+async def create(replica, tenant: Tenant, body: SessionIn, request: Request) -> SessionOut:
     ext = body.session_id or uuid.uuid4().hex
     sid = tenant.internal(ext)
     arm = replica.router.choose(sid, body.arm or request.headers.get(ARM_HEADER))
@@ -72,10 +71,10 @@ async def create(replica, body: SessionIn, request: Request) -> SessionOut:
     return SessionOut(session_id=ext, arm=replica.arm_of(s), steps=n)
 
 
-async def append(replica, ext: str, body: StepIn, request: Request) -> StepOut:
+async def append(replica, tenant: Tenant, ext: str, body: StepIn) -> StepOut:
     """A step, durable on return. Without ``t`` it is the next one (assigned under the session's lock, so
     concurrent appends each get their own); with ``t`` the idempotent and conflict rules apply."""
-    session_id = replica.tenant(request).internal(ext)
+    session_id = tenant.internal(ext)
     size = len(body.thought) + len(body.action) + len(body.observation or "")
     limit = replica.cfg.limits.max_step_chars
     if size > limit:
@@ -88,18 +87,18 @@ async def append(replica, ext: str, body: StepIn, request: Request) -> StepOut:
     return StepOut(session_id=ext, step_id=step.id, t=step.t)
 
 
-async def turn(replica, ext: str, body: TurnIn | None, request: Request) -> TurnOut:
-    out = await replica.turn(replica.tenant(request).internal(ext), body or TurnIn())
+async def turn(replica, tenant: Tenant, ext: str, body: TurnIn | None) -> TurnOut:
+    out = await replica.turn(tenant.internal(ext), body or TurnIn())
     return out.model_copy(update={"session_id": ext})
 
 
-async def glimpse(replica, ext: str, body: GlimpseIn, request: Request) -> GlimpseOut:
-    text = await asyncio.to_thread(replica.runtime.glimpse, replica.tenant(request).internal(ext), body.step_id)
+async def glimpse(replica, tenant: Tenant, ext: str, body: GlimpseIn) -> GlimpseOut:
+    text = await asyncio.to_thread(replica.runtime.glimpse, tenant.internal(ext), body.step_id)
     return GlimpseOut(session_id=ext, step_id=body.step_id, text=text)
 
 
-async def steps(replica, ext: str, start: int, limit: int, request: Request) -> dict:
-    sid = replica.tenant(request).internal(ext)
+async def steps(replica, tenant: Tenant, ext: str, start: int, limit: int) -> dict:
+    sid = tenant.internal(ext)
     ledger = replica.runtime.ledger
     page = await asyncio.to_thread(ledger.steps, sid, start, limit)
     total = await asyncio.to_thread(ledger.count, sid)
@@ -107,16 +106,16 @@ async def steps(replica, ext: str, start: int, limit: int, request: Request) -> 
             "next": start + len(page) if start + len(page) < total else None, "steps": [step_view(s) for s in page]}
 
 
-async def audit(replica, ext: str, plans: bool, request: Request) -> dict:
-    turns = await asyncio.to_thread(replica.runtime.ledger.audit, replica.tenant(request).internal(ext))
+async def audit(replica, tenant: Tenant, ext: str, plans: bool) -> dict:
+    turns = await asyncio.to_thread(replica.runtime.ledger.audit, tenant.internal(ext))
     if not plans:
         for t in turns:
             t.pop("plan")
     return {"session_id": ext, "turns": turns}
 
 
-async def outcome(replica, ext: str, body: OutcomeIn, request: Request) -> dict:
-    sid = replica.tenant(request).internal(ext)
+async def outcome(replica, tenant: Tenant, ext: str, body: OutcomeIn) -> dict:
+    sid = tenant.internal(ext)
     ledger = replica.runtime.ledger
     s = await asyncio.to_thread(ledger.session, sid)
     arm = replica.arm_of(s)
