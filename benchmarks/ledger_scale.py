@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plan_compile import TASK, synthetic_step  # noqa: E402
 
 from palimpsest.platform import Ledger, Runtime  # noqa: E402
+from palimpsest.platform.compile.budget import Budget
 
 TABLES = ("sessions", "steps", "representations", "abstractions", "keys", "audit", "served", "folds", "glimpses",
           "outcomes", "leases", "meta")
@@ -111,7 +112,7 @@ def turn_cost(led: Ledger, sid: str, m: int, turns: int, rng) -> dict:
 
     next_step()
     t0 = time.perf_counter()
-    cached.turn(sid, "pace", budget)
+    cached.turn(sid, "pace", Budget(budget))
     first_ms = (time.perf_counter() - t0) * 1000
     with_cache, refresh = [], []
     for _ in range(turns):
@@ -120,14 +121,14 @@ def turn_cost(led: Ledger, sid: str, m: int, turns: int, rng) -> dict:
         cached.snapshot(sid)
         refresh.append((time.perf_counter() - t0) * 1000)
         t0 = time.perf_counter()
-        cached.turn(sid, "pace", budget)  # the refresh inside is a hit now: plan + compile + audit
+        cached.turn(sid, "pace", Budget(budget))  # the refresh inside is a hit now: plan + compile + audit
         plan_ms = (time.perf_counter() - t0) * 1000
         with_cache.append(refresh[-1] + plan_ms)
     read_whole = []
     for _ in range(max(3, turns // 5)):
         next_step()
         t0 = time.perf_counter()
-        whole.turn(sid, "pace", budget)
+        whole.turn(sid, "pace", Budget(budget))
         read_whole.append((time.perf_counter() - t0) * 1000)
     entry_bytes = cached.snapshots.nbytes
     return {"first_turn_ms": round(first_ms, 1), "turn_ms": _pct(with_cache), "refresh_ms": _pct(refresh),

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from palimpsest.platform import Ledger, Runtime, StepRecord
+from palimpsest.platform.compile.budget import Budget
 
 POLICIES = ["full", "window", "rolling_summary", "pace", "ace", "pace_plus"]
 TASK = "Fix the KeyError raised by parse_config in settings/loader.py when DATABASE_URL is missing from the env file."
@@ -60,18 +61,18 @@ def measure(rt: Runtime, budget: int, repeat: int) -> dict:
     # One live turn per policy first: rolling_summary stores its fold, as it would after its first
     # fold in production, so the turns measured below are its steady state.
     for name in POLICIES:
-        rt.turn("bench", name, budget, record=False)
+        rt.turn("bench", name, Budget(budget), record=False)
     t0 = time.perf_counter()
     snap = rt.snapshot("bench")
     load_s = time.perf_counter() - t0
     out = {"snapshot_load_ms": round(load_s * 1000, 1), "policies": {}}
     for name in POLICIES:
         pol = rt.policy(name)
-        rt.compile(snap, pol, budget)  # warm caches (the ACE elasticizer caches per-step salient sets)
+        rt.compile(snap, pol, Budget(budget))  # warm caches (the ACE elasticizer caches per-step salient sets)
         times, tokens = [], 0
         for _ in range(repeat):
             t1 = time.perf_counter()
-            turn = rt.compile(snap, pol, budget)
+            turn = rt.compile(snap, pol, Budget(budget))
             times.append((time.perf_counter() - t1) * 1000)
             tokens = turn.prompt.tokens
         times.sort()

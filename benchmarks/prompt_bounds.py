@@ -30,6 +30,8 @@ from palimpsest.platform.types import BudgetError
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from replay_dev import default_data, runtime  # noqa: E402
 
+from palimpsest.platform.compile.budget import Budget
+
 POLICIES = ("window", "rolling_summary", "pace", "ace", "pace_plus")
 
 
@@ -64,7 +66,7 @@ def main() -> None:
                 snap = full.upto(t)
                 t0 = time.perf_counter()
                 try:
-                    ct = rt.compile(snap, policy, args.budget, args.max_tokens)
+                    ct = rt.compile(snap, policy, Budget(args.budget, args.max_tokens))
                 except BudgetError:
                     failed += 1
                     continue

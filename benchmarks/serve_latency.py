@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 
 from palimpsest.experiments.stats import percentile as pct
+from palimpsest.platform.compile.budget import Budget
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -161,7 +162,7 @@ async def prefix_cache_phase(args, trajs):
         rt.enrich(traj.id)
         for t in range(4, min(len(traj.steps), 4 + args.prefix_turns)):
             try:
-                ct = rt.turn(traj.id, "pace", args.budget, at=t, record=False)
+                ct = rt.turn(traj.id, "pace", Budget(args.budget), at=t, record=False)
             except BudgetError:  # the prefix and this step alone exceed the budget: not a servable turn
                 continue
             prompts.append((traj.id, ct.prompt))

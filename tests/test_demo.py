@@ -6,6 +6,7 @@ from pathlib import Path
 from rich.console import Console
 
 from palimpsest.demo import CONTROL_ARMS, DEMO_SERVE, Progress, busy_markdown, demo_config, show_markdown
+from palimpsest.platform.compile.budget import Budget
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -170,7 +171,7 @@ def test_the_demos_aa_control_compares_the_served_prompts_by_hash(tmp_path):
             for t in range(3):  # the A/A arm's last observation differs by one digit on trajectory 3
                 rt.append(sid, step(t, f"ls dir_{t}",
                                     f"file_{t}.py" + ("9" if (i, arm, t) == (3, "pace-aa", 2) else "8")))
-            turn = rt.turn(sid, "pace", 2000)
+            turn = rt.turn(sid, "pace", Budget(2000))
             served.append({"arm": arm, "session_id": sid, "t": turn.t, "tokens_context": 1000, "tokens_prompt": 1000})
             shadows.append({"session_id": sid, "t": turn.t, "arm": arm, "status": "scored", "reason": "",
                             "reference": "full", "kl": kl, "top1": 0.5, "tokens": 4})

@@ -15,6 +15,7 @@ from palimpsest.experiments.controls import (
     differing_prompts,
     verdicts_markdown,
 )
+from palimpsest.platform.compile.budget import Budget
 from palimpsest.platform.policies import parse_policy_config
 
 RUN = json.loads((Path(__file__).parents[1] / "fixtures" / "control_run_20261204.json").read_text())
@@ -98,9 +99,9 @@ def test_the_aa_verdict_follows_the_test_and_the_prompts_hashes():
 
 def test_audit_rows_read_each_sessions_prompt_hashes_from_the_ledger(runtime, session, ledger):
     """What a run joins onto its served turns: each audited turn's prompt hash, per session."""
-    turn = runtime.turn(session, "pace", 800)
+    turn = runtime.turn(session, "pace", Budget(800))
     assert audit_rows(ledger, [session]) == [{"session_id": session, "t": turn.t,
                                                "prompt_hash": turn.prompt.prompt_hash}]
-    other = runtime.turn(session, "pace", 400)
+    other = runtime.turn(session, "pace", Budget(400))
     rows = audit_rows(ledger, {session})
     assert [r["prompt_hash"] for r in rows] == [turn.prompt.prompt_hash, other.prompt.prompt_hash]

@@ -10,8 +10,7 @@ def test_the_reserve_is_the_reply_and_the_soft_positions():
     b = Budget(4096, 128, 64)
     assert (b.reserve, b.prompt) == (192, 3904)
     assert b.of_total(2048) == Budget(2048, 128, 64)
-    assert Budget.of(np.int64(1000), 10) == Budget(1000, 10)
-    assert Budget.of(b) is b
+    assert Budget(np.int64(1000), 10) == Budget(1000, 10)
 
 
 @pytest.mark.parametrize("args, field", [((0,), "positive integer"), ((1.5,), "positive integer"),
@@ -23,12 +22,15 @@ def test_a_budget_that_cannot_hold_a_prompt_names_its_field(args, field):
         Budget(*args)
 
 
-def test_a_reserve_beside_a_budget_value_is_refused():
-    with pytest.raises(BudgetError, match="inside the Budget"):
-        Budget.of(Budget(100, 10), 5)
-
-
-def test_the_runtime_takes_a_budget_value_or_a_total_with_its_reserve_alike(runtime, session):
-    a = runtime.turn(session, "pace", Budget(900, 100), record=False)
-    b = runtime.turn(session, "pace", 900, record=False, reserve=100)
-    assert a.prompt.ids == b.prompt.ids and a.prompt.tokens + 100 <= 900
+def test_the_runtime_takes_a_budget_value_only(runtime, session):
+    """One shape of the budget from the route to the compiler: a plain total (with or without a reserve beside
+    it) is refused by name, at the turn and at the compile alike."""
+    turn = runtime.turn(session, "pace", Budget(900, 100), record=False)
+    assert turn.prompt.tokens + 100 <= 900
+    for total in (900, np.int64(900)):
+        with pytest.raises(BudgetError, match="Runtime.turn takes a Budget"):
+            runtime.turn(session, "pace", total, record=False)
+        with pytest.raises(BudgetError, match="Runtime.compile takes a Budget"):
+            runtime.compile(turn.snapshot, runtime.policy("pace"), total)
+    with pytest.raises(TypeError, match="reserve"):
+        runtime.turn(session, "pace", Budget(900), reserve=100, record=False)

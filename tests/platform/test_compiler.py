@@ -14,7 +14,7 @@ from tests.helpers import per_turn, step
                                     "observation_masking", {"type": "clear_tool_uses", "trigger": 300}])
 @pytest.mark.parametrize("budget", [300, 600, 1500, 100_000])
 def test_compiled_context_never_exceeds_the_budget(runtime, session, policy, budget):
-    turn = runtime.turn(session, policy, budget, reserve=32)
+    turn = runtime.turn(session, policy, Budget(budget, 32))
     tok = runtime.ledger.tokenizer
     p = turn.prompt
     assert p.tokens + 32 <= budget
@@ -25,9 +25,9 @@ def test_compiled_context_never_exceeds_the_budget(runtime, session, policy, bud
 
 def test_overflow_degrades_lowest_scores_first_one_level_at_a_time_and_records_it(runtime, session):
     snap = runtime.snapshot(session)
-    roomy = runtime.compile(snap, runtime.policy(per_turn("pace")), 100_000)
+    roomy = runtime.compile(snap, runtime.policy(per_turn("pace")), Budget(100_000))
     assert not roomy.plan.degradations
-    tight = runtime.compile(snap, runtime.policy(per_turn("pace")), roomy.prompt.tokens - 60)
+    tight = runtime.compile(snap, runtime.policy(per_turn("pace")), Budget(roomy.prompt.tokens - 60))
     assert tight.prompt.tokens <= roomy.prompt.tokens - 60
     degr = tight.plan.degradations
     assert degr and all(d.after > d.before for d in degr)
@@ -40,8 +40,8 @@ def test_overflow_degrades_lowest_scores_first_one_level_at_a_time_and_records_i
 
 def test_latest_step_and_prefix_are_never_degraded(runtime, session):
     snap = runtime.snapshot(session)
-    only_latest = runtime.compile(snap, runtime.policy(per_turn("window", k=1)), 100_000).prompt
-    turn = runtime.compile(snap, runtime.policy(per_turn("full")), only_latest.tokens)
+    only_latest = runtime.compile(snap, runtime.policy(per_turn("window", k=1)), Budget(100_000)).prompt
+    turn = runtime.compile(snap, runtime.policy(per_turn("full")), Budget(only_latest.tokens))
     assert turn.plan.resolution[-1] == Resolution.FULL
     kinds = [s.kind for s in turn.prompt.segments]
     assert kinds[:2] == ["system", "task"] and kinds.count("step") == 1
@@ -53,8 +53,8 @@ def test_steps_the_compiler_hides_keep_a_range_line_while_the_budget_holds_one(r
     hides stand as a range line naming their ids, so glimpse reaches each; at the budget of the latest step
     alone (the test above) the line goes too, and the plan says so."""
     snap = runtime.snapshot(session)
-    only_latest = runtime.compile(snap, runtime.policy(per_turn("window", k=1)), 100_000).prompt
-    turn = runtime.compile(snap, runtime.policy(per_turn("full")), only_latest.tokens + 120)
+    only_latest = runtime.compile(snap, runtime.policy(per_turn("window", k=1)), Budget(100_000)).prompt
+    turn = runtime.compile(snap, runtime.policy(per_turn("full")), Budget(only_latest.tokens + 120))
     hidden = [i for i, r in enumerate(turn.plan.resolution) if r == Resolution.DROP]
     assert hidden, "the budget was meant to hide steps"
     lines = [s.text for s in turn.prompt.segments if s.kind == "range"]
@@ -62,22 +62,22 @@ def test_steps_the_compiler_hides_keep_a_range_line_while_the_budget_holds_one(r
     spans = [(int(a), int(b)) for a, b in re.findall(r"ids #(\d+)\.\.#(\d+)", joined)]
     assert lines and all(re.search(rf"#{snap.steps[i].id}(?!\d)", joined) or any(
         a <= snap.steps[i].id <= b for a, b in spans) for i in hidden)
-    tight = runtime.compile(snap, runtime.policy(per_turn("full")), only_latest.tokens)
+    tight = runtime.compile(snap, runtime.policy(per_turn("full")), Budget(only_latest.tokens))
     assert tight.plan.info.get("range_lines_dropped") is True
 
 
 def test_budget_below_prefix_plus_a_minimal_latest_step_is_a_clear_error(runtime, session):
     snap = runtime.snapshot(session)
     with pytest.raises(BudgetError, match="cannot hold the prefix .* minimal rendering of the latest step"):
-        runtime.compile(snap, runtime.policy("pace"), snap.prefix_tokens + 1)
+        runtime.compile(snap, runtime.policy("pace"), Budget(snap.prefix_tokens + 1))
     with pytest.raises(BudgetError, match="cannot hold the fixed prefix"):
-        runtime.compile(snap, runtime.policy("pace"), snap.prefix_tokens - 1)
+        runtime.compile(snap, runtime.policy("pace"), Budget(snap.prefix_tokens - 1))
 
 
 def test_an_oversized_latest_step_is_shown_head_and_tail_and_audited(runtime, session):
     huge = "".join(f"line {i}: value={i * 7}\n" for i in range(4000))  # ~40K tokens, far above the budget
     runtime.append(session, step(12, "python dump.py", "FIRST-LINE\n" + huge + "LAST-LINE"))
-    turn = runtime.turn(session, "pace", 2000, reserve=100)
+    turn = runtime.turn(session, "pace", Budget(2000, 100))
     p = turn.prompt
     assert p.tokens + 100 <= 2000
     latest = runtime.ledger.step_at(session, 12)
@@ -90,14 +90,14 @@ def test_an_oversized_latest_step_is_shown_head_and_tail_and_audited(runtime, se
 @pytest.mark.parametrize("bad", [0, -5, 1.5, "100", True])
 def test_zero_negative_or_non_integer_budgets_are_refused(runtime, session, bad):
     with pytest.raises(BudgetError, match="positive integer"):
-        runtime.turn(session, "full", bad)
+        runtime.turn(session, "full", Budget(bad))
 
 
 def test_prefix_is_byte_identical_across_turns(runtime, session):
-    a = runtime.turn(session, "pace", 1000)
+    a = runtime.turn(session, "pace", Budget(1000))
     runtime.append(session, step(12, "cat settings/__init__.py", "from .loader import parse_config"))
-    b = runtime.turn(session, "pace", 1000)
-    c = runtime.turn(session, WindowConfig(k=2), 5000)
+    b = runtime.turn(session, "pace", Budget(1000))
+    c = runtime.turn(session, WindowConfig(k=2), Budget(5000))
     assert a.prompt.prefix_hash == b.prompt.prefix_hash == c.prompt.prefix_hash
     n = sum(1 for s in a.prompt.segments if s.kind in ("system", "tools", "task"))
     assert [s.text for s in a.prompt.segments[:n]] == [s.text for s in b.prompt.segments[:n]]
@@ -105,7 +105,7 @@ def test_prefix_is_byte_identical_across_turns(runtime, session):
 
 
 def test_steps_appear_in_order_and_placeholders_name_their_step_id(runtime, session):
-    turn = runtime.turn(session, per_turn("pace"), 100_000)
+    turn = runtime.turn(session, per_turn("pace"), Budget(100_000))
     ts = [s.t for s in turn.prompt.segments if s.kind == "step"]
     assert ts == sorted(ts) and ts[-1] == 11
     ph = [s for s in turn.prompt.segments if s.resolution is Resolution.PLACEHOLDER]
@@ -117,7 +117,7 @@ def test_untrusted_output_stays_delimited_at_every_resolution(runtime, session):
     runtime.append(session, step(12, "curl http://evil.example.com", forged))
     runtime.append(session, step(13, "ls", "ok"))
     for policy in ("full", "pace", "ace"):
-        text = runtime.turn(session, policy, 100_000).prompt.text
+        text = runtime.turn(session, policy, Budget(100_000)).prompt.text
         assert "</untrusted> SYSTEM" not in text
         assert text.count('<untrusted source="tool">') == text.count("</untrusted>")
 
@@ -167,7 +167,7 @@ def test_old_history_folds_into_range_lines_and_the_recent_window_stays_whole(ru
     pol = runtime.policy(per_turn(policy))
     bound = pol.cfg.history
     budget = 4000
-    turn = runtime.turn(sid, pol, budget)
+    turn = runtime.turn(sid, pol, Budget(budget))
     plan, prompt = turn.plan, turn.prompt
     assert prompt.tokens <= budget
     cap = int((budget - prompt.prefix_tokens) * bound.old_share)
@@ -197,7 +197,7 @@ def test_old_history_folds_into_range_lines_and_the_recent_window_stays_whole(ru
 def test_a_short_history_compiles_exactly_as_planned(runtime, session):
     """The bound only acts when old history outgrows its share: a short session is untouched by it."""
     snap = runtime.snapshot(session)
-    turn = runtime.compile(snap, runtime.policy("pace"), 100_000)
+    turn = runtime.compile(snap, runtime.policy("pace"), Budget(100_000))
     assert "folded" not in turn.plan.info and not turn.plan.degradations
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from palimpsest.platform.compile.budget import Budget
 from palimpsest.platform.compile.context_edits import ContextEdits, Retain, applied, cleared, edited_config
 from palimpsest.platform.policies import parse_policy_config
 from palimpsest.platform.types import Resolution
@@ -23,12 +24,12 @@ def _levels(turn) -> dict[str, list[int]]:
 def test_excluded_tools_and_the_kept_tool_uses_are_never_degraded(runtime, session, policy):
     base = parse_policy_config(per_turn(policy))
     tight = 700  # the session's twelve steps do not fit: most history is degraded
-    plain = runtime.turn(session, base, tight, record=False)
+    plain = runtime.turn(session, base, Budget(tight), record=False)
     degraded = {tool for tool, levels in _levels(plain).items() if any(r != Resolution.FULL for r in levels)}
     assert degraded, "the budget must force degradation, or the test shows nothing"
     victim = sorted(degraded)[0]
     cfg = base.model_copy(update={"retain": Retain(tools=(victim,), tool_uses=2)})
-    edited = runtime.turn(session, cfg, tight, record=False)
+    edited = runtime.turn(session, cfg, Budget(tight), record=False)
     assert edited.prompt.tokens <= tight
     assert all(r == Resolution.FULL for r in _levels(edited)[victim]), _levels(edited)
     assert all(r == Resolution.FULL for r in edited.plan.resolution[-2:].tolist())
@@ -56,14 +57,14 @@ def test_the_trigger_counts_input_tokens_whatever_the_reply_reserves(runtime, se
     """The boundary falls when the input would pass the trigger, not the input plus the reply's cap, and it
     compacts below the trigger keeping the arm's ratio of low to high watermark (never low == high)."""
     pace = parse_policy_config({"type": "pace"})
-    size = runtime.turn(session, pace, 20_000, record=False).prompt.tokens  # the whole session, uncompacted
+    size = runtime.turn(session, pace, Budget(20_000), record=False).prompt.tokens  # the whole session, uncompacted
     budget = 20_000
     for reserve in (0, 4_000):
         above = edited_config(pace, ContextEdits(kind="compaction", trigger_tokens=size + 10), budget, reserve)
-        turn = runtime.turn(session, above, budget, record=False, reserve=reserve)
+        turn = runtime.turn(session, above, Budget(budget, reserve), record=False)
         assert not any(r != Resolution.FULL for r in turn.plan.resolution.tolist()), reserve  # under the trigger
         below = edited_config(pace, ContextEdits(kind="compaction", trigger_tokens=size - 100), budget, reserve)
-        turn = runtime.turn(session, below, budget, record=False, reserve=reserve)
+        turn = runtime.turn(session, below, Budget(budget, reserve), record=False)
         assert turn.prompt.tokens <= size - 100 and any(r != Resolution.FULL for r in turn.plan.resolution.tolist())
         ratio = below.compaction.low / below.compaction.high
         assert ratio == pytest.approx(pace.compaction.low / pace.compaction.high)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from palimpsest.platform import Ledger, Runtime
+from palimpsest.platform.compile.budget import Budget
 from palimpsest.platform.compile.epochs import Boundary, Compaction, cached_tokens, turn_cost, with_soft
 from palimpsest.platform.policies import parse_policy_config
 from palimpsest.platform.prompt.chat import chat_ids
@@ -36,7 +37,7 @@ def test_between_boundaries_the_ids_strictly_extend_the_previous_turns(runtime, 
     prev, extensions, boundaries = None, 0, 0
     for t in range(40):
         _grow(runtime, sid, t)
-        turn = runtime.turn(sid, policy, BUDGET, reserve=RESERVE)
+        turn = runtime.turn(sid, policy, Budget(BUDGET, RESERVE))
         ids = turn.prompt.ids
         if turn.compacted:
             boundaries += 1
@@ -68,7 +69,7 @@ def test_a_boundary_happens_exactly_when_the_high_watermark_is_crossed(runtime):
         base = prev or empty_boundary(prefix_messages(snap.session), prefix_segments(prefix_messages(snap.session)))
         msgs, _ = extend(base, snap, message_overhead(tok))
         would = len(chat_ids(tok, msgs, base.split))
-        turn = runtime.turn(sid, pol, BUDGET, reserve=RESERVE)
+        turn = runtime.turn(sid, pol, Budget(BUDGET, RESERVE))
         crossed = would + RESERVE > int(0.8 * BUDGET)
         assert turn.compacted == crossed, f"t={t}: {would} + {RESERVE} vs {int(0.8 * BUDGET)}"
         if crossed:
@@ -93,12 +94,12 @@ def test_a_prompt_exactly_at_the_high_watermark_extends_and_one_id_over_it_compa
     for t in range(12):
         _grow(runtime, sid, t)
     cfg = {"type": "pace", "compaction": {"high": 0.5, "low": 0.3}}
-    free = runtime.turn(sid, cfg, 10**6, reserve=RESERVE, record=False)
+    free = runtime.turn(sid, cfg, Budget(10**6, RESERVE), record=False)
     assert not free.compacted
     size = len(free.prompt.ids) + RESERVE
-    at = runtime.turn(sid, cfg, 2 * size, reserve=RESERVE, record=False)  # high x budget == size
+    at = runtime.turn(sid, cfg, Budget(2 * size, RESERVE), record=False)  # high x budget == size
     assert not at.compacted and at.prompt.ids == free.prompt.ids
-    over = runtime.turn(sid, cfg, 2 * size - 2, reserve=RESERVE, record=False)  # high x budget == size - 1
+    over = runtime.turn(sid, cfg, Budget(2 * size - 2, RESERVE), record=False)  # high x budget == size - 1
     assert over.compacted and len(over.prompt.ids) + RESERVE <= over.plan.info["compaction"]["target"]
     assert over.plan.info["compaction"]["before"] + RESERVE == size
 
@@ -113,7 +114,7 @@ def test_the_budget_bound_holds_on_every_turn(runtime, policy):
         else:
             _grow(runtime, sid, t)
         for reserve in (0, RESERVE, 300):
-            turn = runtime.turn(sid, policy, BUDGET, reserve=reserve)  # stored: later turns extend it
+            turn = runtime.turn(sid, policy, Budget(BUDGET, reserve))  # stored: later turns extend it
             assert turn.prompt.tokens == len(turn.prompt.ids)
             assert turn.prompt.tokens + reserve <= BUDGET, (t, reserve)
 
@@ -129,22 +130,22 @@ def test_two_replicas_build_identical_prompts_after_a_restart(tmp_path):
     chain = None  # the same epochs kept in memory only (never stored): what the ledger's copy must reproduce
     for t in range(25):
         _grow(a, sid, t)
-        mem = a.compile(a.snapshot(sid), pol, BUDGET, RESERVE, chain)  # on the snapshot the turn will read
-        first = a.turn(sid, cfg, BUDGET, reserve=RESERVE)
+        mem = a.compile(a.snapshot(sid), pol, Budget(BUDGET, RESERVE), chain)  # on the snapshot the turn will read
+        first = a.turn(sid, cfg, Budget(BUDGET, RESERVE))
         chain = mem.boundary
         assert first.prompt.ids == mem.prompt.ids, f"t={t}: the stored boundary rebuilt another prompt"
     assert a.ledger.boundaries(sid), "the session never reached a boundary"
     a.ledger.close()
     b = Runtime(Ledger(url))  # a fresh process: no cached boundary, snapshot or prompt
     c = Runtime(Ledger(url))
-    again_b = b.turn(sid, cfg, BUDGET, reserve=RESERVE)
-    again_c = c.turn(sid, cfg, BUDGET, reserve=RESERVE)
+    again_b = b.turn(sid, cfg, Budget(BUDGET, RESERVE))
+    again_c = c.turn(sid, cfg, Budget(BUDGET, RESERVE))
     assert again_b.prompt.ids == first.prompt.ids == again_c.prompt.ids
     assert again_b.prompt.text == first.prompt.text and again_b.prompt.messages == first.prompt.messages
     for t in range(25, 30):  # turns go on on either replica, and they agree on each
         _grow(b, sid, t)
-        pb = b.turn(sid, cfg, BUDGET, reserve=RESERVE)
-        pc = c.turn(sid, cfg, BUDGET, reserve=RESERVE, record=False)
+        pb = b.turn(sid, cfg, Budget(BUDGET, RESERVE))
+        pc = c.turn(sid, cfg, Budget(BUDGET, RESERVE), record=False)
         assert pb.prompt.ids == pc.prompt.ids and pb.prompt.prompt_hash == pc.prompt.prompt_hash
 
 
@@ -152,7 +153,7 @@ def _boundary_then_appends(runtime, sid):
     t, turn = 0, None
     while t < 40 or turn.compacted:  # end on an append-only turn after some boundaries
         _grow(runtime, sid, t)
-        turn = runtime.turn(sid, "pace", BUDGET, reserve=RESERVE)
+        turn = runtime.turn(sid, "pace", Budget(BUDGET, RESERVE))
         t += 1
     return turn
 
@@ -213,7 +214,7 @@ def test_per_turn_mode_replans_and_a_bad_compaction_config_is_refused(runtime):
     sid = _session(runtime)
     for t in range(12):
         _grow(runtime, sid, t)
-    turn = runtime.turn(sid, {"type": "pace", "compaction": {"mode": "per_turn"}}, BUDGET, reserve=RESERVE)
+    turn = runtime.turn(sid, {"type": "pace", "compaction": {"mode": "per_turn"}}, Budget(BUDGET, RESERVE))
     assert turn.boundary is None and not turn.compacted
     with pytest.raises(ConfigError, match="low"):
         parse_policy_config({"type": "pace", "compaction": {"high": 0.5, "low": 0.7}})
@@ -226,7 +227,7 @@ def test_a_boundary_round_trips_through_its_ledger_form(runtime):
     sid = _session(runtime)
     for t in range(30):
         _grow(runtime, sid, t)
-        turn = runtime.turn(sid, "ace", BUDGET, reserve=RESERVE)
+        turn = runtime.turn(sid, "ace", Budget(BUDGET, RESERVE))
     b = turn.boundary
     back = Boundary.decode(b.encode(), b.id)
     assert back.messages == b.messages and back.t == b.t and back.digest == b.digest
@@ -259,7 +260,7 @@ def test_a_compaction_keeps_the_oldest_region_so_the_cache_holds_it(runtime):
         prev, hits, kept = None, [], 0
         for t in range(60):
             _grow(runtime, sid, t)
-            turn = runtime.turn(sid, cfg, BUDGET, reserve=RESERVE)
+            turn = runtime.turn(sid, cfg, Budget(BUDGET, RESERVE))
             if turn.compacted and turn.plan.info["compaction"]["previous_t"] > 0:
                 hits.append(cached_tokens(prev, turn.prompt.ids))
                 info = turn.plan.info.get("kept")
@@ -278,15 +279,15 @@ def test_a_preview_stores_no_boundary_and_a_historical_view_uses_the_boundary_of
     sid = _session(runtime)
     for t in range(30):
         _grow(runtime, sid, t)
-        runtime.turn(sid, "pace", BUDGET, reserve=RESERVE)
+        runtime.turn(sid, "pace", Budget(BUDGET, RESERVE))
     stored = runtime.ledger.boundaries(sid)
     assert len(stored) >= 2
     for t in range(30, 45):  # previews (render) compile but never move the session's chain
         _grow(runtime, sid, t)
-        runtime.turn(sid, "pace", BUDGET, reserve=RESERVE, record=False)
+        runtime.turn(sid, "pace", Budget(BUDGET, RESERVE), record=False)
     assert runtime.ledger.boundaries(sid) == stored
     first = stored[0]
-    past = runtime.turn(sid, "pace", BUDGET, reserve=RESERVE, at=first["t"] + 1, record=False)
+    past = runtime.turn(sid, "pace", Budget(BUDGET, RESERVE), at=first["t"] + 1, record=False)
     assert past.boundary.id == first["id"] and not past.compacted
 
 
@@ -316,7 +317,7 @@ def test_two_replicas_compacting_the_same_turn_at_once_serve_the_one_boundary_in
     turns: dict[str, object] = {}
 
     def serve(name, rt, keys):
-        turns[name] = rt.turn(sid, cfg, BUDGET, reserve=RESERVE, keys=keys)
+        turns[name] = rt.turn(sid, cfg, Budget(BUDGET, RESERVE), keys=keys)
 
     threads = [threading.Thread(target=serve, args=("a", a, True)),
                threading.Thread(target=serve, args=("b", b, False))]
@@ -326,7 +327,7 @@ def test_two_replicas_compacting_the_same_turn_at_once_serve_the_one_boundary_in
         th.join()
     rows = a.ledger.boundaries(sid)
     assert len(rows) == 1, rows  # one boundary per (session, key, t)
-    in_effect = Runtime(Ledger(ledger_url)).turn(sid, cfg, BUDGET, reserve=RESERVE, record=False)
+    in_effect = Runtime(Ledger(ledger_url)).turn(sid, cfg, Budget(BUDGET, RESERVE), record=False)
     assert turns["a"].prompt.ids == turns["b"].prompt.ids == in_effect.prompt.ids
     for rt in (a, b):
         rt.ledger.close()
@@ -339,7 +340,7 @@ def test_the_ledger_itself_refuses_a_second_boundary_at_one_session_key_and_step
     sid = _session(rt)
     for t in range(24):
         _grow(rt, sid, t)
-    rt.turn(sid, {"type": "pace"}, BUDGET, reserve=RESERVE)
+    rt.turn(sid, {"type": "pace"}, Budget(BUDGET, RESERVE))
     (row,) = rt.ledger.boundaries(sid)
     insert = "INSERT INTO boundaries (session_id, key, t, digest, body, created) VALUES (?,?,?,?,?,?)"
     with pytest.raises(Exception, match="one boundary per"):
@@ -365,9 +366,9 @@ def test_a_boundary_never_degrades_the_recent_steps_where_a_higher_target_holds_
     cfg = {"type": "pace", "recent": 2}
     low = int(0.6 * BUDGET)
     # the premise: planned at the low watermark, PACE cannot keep both recent steps full
-    at_low = runtime.turn(sid, per_turn("pace", recent=2), low, reserve=RESERVE, record=False)
+    at_low = runtime.turn(sid, per_turn("pace", recent=2), Budget(low, RESERVE), record=False)
     assert not (at_low.plan.resolution[-2:] == Resolution.FULL).all()
-    turn = runtime.turn(sid, cfg, BUDGET, reserve=RESERVE)
+    turn = runtime.turn(sid, cfg, Budget(BUDGET, RESERVE))
     assert turn.compacted
     info = turn.plan.info["compaction"]
     assert (turn.plan.resolution[-2:] == Resolution.FULL).all(), turn.plan.resolution[-4:]
@@ -380,7 +381,7 @@ def test_a_boundary_never_degrades_the_recent_steps_where_a_higher_target_holds_
     other = _session(runtime, "e2")
     for t in range(40):
         _grow(runtime, other, t)
-    small = runtime.turn(other, cfg, BUDGET, reserve=RESERVE)
+    small = runtime.turn(other, cfg, Budget(BUDGET, RESERVE))
     assert small.compacted and small.plan.info["compaction"]["target"] == low
     assert small.plan.info["compaction"]["recent"]["raised"] is False
 
@@ -392,15 +393,15 @@ def test_a_sessions_first_turn_is_billed_in_full_and_an_unknown_previous_turn_is
     sid = _session(a)
     for t in range(3):
         _grow(a, sid, t)
-    first = a.turn(sid, {"type": "pace"}, BUDGET, reserve=RESERVE)
+    first = a.turn(sid, {"type": "pace"}, Budget(BUDGET, RESERVE))
     n = len(first.prompt.ids)
     assert first.cost == {"cached": 0, "uncached": n, "billed": n, "prefix_reuse": 0.0}
     _grow(a, sid, 3)
-    second = a.turn(sid, {"type": "pace"}, BUDGET, reserve=RESERVE)
+    second = a.turn(sid, {"type": "pace"}, Budget(BUDGET, RESERVE))
     assert second.cost["cached"] > 0 and second.cost["uncached"] < len(second.prompt.ids)
     _grow(a, sid, 4)
     other = Runtime(Ledger(ledger_url))  # served none of this session's turns
-    assert other.turn(sid, {"type": "pace"}, BUDGET, reserve=RESERVE).cost is None
+    assert other.turn(sid, {"type": "pace"}, Budget(BUDGET, RESERVE)).cost is None
     for rt in (a, other):
         rt.ledger.close()
 
@@ -418,9 +419,9 @@ def test_a_requests_reserve_never_moves_the_boundaries_another_reserve_is_served
     for t in range(40):
         for rt in (alone_rt, mixed):
             _grow(rt, "e1", t)
-        alone = alone_rt.turn("e1", "pace", BUDGET, reserve=RESERVE)
-        big = mixed.turn("e1", "pace", BUDGET, reserve=large)  # the larger reply, served first
-        small = (mixed if t % 2 else other).turn("e1", "pace", BUDGET, reserve=RESERVE)
+        alone = alone_rt.turn("e1", "pace", Budget(BUDGET, RESERVE))
+        big = mixed.turn("e1", "pace", Budget(BUDGET, large))  # the larger reply, served first
+        small = (mixed if t % 2 else other).turn("e1", "pace", Budget(BUDGET, RESERVE))
         assert small.prompt.ids == alone.prompt.ids and small.compacted == alone.compacted, f"t={t}"
         assert big.prompt.tokens + large <= BUDGET and small.prompt.tokens + RESERVE <= BUDGET
         differed += big.compacted != small.compacted
@@ -447,12 +448,12 @@ def test_the_replica_that_loses_a_compaction_race_serves_the_winners_boundary_as
     sid = _crowded_session(a)
     for t in range(4):
         _grow(a, sid, t)
-        won = a.turn(sid, "pace", BUDGET, reserve=RESERVE)
+        won = a.turn(sid, "pace", Budget(BUDGET, RESERVE))
     assert won.compacted and won.prompt.tokens + RESERVE > int(0.9 * BUDGET)  # the premise: past the watermark
     _grow(a, sid, 4)
-    won = a.turn(sid, "pace", BUDGET, reserve=RESERVE)
+    won = a.turn(sid, "pace", Budget(BUDGET, RESERVE))
     read_late, b.boundary = b.boundary, lambda *args, **kwargs: None  # b's read predates a's boundary at t=4
-    lost = b.turn(sid, "pace", BUDGET, reserve=RESERVE, keys=False)
+    lost = b.turn(sid, "pace", Budget(BUDGET, RESERVE), keys=False)
     b.boundary = read_late
     stored = [r for r in a.ledger.boundaries(sid) if r["t"] == 5]
     assert len(stored) == 1
@@ -460,7 +461,7 @@ def test_the_replica_that_loses_a_compaction_race_serves_the_winners_boundary_as
     assert tuple(won.prompt.messages) == in_effect.messages
     assert lost.prompt.ids == won.prompt.ids and lost.prompt.messages == won.prompt.messages
     assert not lost.compacted and lost.boundary.id == stored[0]["id"]
-    again = b.turn(sid, "pace", BUDGET, reserve=RESERVE, keys=False)  # a retry at the same step
+    again = b.turn(sid, "pace", Budget(BUDGET, RESERVE), keys=False)  # a retry at the same step
     assert again.prompt.ids == won.prompt.ids and not again.compacted
     assert len([r for r in a.ledger.boundaries(sid) if r["t"] == 5]) == 1
     for rt in (a, b):
@@ -477,7 +478,7 @@ def test_on_a_ledger_holding_duplicate_boundaries_the_stored_row_and_the_row_in_
     sid = _session(rt)
     for t in range(24):
         _grow(rt, sid, t)
-    first = rt.turn(sid, "pace", BUDGET, reserve=RESERVE)
+    first = rt.turn(sid, "pace", Budget(BUDGET, RESERVE))
     (row,) = rt.ledger.boundaries(sid)
     other = Boundary.decode(rt.ledger.boundary_blob(sid, row["id"]))
     other = Boundary(**{**other.__dict__, "messages": other.messages[:-1] + (
@@ -493,6 +494,6 @@ def test_on_a_ledger_holding_duplicate_boundaries_the_stored_row_and_the_row_in_
     assert len(rows) == 2
     answered, stored = rt.ledger.add_boundary(sid, row["key"], first.boundary)
     assert not stored and answered == rt.ledger.last_boundary(sid, row["key"])
-    served = Runtime(Ledger(url)).turn(sid, "pace", BUDGET, reserve=RESERVE, record=False)
+    served = Runtime(Ledger(url)).turn(sid, "pace", Budget(BUDGET, RESERVE), record=False)
     assert served.boundary.id == answered
     rt.ledger.close()

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from palimpsest.platform import Resolution, StepRecord
+from palimpsest.platform.compile.budget import Budget
 from palimpsest.platform.prompt import toolcalls
 from palimpsest.platform.prompt.render import INPUT_MASKED, RESULT_MASKED, authority_block, masked_note
 from tests.helpers import STEPS, per_turn, step
@@ -27,7 +28,7 @@ def _shown(turn, i: int) -> tuple[bool, bool]:
 
 
 def test_observation_masking_keeps_every_action_and_the_last_m_observations(runtime, session):
-    turn = runtime.turn(session, per_turn("observation_masking", m=M), 100_000)
+    turn = runtime.turn(session, per_turn("observation_masking", m=M), Budget(100_000))
     n = turn.snapshot.t
     for i, s in enumerate(turn.snapshot.steps):
         action, observation = _shown(turn, i)
@@ -39,7 +40,7 @@ def test_observation_masking_keeps_every_action_and_the_last_m_observations(runt
 
 
 def test_a_masked_observation_keeps_its_role_and_place_and_glimpse_brings_it_back(runtime, session):
-    turn = runtime.turn(session, per_turn("observation_masking", m=M), 100_000)
+    turn = runtime.turn(session, per_turn("observation_masking", m=M), Budget(100_000))
     msgs = turn.prompt.messages
     assert [m["role"] for m in msgs[2:]] == ["assistant", "tool"] * len(STEPS)
     first = turn.snapshot.steps[0]
@@ -59,13 +60,13 @@ def test_the_users_own_words_are_never_masked(runtime, ledger):
                                    authority=Authority.USER))
     for t in range(1, 8):
         runtime.append("u", step(t, f"search_flights day={t}", f"flight HAT{t}00 at 0{t}:00"))
-    turn = runtime.turn("u", per_turn("observation_masking", m=2), 100_000, record=False)
+    turn = runtime.turn("u", per_turn("observation_masking", m=2), Budget(100_000), record=False)
     assert "Tuesday the 4th, please." in turn.prompt.text and "flight HAT100" not in turn.prompt.text
 
 
 def test_observation_masking_stays_within_the_budget_and_degrades_the_oldest_first(runtime, session):
-    roomy = runtime.turn(session, per_turn("observation_masking", m=M), 100_000, record=False).prompt.tokens
-    tight = runtime.turn(session, per_turn("observation_masking", m=M), roomy - 30, reserve=16, record=False)
+    roomy = runtime.turn(session, per_turn("observation_masking", m=M), Budget(100_000), record=False).prompt.tokens
+    tight = runtime.turn(session, per_turn("observation_masking", m=M), Budget(roomy - 30, 16), record=False)
     assert tight.prompt.tokens + 16 <= roomy - 30
     degraded = [d.t for d in tight.plan.degradations]
     assert degraded and min(degraded) == 0 and max(degraded) < len(STEPS) - M
@@ -77,20 +78,20 @@ def _clear(**fields) -> dict:
 
 def _input_tokens(runtime, session) -> int:
     """The input a client would send: the whole history, nothing cleared (``full`` with room for all of it)."""
-    return runtime.turn(session, per_turn("full"), 1_000_000, record=False).prompt.tokens
+    return runtime.turn(session, per_turn("full"), Budget(1_000_000), record=False).prompt.tokens
 
 
 def test_clear_tool_uses_clears_nothing_until_the_input_passes_the_trigger(runtime, session):
     size = _input_tokens(runtime, session)
-    at = runtime.turn(session, _clear(trigger=size), 100_000, record=False)
+    at = runtime.turn(session, _clear(trigger=size), Budget(100_000), record=False)
     assert not _masked(at.plan).any() and at.prompt.tokens == size  # exactly at the trigger: not past it
-    past = runtime.turn(session, _clear(trigger=size - 1), 100_000, record=False)
+    past = runtime.turn(session, _clear(trigger=size - 1), Budget(100_000), record=False)
     assert _masked(past.plan).any() and past.prompt.tokens < size
     assert past.plan.info["clear_tool_uses"]["input"] == size  # counted on the compiled prompt's ids
 
 
 def test_clear_tool_uses_keeps_the_last_keep_tool_uses_and_clears_the_rest(runtime, session):
-    turn = runtime.turn(session, _clear(trigger=100, keep=3), 100_000, record=False)
+    turn = runtime.turn(session, _clear(trigger=100, keep=3), Budget(100_000), record=False)
     n = turn.snapshot.t
     for i in range(n):
         action, observation = _shown(turn, i)
@@ -99,7 +100,7 @@ def test_clear_tool_uses_keeps_the_last_keep_tool_uses_and_clears_the_rest(runti
 
 
 def test_clear_tool_uses_never_touches_an_excluded_tool(runtime, session):
-    turn = runtime.turn(session, _clear(trigger=100, keep=1, exclude_tools=["cat"]), 100_000, record=False)
+    turn = runtime.turn(session, _clear(trigger=100, keep=1, exclude_tools=["cat"]), Budget(100_000), record=False)
     for i, s in enumerate(turn.snapshot.steps):
         if s.tool == "cat":
             assert _shown(turn, i) == (True, True) and _masked(turn.plan)[i] == 0, f"excluded step {i} was cleared"
@@ -107,24 +108,25 @@ def test_clear_tool_uses_never_touches_an_excluded_tool(runtime, session):
 
 
 def test_clear_tool_inputs_clears_the_calls_too_and_clear_at_least_gates_the_edit(runtime, session):
-    turn = runtime.turn(session, _clear(trigger=100, keep=2, clear_tool_inputs=True), 100_000, record=False)
+    turn = runtime.turn(session, _clear(trigger=100, keep=2, clear_tool_inputs=True), Budget(100_000), record=False)
     n = turn.snapshot.t
     assert _masked(turn.plan).tolist() == [INPUT_MASKED] * (n - 2) + [0, 0]
     assert STEPS[0][0] not in turn.prompt.text and STEPS[-1][0] in turn.prompt.text
-    only = runtime.turn(session, _clear(trigger=100, keep=2, clear_tool_inputs=["ls"]), 100_000, record=False)
+    only = runtime.turn(session, _clear(trigger=100, keep=2, clear_tool_inputs=["ls"]), Budget(100_000), record=False)
     assert _masked(only.plan)[0] == INPUT_MASKED and set(_masked(only.plan)[1:n - 2].tolist()) == {RESULT_MASKED}
     size = _input_tokens(runtime, session)
-    cleared = runtime.turn(session, _clear(trigger=100, keep=2), 100_000, record=False).prompt.tokens
+    cleared = runtime.turn(session, _clear(trigger=100, keep=2), Budget(100_000), record=False).prompt.tokens
     freed = size - cleared
-    enough = runtime.turn(session, _clear(trigger=100, keep=2, clear_at_least=freed - 5), 100_000, record=False)
+    enough = runtime.turn(session, _clear(trigger=100, keep=2, clear_at_least=freed - 5), Budget(100_000), record=False)
     assert _masked(enough.plan).any()
-    gated = runtime.turn(session, _clear(trigger=100, keep=2, clear_at_least=freed + 5), 100_000, record=False)
+    gated = runtime.turn(session, _clear(trigger=100, keep=2, clear_at_least=freed + 5), Budget(100_000), record=False)
     assert not _masked(gated.plan).any() and gated.prompt.tokens == size
 
 
 def test_a_trigger_in_tool_uses_counts_the_calls(runtime, session):
-    at = runtime.turn(session, _clear(trigger=len(STEPS), trigger_type="tool_uses"), 100_000, record=False)
-    past = runtime.turn(session, _clear(trigger=len(STEPS) - 1, trigger_type="tool_uses"), 100_000, record=False)
+    at = runtime.turn(session, _clear(trigger=len(STEPS), trigger_type="tool_uses"), Budget(100_000), record=False)
+    past = runtime.turn(session, _clear(trigger=len(STEPS) - 1, trigger_type="tool_uses"), Budget(100_000),
+                        record=False)
     assert not _masked(at.plan).any() and _masked(past.plan).any()
 
 
@@ -169,10 +171,10 @@ def _assert_calls_answered(messages) -> None:
 def test_masked_tool_calls_keep_their_answers_and_the_budget_holds(runtime, cfg):
     sid = _tool_session(runtime)
     for budget in (1200, 2500, 100_000):
-        turn = runtime.turn(sid, cfg, budget, reserve=32)
+        turn = runtime.turn(sid, cfg, Budget(budget, 32))
         assert turn.prompt.tokens + 32 <= budget
         _assert_calls_answered(turn.prompt.messages)
-    roomy = runtime.turn(sid, {**cfg, "compaction": {"mode": "per_turn"}}, 100_000, record=False)
+    roomy = runtime.turn(sid, {**cfg, "compaction": {"mode": "per_turn"}}, Budget(100_000), record=False)
     masked = [i for i, v in enumerate(_masked(roomy.plan).tolist()) if v]
     assert masked, "the rule should mask something in this session"
     answers = [m for m in roomy.prompt.messages if m.get("tool_call_id")]
@@ -189,9 +191,9 @@ def test_a_keep_protected_structured_step_is_kept_whole(runtime):
     """keep counts calls, and a step's calls are cleared together: with keep 3, the latest steps t = 20 and 19 (one
     call each) and t = 18 (two calls, one of them among the last three) are kept whole; t = 17 is cleared."""
     sid = _tool_session(runtime, n=21)
-    turn = runtime.turn(sid, _clear(trigger=500, keep=3), 100_000, record=False)
+    turn = runtime.turn(sid, _clear(trigger=500, keep=3), Budget(100_000), record=False)
     assert _masked(turn.plan)[-3:].tolist() == [0, 0, 0] and _masked(turn.plan)[-4] == RESULT_MASKED
     text = turn.prompt.text
     assert "key_18 = 1" in text and "def handler_18" in text and "def handler_17" not in text
-    two = runtime.turn(sid, _clear(trigger=500, keep=2), 100_000, record=False)
+    two = runtime.turn(sid, _clear(trigger=500, keep=2), Budget(100_000), record=False)
     assert _masked(two.plan)[-2:].tolist() == [0, 0] and _masked(two.plan)[-3] == RESULT_MASKED

@@ -2,6 +2,7 @@ import numpy as np
 import pytest
 
 from palimpsest.platform import ConfigError, Resolution
+from palimpsest.platform.compile.budget import Budget
 from palimpsest.platform.policies import PacePlusConfig, parse_policy_config
 from palimpsest.platform.policies.pace_plus import allocate
 
@@ -29,7 +30,7 @@ def test_pace_plus_keeps_the_relevant_step_rich_and_the_context_small(runtime, s
     res = [Resolution(int(r)) for r in plan.resolution]
     assert res[1] is Resolution.FULL and res[-1] is Resolution.FULL
     assert plan.score[1] == plan.score[:10].max()
-    tight = runtime.compile(snap, runtime.policy("pace_plus"), 1200)
+    tight = runtime.compile(snap, runtime.policy("pace_plus"), Budget(1200))
     res = [Resolution(int(r)) for r in tight.plan.resolution]
     assert tight.prompt.tokens <= 1200 and res[1] <= Resolution.DETAILED
     assert res[1] <= min(res[0], res[2])  # never poorer than the images or the weather
@@ -38,7 +39,7 @@ def test_pace_plus_keeps_the_relevant_step_rich_and_the_context_small(runtime, s
 def test_pace_plus_spends_at_most_its_fill_share_before_the_compiler(runtime, session):
     snap = runtime.snapshot(session)
     budget = 1500
-    turn = runtime.compile(snap, runtime.policy(PacePlusConfig(fill=0.5)), budget)
+    turn = runtime.compile(snap, runtime.policy(PacePlusConfig(fill=0.5)), Budget(budget))
     assert turn.prompt.tokens <= 0.5 * budget + 40  # placeholders are the floor, never more than a line each
     assert not turn.plan.degradations
 

@@ -2,6 +2,7 @@ import numpy as np
 import pytest
 
 from palimpsest.platform import ConfigError, Resolution
+from palimpsest.platform.compile.budget import Budget
 from palimpsest.platform.policies import (
     AceConfig,
     PaceConfig,
@@ -72,7 +73,7 @@ def test_pace_thresholds_rise_with_t_and_with_context_size(runtime, session):
     assert p_late > p_early
     assert pol.thresholds(p_late)[0] > pol.thresholds(p_early)[0]
     # a large previous context raises the pressure too
-    runtime.turn(session, "pace", 400)
+    runtime.turn(session, "pace", Budget(400))
     bigger = runtime.snapshot(session)
     assert pol.pressure(bigger, 400) > p_late
     a, b, g = pol.thresholds(pol.pressure(bigger, 400))
@@ -138,15 +139,15 @@ def test_ace_can_render_drops_as_placeholders(runtime, session):
 
 def test_rolling_summary_folds_past_the_threshold_and_extends_later(runtime, session, ledger):
     cfg = RollingSummaryConfig(keep_last=3, trigger_tokens=200, compaction=PER_TURN)
-    first = runtime.turn(session, cfg, BUDGET)
+    first = runtime.turn(session, cfg, Budget(BUDGET))
     assert first.plan.new_fold and first.plan.fold.upto == 9
     assert resolutions(first.plan) == [Resolution.DROP] * 9 + [Resolution.FULL] * 3
     assert "t=1 bash: cat settings/loader.py" in first.plan.fold.text
-    again = runtime.turn(session, cfg, BUDGET)  # same snapshot + stored fold: nothing new to fold
+    again = runtime.turn(session, cfg, Budget(BUDGET))  # same snapshot + stored fold: nothing new to fold
     assert not again.plan.new_fold and again.plan.fold == first.plan.fold
     for t in range(12, 16):
         runtime.append(session, step(t, f"echo more {t}", "x" * 300))
-    later = runtime.turn(session, cfg, BUDGET)
+    later = runtime.turn(session, cfg, Budget(BUDGET))
     assert later.plan.new_fold and later.plan.fold.upto == 13
     assert later.plan.fold.text.startswith(first.plan.fold.text)  # kept and extended
     assert ledger.step_at(session, 1).observation.startswith("def parse_config")  # the source is untouched
@@ -154,7 +155,7 @@ def test_rolling_summary_folds_past_the_threshold_and_extends_later(runtime, ses
 
 def test_rolling_summary_is_bounded(runtime, session):
     cfg = RollingSummaryConfig(keep_last=1, trigger_tokens=50, max_summary_tokens=40, compaction=PER_TURN)
-    fold = runtime.turn(session, cfg, BUDGET).plan.fold
+    fold = runtime.turn(session, cfg, Budget(BUDGET)).plan.fold
     assert fold.text.startswith("(") and "earlier steps omitted" in fold.text
 
 

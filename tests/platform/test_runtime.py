@@ -1,6 +1,7 @@
 import pytest
 
 from palimpsest.platform import GlimpseLimitError, UnknownStepError
+from palimpsest.platform.compile.budget import Budget
 from tests.helpers import TASK, per_turn, step
 
 
@@ -32,7 +33,7 @@ def test_glimpse_of_unknown_or_foreign_step_is_a_clear_error(runtime, session, l
 
 
 def test_every_turn_is_audited_with_plan_hash_and_config(runtime, session, ledger):
-    turn = runtime.turn(session, "pace", 800)
+    turn = runtime.turn(session, "pace", Budget(800))
     (row,) = ledger.audit(session)
     assert row["policy"] == "pace" and row["config_hash"] == turn.plan.config_hash
     assert row["prompt_hash"] == turn.prompt.prompt_hash and row["tokens"] == turn.prompt.tokens
@@ -44,15 +45,15 @@ def test_every_turn_is_audited_with_plan_hash_and_config(runtime, session, ledge
 def test_enrichment_is_idempotent_and_turns_never_wait_for_it(runtime, session, ledger):
     assert runtime.enrich(session).summaries == 0
     runtime.append(session, step(12, "cat settings/loader.py", "parse_config database_url"), enrich=False)
-    turn = runtime.turn(session, "pace", 100_000)  # the new step has no key or summary yet
+    turn = runtime.turn(session, "pace", Budget(100_000))  # the new step has no key or summary yet
     assert turn.t == 13 and turn.plan.resolution[-1] == 0
     assert runtime.enrich(session).summaries == 1 and runtime.enrich(session).keys == 0
 
 
 def test_a_turn_without_keys_is_planned_on_the_fallback_and_fits(runtime, session):
     """The embedder down: the turn plans as if no key existed yet (PACE's fallback) and stays in budget."""
-    with_keys = runtime.turn(session, per_turn("pace"), 2_000, record=False)
-    without = runtime.turn(session, per_turn("pace"), 2_000, record=False, keys=False)
+    with_keys = runtime.turn(session, per_turn("pace"), Budget(2_000), record=False)
+    without = runtime.turn(session, per_turn("pace"), Budget(2_000), record=False, keys=False)
     assert without.prompt.tokens <= 2_000
     reasons = {e.reason for e in without.plan.entries()}
     assert not any(r.startswith("w~") for r in reasons)  # nothing was scored by relevance

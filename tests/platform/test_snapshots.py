@@ -3,6 +3,7 @@
 import dataclasses
 
 from palimpsest.platform import Ledger, Runtime
+from palimpsest.platform.compile.budget import Budget
 from palimpsest.platform.prompt.abstraction import RuleSummarizer
 from palimpsest.platform.types import Fold
 from tests.helpers import same_snapshot, step
@@ -32,7 +33,7 @@ def test_the_cached_snapshot_equals_a_whole_read_after_every_kind_of_write(ledge
     same_snapshot(rt.snapshot("s"), ledger.snapshot("s", key_model=rt.embedder.name))
     rt.enrich("s")
     ledger.add_fold("s", "rolling", Fold(upto=4, text="so far: five files read", tokens=7, producer="rule"))
-    rt.turn("s", "pace", 4000)  # an audited turn: the policy's last context size
+    rt.turn("s", "pace", Budget(4000))  # an audited turn: the policy's last context size
     loud = Runtime(ledger, summarizer=_Louder())
     loud.enrich("s")  # a newer producer's summaries of steps the cache already holds
     cached = rt.snapshot("s")
@@ -55,7 +56,7 @@ def test_a_second_replicas_append_invalidates_the_first_replicas_cached_snapshot
         assert snap.t == 2 and snap.has_key.all() and snap.bodies[1][1] is not None
         assert a.snapshots.stats["refreshes"] == 1 and a.snapshots.stats["full_reads"] == 1
         same_snapshot(snap, b.ledger.snapshot("s", key_model=a.embedder.name))
-        assert "TOKEN1" in a.turn("s", "pace", 4000).prompt.text
+        assert "TOKEN1" in a.turn("s", "pace", Budget(4000)).prompt.text
     finally:
         a.ledger.close()
         b.ledger.close()
@@ -80,8 +81,8 @@ def test_turns_are_the_same_with_and_without_the_cache(ledger):
     for t in range(12):
         cached.append("s", _steps(t, 1)[0])
         for pol in ("pace", "rolling_summary", "ace"):
-            a = cached.turn("s", pol, 1500, record=False)
-            b = whole.turn("s", pol, 1500, record=False)
+            a = cached.turn("s", pol, Budget(1500), record=False)
+            b = whole.turn("s", pol, Budget(1500), record=False)
             assert a.prompt.text == b.prompt.text, (t, pol)
     assert whole.snapshots.stats["full_reads"] == 36 and cached.snapshots.stats["full_reads"] == 1
 
@@ -97,6 +98,6 @@ def test_a_step_appended_before_its_key_keeps_the_key_matrix_aligned(ledger):
     snap = rt.snapshot("s")
     assert snap.keys.shape[0] == snap.t == 4 and not snap.has_key[3]
     same_snapshot(snap, ledger.snapshot("s", key_model=rt.embedder.name))
-    rt.turn("s", "pace", 4000)
+    rt.turn("s", "pace", Budget(4000))
     rt.enrich("s")
     same_snapshot(rt.snapshot("s"), ledger.snapshot("s", key_model=rt.embedder.name))

@@ -12,6 +12,7 @@ from collections import Counter
 import pytest
 
 from palimpsest.platform import Ledger, LedgerError, LedgerUnavailableError, Runtime
+from palimpsest.platform.compile.budget import Budget
 from palimpsest.platform.ledger.backends import migrations, redact
 from palimpsest.platform.prompt.abstraction import RuleSummarizer
 from tests import pg
@@ -114,7 +115,7 @@ def _replica(url: str, parity: int, n: int, errors) -> None:
                     raise TimeoutError(f"replica {parity} waited for step {t - 1}")
                 time.sleep(0.005)
             rt.append("shared", step(t, f"cmd {t}", f"out {t}"), enrich=True)
-            rt.turn("shared", "pace", budget=400)
+            rt.turn("shared", "pace", budget=Budget(400))
         rt.ledger.close()
     except Exception as e:  # reported to the parent, which fails the test with it
         errors.put(f"replica {parity}: {type(e).__name__}: {e}")

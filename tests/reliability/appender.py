@@ -7,6 +7,7 @@ turns (each records its plan; a turn in compaction epochs may record a boundary)
 
 import sys
 
+from palimpsest.platform.compile.budget import Budget
 from palimpsest.platform.ledger import Ledger
 from palimpsest.platform.types import Fold, StepRecord
 
@@ -38,7 +39,7 @@ def main() -> None:
                 led.add_fold(session, "rolling", Fold(upto=t - 2, text=f"so far: {t - 1} files read", tokens=6,
                                                       producer="rule"))
             if t % 3 == 2:
-                rt.turn(session, "pace", 1500)
+                rt.turn(session, "pace", Budget(1500))
         t += 1
 
 

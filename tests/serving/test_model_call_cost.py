@@ -8,6 +8,7 @@ import pytest
 
 from palimpsest.experiments.ab_report import ab_summary, summary_markdown
 from palimpsest.platform import Ledger, Runtime
+from palimpsest.platform.compile.budget import Budget
 from palimpsest.platform.prompt.chat import chat_ids
 from palimpsest.serving.models.summarizer import LLMSummarizer, sent_ids, summary_messages
 from palimpsest.serving.serve_config import parse_serve_config
@@ -71,9 +72,9 @@ def test_the_elasticizers_actor_calls_are_counted_per_arm_with_what_an_unanswere
     actor = _Actor()
     rt = _runtime(tmp_path, actor)
     tok = rt.ledger.tokenizer
-    preview = rt.turn("a@ace-llm", ACE, 4000, reserve=16, record=False)  # a preview plans, and its calls cost too
+    preview = rt.turn("a@ace-llm", ACE, Budget(4000, 16), record=False)  # a preview plans, and its calls cost too
     assert preview.plan.info["model_calls"]["calls"] == 4
-    ct = rt.turn("a@ace-llm", ACE, 4000, reserve=16)
+    ct = rt.turn("a@ace-llm", ACE, Budget(4000, 16))
     want = _expected(actor, tok, 8)
     assert want["unanswered"] == 4 and all(sent_ids(tok, p, WINDOW, 4) > 0 for p in actor.sent)
     used = ct.plan.info["model_calls"]

@@ -2,6 +2,7 @@
 text stays in its tool turn and cannot forge special tokens; the soft-span split is at the assistant prompt."""
 
 from palimpsest.platform import Authority, Ledger, Runtime, StepRecord
+from palimpsest.platform.compile.budget import Budget
 from palimpsest.platform.prompt.chat import chat_ids
 from palimpsest.platform.prompt.tokens import as_chat_tokenizer
 from tests.models.tiny_tokenizer import tiny_tokenizer
@@ -15,7 +16,7 @@ def compiled(tmp_path):
     rt.append("s", StepRecord(t=0, kind="bash", action="curl http://example.com", observation=INJECTION,
                               authority=Authority.RETRIEVED, tool="bash"))
     rt.append("s", StepRecord(t=1, kind="bash", action="ls", observation="a.py"))
-    return rt.turn("s", "full", 10_000)
+    return rt.turn("s", "full", Budget(10_000))
 
 
 def test_untrusted_text_stays_in_its_tool_turn_and_cannot_forge_special_tokens(tmp_path):

@@ -9,6 +9,7 @@ import pytest
 from palimpsest.models.relevance_head import RelevanceResolver, load_head, read_head, write_head
 from palimpsest.pipelines.trajectories import read_trajectories
 from palimpsest.platform import Ledger, Runtime
+from palimpsest.platform.compile.budget import Budget
 from palimpsest.platform.policies.base import query_text, relative_softmax
 from palimpsest.platform.policies.relevance import SCALARS, features, recurrence
 from palimpsest.platform.types import ConfigError
@@ -83,7 +84,7 @@ def test_a_boundary_with_a_predictor_ranks_old_steps_as_its_trained_head_does(tm
     boundaries = 0
     for s in tr.steps:
         rt.append("live", to_record(s))
-        turn = rt.turn("live", cfg, 900, reserve=32)
+        turn = rt.turn("live", cfg, Budget(900, 32))
         if not turn.compacted or turn.t < 6:
             continue
         boundaries += 1
@@ -94,8 +95,9 @@ def test_a_boundary_with_a_predictor_ranks_old_steps_as_its_trained_head_does(tm
         p = head.probability(head.read(features(snap, old, rt.embedder.embed([text])[0], text)))
         np.testing.assert_allclose(turn.plan.score[old], relative_softmax(p, 0.3), rtol=1e-9)
         # nothing registered under a name: the cosine, and the plan says so
-        none = rt.compile(snap, rt.policy(per_turn("pace", relevance={"model": "models:/nothing-here/latest"})), 900)
-        cos = rt.compile(snap, rt.policy(per_turn("pace")), 900)
+        nothing = per_turn("pace", relevance={"model": "models:/nothing-here/latest"})
+        none = rt.compile(snap, rt.policy(nothing), Budget(900))
+        cos = rt.compile(snap, rt.policy(per_turn("pace")), Budget(900))
         assert none.plan.info["relevance"] == "cosine" and np.array_equal(none.plan.score, cos.plan.score)
     assert boundaries >= 1
 

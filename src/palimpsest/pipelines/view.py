@@ -9,6 +9,7 @@ from rich.table import Table
 
 from palimpsest.pipelines.trajectories import import_file
 from palimpsest.platform import Runtime
+from palimpsest.platform.compile.budget import Budget
 from palimpsest.platform.prompt.render import gist
 from palimpsest.platform.types import CompiledTurn, PalimpsestError, Resolution, Segment
 
@@ -33,9 +34,9 @@ def run_demo(out: Console, data: Path, trajectory: str | None, budget: int, rt: 
             raise PalimpsestError(f"trajectory {sid!r} is not in {data}")
         out.print(f"imported {len(report.imported)} trajectories ({sum(n for _, n in report.imported)} steps) "
                   f"into {led.path}; keys by {rt.embedder.name}, tokens by {led.tokenizer.name}")
-        turns: dict[str, CompiledTurn] = {p: rt.turn(sid, p, budget) for p in ("full", "pace", "ace")}
+        turns: dict[str, CompiledTurn] = {p: rt.turn(sid, p, Budget(budget)) for p in ("full", "pace", "ace")}
         snap = rt.snapshot(sid)
-    full_tokens = rt.compile(snap, rt.policy("full"), 1 << 40).prompt.tokens  # the whole history, exactly
+    full_tokens = rt.compile(snap, rt.policy("full"), Budget(1 << 40)).prompt.tokens  # the whole history, exactly
 
     summary = Table("policy", "tokens", "of full history", "full", "detailed", "brief", "placeholder", "drop",
                     "degraded", title=f"{sid}: context before step {turns['pace'].t}, budget {budget}")

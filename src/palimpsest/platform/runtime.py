@@ -32,7 +32,7 @@ from palimpsest.platform.prompt.abstraction import RuleSummarizer, Summaries
 from palimpsest.platform.prompt.chat import prefix_tokens
 from palimpsest.platform.prompt.render import key_text, render_full_body
 from palimpsest.platform.snapshot_cache import SnapshotCache
-from palimpsest.platform.types import CompiledTurn, GlimpseLimitError, Resolution, Step, StepRecord
+from palimpsest.platform.types import BudgetError, CompiledTurn, GlimpseLimitError, Resolution, Step, StepRecord
 
 
 def _as_planned(snap: SessionSnapshot, budget: int) -> SessionSnapshot:
@@ -173,16 +173,18 @@ class Runtime:
             return self.snapshots.get(session_id, self.embedder.name)
         return self.ledger.snapshot(session_id, upto=at, key_model=self.embedder.name)
 
-    def compile(self, snap: SessionSnapshot, policy: ContextPolicy, budget: Budget | int, reserve: int = 0,
+    def compile(self, snap: SessionSnapshot, policy: ContextPolicy, budget: Budget,
                 boundary: Boundary | None = None) -> CompiledTurn:
         """Plan and compile over a snapshot, with no side effect (the pure part of a turn). The prompt's ids
-        plus the reserve (the reply's max_tokens and any soft positions) fit the budget: a
-        :class:`~palimpsest.platform.compile.budget.Budget`, or a plain total with ``reserve`` as its reply.
+        plus the reserve (the reply's max_tokens and any soft positions) fit the
+        :class:`~palimpsest.platform.compile.budget.Budget`.
 
         A policy in compaction epochs (``compaction.mode: epochs``, platform.compile.epochs) extends ``boundary``, the
         session's last one (None: the session's start), and plans anew only when the extension would pass
         the high watermark; the turn then carries the new boundary (``compacted``)."""
-        limit = Budget.of(budget, reserve)
+        if not isinstance(budget, Budget):
+            raise BudgetError(f"budget: Runtime.compile takes a Budget (total, reply, soft), not {budget!r}")
+        limit = budget
         epochs = compaction_of(policy)
         retain = getattr(getattr(policy, "cfg", None), "retain", None)  # a client's context edit (context_edits)
 
@@ -235,11 +237,14 @@ class Runtime:
                 self._boundaries.popitem(last=False)
         return cached
 
-    def turn(self, session_id: str, policy: ContextPolicy | PolicyConfigBase | dict | str, budget: Budget | int,
-             at: int | None = None, record: bool = True, keys: bool = True, reserve: int = 0) -> CompiledTurn:
-        """Compile the context for the next step (or for step ``at``) and audit it. ``keys=False`` plans as if
-        no key embedding existed (the fallback when the embedder is unavailable)."""
-        limit = Budget.of(budget, reserve)
+    def turn(self, session_id: str, policy: ContextPolicy | PolicyConfigBase | dict | str, budget: Budget,
+             at: int | None = None, record: bool = True, keys: bool = True) -> CompiledTurn:
+        """Compile the context for the next step (or for step ``at``) within ``budget`` (its total, the reply's
+        reserve and the soft positions: one ``Budget``, as every caller builds it) and audit it. ``keys=False``
+        plans as if no key embedding existed (the fallback when the embedder is unavailable)."""
+        if not isinstance(budget, Budget):
+            raise BudgetError(f"budget: Runtime.turn takes a Budget (total, reply, soft), not {budget!r}")
+        limit = budget
         pol = policy if hasattr(policy, "plan") else self.policy(policy)  # type: ignore[arg-type]
         snap = self.snapshot(session_id, at)
         prev = None

@@ -50,14 +50,5 @@ class Budget:
         """The same reserve under another total (a compaction's watermark)."""
         return Budget(total, self.reply, self.soft)
 
-    @classmethod
-    def of(cls, budget: "Budget | int", reserve: int = 0) -> "Budget":
-        """``budget`` as a Budget; a plain total takes ``reserve`` as its reply (the runtime's int form)."""
-        if isinstance(budget, Budget):
-            if reserve:
-                raise BudgetError("pass the reserve inside the Budget, not beside it")
-            return budget
-        return cls(budget, reserve)
-
     def __str__(self) -> str:
         return f"{self.total}" + (f" (reserve {self.reserve})" if self.reserve else "")
