@@ -220,3 +220,43 @@ def test_a_memory_that_carries_nothing_does_no_harm(tmp_path, actor_dir, data):
         assert mem["kl"] == empty["kl"] and mem["nll"] == empty["nll"]  # no harm: exactly the text alone
         moved += open_["soft"] > 0 and open_["kl"] != empty["kl"]
     assert moved > 0  # an open gate sends the span, and the actor reads it
+
+
+def _row(policy, traj, t, kl, soft=0, positions=100):
+    return {"policy": policy, "trajectory": traj, "t": t, "kl": kl, "soft": soft, "positions": positions,
+            "skipped": None}
+
+
+def test_the_memory_is_tested_against_each_control_per_trajectory_and_identical_inputs_are_left_out():
+    """eval-memory's paired test: one difference per trajectory, the controls sharing alpha (Bonferroni); a
+    boundary where neither row sent a soft span is the same input by construction, left out and counted; too few
+    trajectories is no verdict."""
+    from palimpsest.evaluation.actions import paired_against
+
+    rows = []
+    for i in range(8):
+        traj = f"tr{i}"
+        for t in (3, 4):
+            rows += [_row("pace", traj, t, 0.30, positions=120), _row("pace+empty", traj, t, 0.35),
+                     _row("pace+memory", traj, t, 0.20 + 0.01 * i, soft=16, positions=116),
+                     _row("pace+other", traj, t, 0.34, soft=16, positions=116)]
+        # a closed gate: the memory row sends nothing, as +empty does (and as +other's closed gate does)
+        rows += [_row("pace+memory", traj, 9, 0.5), _row("pace+empty", traj, 9, 0.5), _row("pace+other", traj, 9, 0.5),
+                 _row("pace", traj, 9, 0.45, positions=120)]
+    out = paired_against(rows, "pace+memory", ["pace", "pace+empty", "pace+other"])
+    assert {c: v["verdict"] for c, v in out.items()} == {"pace": "lower", "pace+empty": "lower", "pace+other": "lower"}
+    assert out["pace+empty"]["identical"] == 8 and out["pace+empty"]["boundaries"] == 16
+    assert out["pace"]["identical"] == 0 and out["pace"]["boundaries"] == 24  # other positions: not identical
+    assert out["pace+empty"]["n"] == 8 and abs(out["pace+empty"]["mean"] - (0.235 - 0.35)) < 1e-9
+    assert all(abs(v["alpha"] - 0.05 / 3) < 1e-12 for v in out.values())
+    # the difference against pace includes the closed boundary (+0.05 each): what the closed gate's reserve costs
+    assert abs(out["pace"]["mean"] - ((0.235 - 0.30) * 2 + 0.05) / 3) < 1e-9
+    few = paired_against([r for r in rows if r["trajectory"] in ("tr0", "tr1", "tr2")], "pace+memory", ["pace+empty"])
+    assert few["pace+empty"]["verdict"] == "no verdict" and few["pace+empty"]["n"] == 3
+    same = [dict(r, kl=r["kl"] + 0.02 * ((-1) ** int(r["trajectory"][2:]))) if r["policy"] == "pace+memory" else r
+            for r in rows if r["policy"] in ("pace+memory", "pace+other") and r["t"] != 9]
+    for r in same:
+        if r["policy"] == "pace+other":
+            r["kl"] = next(x["kl"] for x in rows if x["policy"] == "pace+memory" and x["trajectory"] == r["trajectory"]
+                           and x["t"] == r["t"])
+    assert paired_against(same, "pace+memory", ["pace+other"])["pace+other"]["verdict"] == "no difference"

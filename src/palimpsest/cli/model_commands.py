@@ -259,10 +259,21 @@ def eval_memory(
         out_json, result = _eval_actions_run(
             data, names, configs, budget, model, include_train, max_target_tokens, window, seed, cache, ledger,
             embedder, tokenizer, mlflow, max_boundaries, base, device)
+        # deferred: loads torch
+        from palimpsest.evaluation.actions import paired_against
+
+        # the primary comparison, named before the run: the memory's KL against each control, per trajectory
+        paired = paired_against(result.boundaries, f"{base}+memory", [base, f"{base}+empty", f"{base}+other"],
+                                seed=seed)
+        out_json["paired"] = {"arm": f"{base}+memory", "metric": "kl", "controls": paired}
     if as_json:
         sys.stdout.write(_json.dumps(out_json) + "\n")
         return
     _actions_table(result)
+    for control, t in paired.items():
+        out.print(f"{base}+memory - {control}: {t['mean']:+.4f} over {t['n']} trajectories ({t['boundaries']} "
+                  f"boundaries, {t['identical']} identical by construction left out), p {t['p']:.3g} at "
+                  f"{t['alpha']:.4f}: {t['verdict']}", highlight=False)
 
 
 def eval_reconstruction(

@@ -274,5 +274,44 @@ def summarize_actions(rows: list[dict], labels: list[str], reference: str | None
     return ActionsResult(policies, gap, ref or "")
 
 
+def paired_against(rows: list[dict], arm: str, controls: list[str], alpha: float = 0.05,
+                   seed: int = 0) -> dict[str, dict]:
+    """``arm`` against each control by the paired test the A/B report uses (``experiments.stats.paired_test``):
+    one difference per trajectory, the mean of arm minus control over the boundaries both were scored on. The
+    controls share ``alpha`` (Bonferroni: each is tested at ``alpha / len(controls)``), so the verdicts hold
+    together. A boundary where neither row sent a soft span (a closed span gate, or nothing left out) has the
+    same actor input in both by construction: it is left out of that comparison and counted (``identical``).
+    ``verdict``: ``lower`` / ``higher`` (the arm's KL, significant), ``no difference`` (the test could reject
+    at this n and did not), ``no verdict`` (too few trajectories for any p-value to reach its level)."""
+    from palimpsest.experiments.stats import paired_test
+
+    scored = {(r["policy"], r["trajectory"], r["t"]): r for r in rows
+              if r.get("skipped") is None and not r.get("in_sample") and r.get("kl") is not None}
+    level = alpha / max(len(controls), 1)
+    out: dict[str, dict] = {}
+    for control in controls:
+        by_traj: dict[str, list[float]] = {}
+        identical = 0
+        for (label, traj, t), r in scored.items():
+            c = scored.get((control, traj, t))
+            if label != arm or c is None:
+                continue
+            if not r.get("soft") and not c.get("soft") and r.get("positions") == c.get("positions"):
+                identical += 1
+                continue
+            by_traj.setdefault(traj, []).append(r["kl"] - c["kl"])
+        diffs = [float(np.mean(v)) for _, v in sorted(by_traj.items())]
+        test = paired_test(diffs, alpha=level, seed=seed)
+        if not math.isfinite(test["lo"]) and not math.isfinite(test["hi"]):
+            verdict = "no verdict"
+        elif test["significant"]:
+            verdict = "lower" if test["mean"] < 0 else "higher"
+        else:
+            verdict = "no difference"
+        out[control] = {**test, "alpha": level, "boundaries": sum(len(v) for v in by_traj.values()),
+                        "identical": identical, "verdict": verdict}
+    return out
+
+
 __all__ = ["ActionsResult", "Arm", "MemoryArm", "TOP_K", "Teacher", "TeacherCache", "bootstrap_ci",
-           "evaluate_actions", "memory_arm", "score", "summarize_actions", "teacher_of", "turn_kind"]
+           "evaluate_actions", "memory_arm", "paired_against", "score", "summarize_actions", "teacher_of", "turn_kind"]
