@@ -144,8 +144,12 @@ def test_eval_memory_is_eval_actions_on_what_the_memory_did_not_train_on(setup, 
     the JSON alone."""
     d, actor, net, bundle, data = setup
     held = held_bundle(bundle, tmp_path)
+    lines = [ln for ln in data.read_text().splitlines() if ln.strip()]  # two files: tr/2 in the second
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    first.write_text("\n".join(ln for ln in lines if json.loads(ln)["id"] != "tr/2") + "\n")
+    second.write_text("\n".join(ln for ln in lines if json.loads(ln)["id"] == "tr/2") + "\n")
     r = subprocess.run([sys.executable, "-m", "palimpsest.cli", "eval-memory", "--model", str(held), "--data",
-                        str(data), "--budget", "1000", "--window", "2048", "--max-target-tokens", "8",
+                        str(first), "--data", str(second), "--budget", "1000", "--window", "2048", "--max-target-tokens", "8",
                         "--tokenizer", str(d / "actor"), "--embedder", "hashing", "--ledger", str(tmp_path / "l.db"),
                         "--cache", str(tmp_path / "t.parquet"), "--no-mlflow", "--json"],
                        capture_output=True, text=True, timeout=600)
@@ -160,6 +164,10 @@ def test_eval_memory_is_eval_actions_on_what_the_memory_did_not_train_on(setup, 
     mem, empty = res["policies"]["pace+memory"], res["policies"]["pace+empty"]
     assert mem["boundaries"] == empty["boundaries"] > 0 and mem["positions"] > empty["positions"]  # the soft span
     assert res["gap_closed"]["pace"] == 0.0 and "pace+memory" in res["gap_closed"]
+    assert set(res["data"]["files"]) == {str(first), str(second)}  # both files' held-out trajectories, together
+    paired = res["paired"]
+    assert paired["arm"] == "pace+memory" and set(paired["controls"]) == {"pace", "pace+empty", "pace+other"}
+    assert all(c["n"] <= 2 and c["verdict"] == "no verdict" for c in paired["controls"].values())  # 2 trajectories
 
 
 def test_eval_reconstruction_scores_the_split_asked_for(setup, tmp_path):

@@ -30,7 +30,7 @@ from palimpsest.models.registry import load_memory, read_bundle, resolve_actor_p
 from palimpsest.pipelines.environment import open_runtime
 from palimpsest.pipelines.replay_sessions import TimedEmbedder, prepare_sessions
 from palimpsest.pipelines.tracking import log_actions
-from palimpsest.pipelines.trajectories import file_sha256, read_trajectories
+from palimpsest.pipelines.trajectories import file_sha256, files_sha256, read_files, read_trajectories
 from palimpsest.platform.compile.budget import Budget
 from palimpsest.platform.policies import (
     parse_policy_config,
@@ -179,17 +179,19 @@ def _eval_actions_run(data, names, configs, budget, memory, include_train, max_t
     def allowed(trajectory: str) -> bool:
         return mem_arm is None or include_train or trajectory not in (trained_on or set())
 
-    read = read_trajectories(data)
+    files = [data] if isinstance(data, Path) else list(data)
+    read = read_files(files)
+    data_sha = files_sha256(files)
 
     rt = open_runtime(ledger or Path(f".palimpsest/replay-{Path(tokenizer).name}.db"), embedder, tokenizer,
                       wrap=TimedEmbedder)
     skipped: list = []
-    sessions = prepare_sessions(rt, read.trajectories, False, file_sha256(data), skipped)
+    sessions = prepare_sessions(rt, read.trajectories, False, data_sha, skipped)
     teacher_cache = TeacherCache(cache or Path(".palimpsest/teachers.parquet"))
     ref_label = reference or ("pace" if "pace" in names else names[0])
     if ref_label not in names:
         raise PalimpsestError(f"--reference {ref_label!r} is not among --policy {names}")
-    result = evaluate_actions(rt, sessions, arms, budget, act, data_sha=file_sha256(data),
+    result = evaluate_actions(rt, sessions, arms, budget, act, data_sha=data_sha,
                               actor_key=actor_key(actor_path),
                               window=window or ActorConfig().max_model_len, max_boundaries=max_boundaries,
                               max_target_tokens=max_target_tokens, seed=seed, reference=ref_label,
@@ -197,7 +199,9 @@ def _eval_actions_run(data, names, configs, budget, memory, include_train, max_t
                               on_progress=lambda sid: err.print(f"scored {sid}", highlight=False))
     rt.ledger.close()
     out_json = result.to_json() | {"budget": budget, "device": str(act.device),
-                                   "data": {"file": str(data), "sha256": file_sha256(data)},
+                                   "data": {"file": ", ".join(map(str, files)), "sha256": data_sha,
+                                            **({"files": {str(f): file_sha256(f) for f in files}}
+                                               if len(files) > 1 else {})},
                                    "teacher_cache": {"hits": teacher_cache.hits, "misses": teacher_cache.misses},
                                    "held_out_only": mem_arm is not None and not include_train,
                                    "skipped": [{"trajectory": s.trajectory, "reason": s.reason} for s in skipped]}
@@ -210,7 +214,8 @@ def _eval_actions_run(data, names, configs, budget, memory, include_train, max_t
 def eval_memory(
     model: str = typer.Option(..., "--model",
                               help="models:/palimpsest-memory/latest, a runs:/ URI, or a checkpoint dir"),
-    data: Path = typer.Option(..., "--data", help="trajectories (JSONL, the shared schema)"),
+    data: list[Path] = typer.Option(..., "--data", help="trajectories (JSONL, the shared schema); repeat it to score "
+                                    "several files' held-out trajectories together (ids disjoint)"),
     budget: Optional[int] = typer.Option(None, "--budget", help="token budget of the student prompts (default: the "
                                                                 "budget the memory was trained at)"),
     policy: Optional[str] = typer.Option(None, "--policy", help="the text policy under the memory (default: the "
@@ -237,8 +242,9 @@ def eval_memory(
     if budget is not None:
         Budget(budget)
     _check_device(device)
-    if not data.is_file():
-        raise PalimpsestError(f"trajectory file not found: {data}")
+    for f in data:
+        if not f.is_file():
+            raise PalimpsestError(f"trajectory file not found: {f}")
     with _json_stdout(as_json):
 
         ref, bundle = _memory_model(model)

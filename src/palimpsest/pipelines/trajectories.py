@@ -149,6 +149,22 @@ def file_sha256(path: str | Path) -> str:
     return h.hexdigest()
 
 
+def read_files(files: list[Path]) -> ReadResult:
+    """The trajectories of several files, in order; an id that two files share is an error (a trajectory would
+    be counted twice, and its split would no longer say where it was trained)."""
+    out, seen = ReadResult(), {}
+    for f in files:
+        read = read_trajectories(f)
+        for traj in read.trajectories:
+            if traj.id in seen:
+                raise TrajectoryError(f"trajectory {traj.id!r} is in both {seen[traj.id]} and {f}: training files "
+                                      "must not share ids")
+            seen[traj.id] = f
+            out.trajectories.append(traj)
+        out.errors += [f"{f.name}: {e}" for e in read.errors] if len(files) > 1 else read.errors
+    return out
+
+
 def files_sha256(paths: list[str | Path]) -> str:
     """One file's :func:`file_sha256`; of several, the SHA-256 of their digests in order (what a build of them
     read)."""

@@ -34,14 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from palimpsest.pipelines.environment import open_runtime
 from palimpsest.pipelines.recall_sessions import recall_sessions
 from palimpsest.pipelines.replay_sessions import Skipped, prepare_sessions, teacher_boundaries, walk_turns
-from palimpsest.pipelines.trajectories import (
-    ReadResult,
-    Trajectory,
-    file_sha256,
-    files_sha256,
-    read_trajectories,
-    split_of,
-)
+from palimpsest.pipelines.trajectories import Trajectory, file_sha256, files_sha256, read_files, split_of
 from palimpsest.platform.compile.budget import Budget
 from palimpsest.platform.prompt.chat import MEMORY_READ_VERSION, memory_read
 from palimpsest.platform.types import BudgetError, PalimpsestError
@@ -218,22 +211,6 @@ def stage2_recall(trajectories: list[Trajectory], cfg: DataConfig) -> list[Traje
     of the rows can import them again."""
     return recall_sessions(trajectories, cfg.recall_sessions, cfg.val_fraction, cfg.seed,
                            max_observation_chars=cfg.max_observation_chars, max_fill=cfg.recall_steps)
-
-
-def read_files(files: list[Path]) -> ReadResult:
-    """The trajectories of several files, in order; an id that two files share is an error (a trajectory would
-    be counted twice, and its split would no longer say where it was trained)."""
-    out, seen = ReadResult(), {}
-    for f in files:
-        read = read_trajectories(f)
-        for traj in read.trajectories:
-            if traj.id in seen:
-                raise PalimpsestError(f"trajectory {traj.id!r} is in both {seen[traj.id]} and {f}: training files "
-                                      "must not share ids")
-            seen[traj.id] = f
-            out.trajectories.append(traj)
-        out.errors += [f"{f.name}: {e}" for e in read.errors] if len(files) > 1 else read.errors
-    return out
 
 
 def build_datasets(data: Path | list[Path], tokenizer: str, out: Path, cfg: DataConfig, policy) -> dict[str, Any]:
