@@ -149,7 +149,8 @@ def test_eval_memory_is_eval_actions_on_what_the_memory_did_not_train_on(setup, 
     first.write_text("\n".join(ln for ln in lines if json.loads(ln)["id"] != "tr/2") + "\n")
     second.write_text("\n".join(ln for ln in lines if json.loads(ln)["id"] == "tr/2") + "\n")
     r = subprocess.run([sys.executable, "-m", "palimpsest.cli", "eval-memory", "--model", str(held), "--data",
-                        str(first), "--data", str(second), "--budget", "1000", "--window", "2048", "--max-target-tokens", "8",
+                        str(first), "--data", str(second), "--budget", "1000", "--window", "2048",
+                        "--max-target-tokens", "8",
                         "--tokenizer", str(d / "actor"), "--embedder", "hashing", "--ledger", str(tmp_path / "l.db"),
                         "--cache", str(tmp_path / "t.parquet"), "--no-mlflow", "--json"],
                        capture_output=True, text=True, timeout=600)
