@@ -23,6 +23,7 @@ OUT=${1:-benchmarks/results/gpu}
 PY=${PY:-.venv/bin/python}
 CFG=configs/train/remory_one_gpu.yaml
 DEV=../shared/data/trajectories/dev.jsonl
+EXTRA=../shared/data/trajectories/dev_extra.jsonl
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0 MLFLOW_DISABLE_TELEMETRY=true \
     PYTHONWARNINGS=ignore::FutureWarning PYTHONPATH=. PYTHONUNBUFFERED=1 \
     PALIMPSEST_CACHE=${PALIMPSEST_CACHE:-$PWD/.cache/palimpsest} HF_HOME=${HF_HOME:-$PWD/.cache/hf} \
@@ -45,6 +46,9 @@ start=$(date +%s)
 "$PY" -m palimpsest.cli eval-actions --data $DEV --policy pace,pace+empty,pace+memory --device cuda \
     --memory models:/palimpsest-memory/latest --policy-config configs/replay/reference.yaml --budget 3072 \
     --window 8192 --reference pace --json > "$OUT/rung3.json"
+# Stage II held out with its controls and the paired test, on both files' held-out trajectories
+"$PY" -m palimpsest.cli eval-memory --model models:/palimpsest-memory/latest --data $DEV --data $EXTRA \
+    --device cuda --window 8192 --json > "$OUT/eval_memory_heldout.json"
 "$PY" - "$OUT" "$start" <<'PY'
 import json, sys, time
 out, start = sys.argv[1], float(sys.argv[2])

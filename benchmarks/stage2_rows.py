@@ -55,16 +55,22 @@ def main() -> None:
     seconds = round(time.perf_counter() - t0, 1)
     ids = {}
     for f in files:
-        ids[f.name] = {json.loads(line)["id"] for line in f.read_text().splitlines() if line.strip()}
-    table = {}
+        ids[str(f)] = {json.loads(line)["id"] for line in f.read_text().splitlines() if line.strip()}
+    recall = {r["trajectory"] for r in rows if r["trajectory"].startswith("recall/")}  # data.recall_sessions
+    if recall:
+        ids["recall sessions"] = recall
+    table, counted = {}, 0
     for name, members in ids.items():
         for split in ("train", "val"):
             mine = [r for r in rows if r["trajectory"] in members and r["split"] == split]
+            counted += len(mine)
             hist = [r["history_len"] for r in mine]
             table[f"{name} {split}"] = {
                 "rows": len(mine), "trajectories": len({r["trajectory"] for r in mine}),
                 "teacher_ids_median": statistics.median(hist) if hist else None,
                 "teacher_ids_total": sum(hist)}
+    if counted != len(rows):
+        raise SystemExit(f"{len(rows) - counted} of {len(rows)} rows fell in no file's bucket")
     doc = {"config": str(args.config.relative_to(ROOT) if args.config.is_absolute() else args.config),
            "overrides": args.set, "data": data_config(cfg).to_dict(), "build_seconds": seconds, "rows": table,
            "skipped": len(report["skipped"])}
@@ -73,9 +79,9 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2) + "\n")
     print(f"{doc['config']} {' '.join(args.set)}: built in {seconds} s")
-    print(f"{'file split':28} {'rows':>5} {'trajs':>5} {'teacher ids (median)':>21} {'teacher ids (total)':>20}")
+    print(f"{'file split':60} {'rows':>5} {'trajs':>5} {'teacher ids (median)':>21} {'teacher ids (total)':>20}")
     for k, v in table.items():
-        print(f"{k:28} {v['rows']:>5} {v['trajectories']:>5} {str(v['teacher_ids_median']):>21} "
+        print(f"{k:60} {v['rows']:>5} {v['trajectories']:>5} {str(v['teacher_ids_median']):>21} "
               f"{v['teacher_ids_total']:>20}")
 
 

@@ -222,9 +222,9 @@ def test_a_memory_that_carries_nothing_does_no_harm(tmp_path, actor_dir, data):
     assert moved > 0  # an open gate sends the span, and the actor reads it
 
 
-def _row(policy, traj, t, kl, soft=0, positions=100):
+def _row(policy, traj, t, kl, soft=0, positions=100, text="reserved"):
     return {"policy": policy, "trajectory": traj, "t": t, "kl": kl, "soft": soft, "positions": positions,
-            "skipped": None}
+            "text": text, "skipped": None}
 
 
 def test_the_memory_is_tested_against_each_control_per_trajectory_and_identical_inputs_are_left_out():
@@ -237,16 +237,16 @@ def test_the_memory_is_tested_against_each_control_per_trajectory_and_identical_
     for i in range(8):
         traj = f"tr{i}"
         for t in (3, 4):
-            rows += [_row("pace", traj, t, 0.30, positions=120), _row("pace+empty", traj, t, 0.35),
+            rows += [_row("pace", traj, t, 0.30, positions=120, text="whole budget"), _row("pace+empty", traj, t, 0.35),
                      _row("pace+memory", traj, t, 0.20 + 0.01 * i, soft=16, positions=116),
                      _row("pace+other", traj, t, 0.34, soft=16, positions=116)]
         # a closed gate: the memory row sends nothing, as +empty does (and as +other's closed gate does)
         rows += [_row("pace+memory", traj, 9, 0.5), _row("pace+empty", traj, 9, 0.5), _row("pace+other", traj, 9, 0.5),
-                 _row("pace", traj, 9, 0.45, positions=120)]
+                 _row("pace", traj, 9, 0.45, positions=100, text="whole budget")]  # same length, other ids
     out = paired_against(rows, "pace+memory", ["pace", "pace+empty", "pace+other"])
     assert {c: v["verdict"] for c, v in out.items()} == {"pace": "lower", "pace+empty": "lower", "pace+other": "lower"}
     assert out["pace+empty"]["identical"] == 8 and out["pace+empty"]["boundaries"] == 16
-    assert out["pace"]["identical"] == 0 and out["pace"]["boundaries"] == 24  # other positions: not identical
+    assert out["pace"]["identical"] == 0 and out["pace"]["boundaries"] == 24  # other ids: not identical
     assert out["pace+empty"]["n"] == 8 and abs(out["pace+empty"]["mean"] - (0.235 - 0.35)) < 1e-9
     assert all(abs(v["alpha"] - 0.05 / 3) < 1e-12 for v in out.values())
     # the difference against pace includes the closed boundary (+0.05 each): what the closed gate's reserve costs

@@ -24,6 +24,8 @@ is not scored on them: those boundaries are counted as ``in_sample`` and left ou
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import random
 from dataclasses import dataclass, field
@@ -194,7 +196,8 @@ def evaluate_actions(rt, sessions, arms: list[Arm], budget: int, actor, *, data_
                 with torch.inference_mode():
                     q = student_logits(actor, torch.cat(parts), target)
                 rows.append({**row, **score(q, target, teachers[rs.t]),
-                             "positions": len(context) + n_soft + len(bridge), "soft": n_soft, "skipped": None})
+                             "positions": len(context) + n_soft + len(bridge), "soft": n_soft,
+                             "text": text_digest(context, bridge), "skipped": None})
         if on_progress:
             on_progress(sid)
     rows += _donor_rows(actor, pending, reads)
@@ -202,6 +205,12 @@ def evaluate_actions(rt, sessions, arms: list[Arm], budget: int, actor, *, data_
     result = summarize_actions(rows, [a.label for a in arms], reference, seed)
     result.boundaries = rows
     return result
+
+
+def text_digest(context: list[int], bridge: list[int]) -> str:
+    """The ids around the soft slot, as one digest: two rows with the same digest and no soft span gave the actor
+    the same input."""
+    return hashlib.sha256(json.dumps([context, bridge]).encode()).hexdigest()[:16]
 
 
 def _donor_rows(actor, pending: list, reads: dict[str, list]) -> list[dict]:
@@ -228,7 +237,7 @@ def _donor_rows(actor, pending: list, reads: dict[str, list]) -> list[dict]:
         with torch.inference_mode():
             q = student_logits(actor, torch.cat(parts), target)
         out.append({**row, **score(q, target, teacher), "positions": len(context) + int(mem.shape[0]) + len(bridge),
-                    "soft": int(mem.shape[0]), "donor": donor, "skipped": None})
+                    "soft": int(mem.shape[0]), "text": text_digest(context, bridge), "donor": donor, "skipped": None})
     return out
 
 
@@ -279,8 +288,9 @@ def paired_against(rows: list[dict], arm: str, controls: list[str], alpha: float
     """``arm`` against each control by the paired test the A/B report uses (``experiments.stats.paired_test``):
     one difference per trajectory, the mean of arm minus control over the boundaries both were scored on. The
     controls share ``alpha`` (Bonferroni: each is tested at ``alpha / len(controls)``), so the verdicts hold
-    together. A boundary where neither row sent a soft span (a closed span gate, or nothing left out) has the
-    same actor input in both by construction: it is left out of that comparison and counted (``identical``).
+    together. A boundary where neither row sent a soft span (a closed span gate, or nothing left out) and the ids
+    around the slot are the same (``text_digest``) gave the actor the same input by construction: it is left out
+    of that comparison and counted (``identical``).
     ``verdict``: ``lower`` / ``higher`` (the arm's KL, significant), ``no difference`` (the test could reject
     at this n and did not), ``no verdict`` (too few trajectories for any p-value to reach its level)."""
     from palimpsest.experiments.stats import paired_test
@@ -296,7 +306,7 @@ def paired_against(rows: list[dict], arm: str, controls: list[str], alpha: float
             c = scored.get((control, traj, t))
             if label != arm or c is None:
                 continue
-            if not r.get("soft") and not c.get("soft") and r.get("positions") == c.get("positions"):
+            if not r.get("soft") and not c.get("soft") and r.get("text") is not None and r.get("text") == c.get("text"):
                 identical += 1
                 continue
             by_traj.setdefault(traj, []).append(r["kl"] - c["kl"])

@@ -89,7 +89,8 @@ def log_actions(result: dict, configs: dict[str, dict]) -> str:
     """One run per `eval-actions`: the parameters, every policy's figures as metrics, the result as JSON."""
     mlflow, exp = mlflow_experiment(EXPERIMENT_ACTIONS)
     with mlflow.start_run(experiment_id=exp,
-                          run_name=f"eval-actions-{Path(result['data']['file']).stem}-{result['budget']}") as run:
+                          run_name=f"eval-actions-{'+'.join(Path(f).stem for f in result['data']['file'].split(', '))}-"
+                                   f"{result['budget']}") as run:
         mlflow.log_params({"data.file": result["data"]["file"], "data.sha256": result["data"]["sha256"],
                            "budget": result["budget"], "reference": result["reference"],
                            "policies": ",".join(result["policies"]), "held_out_only": result["held_out_only"]})

@@ -151,12 +151,13 @@ def file_sha256(path: str | Path) -> str:
 
 def read_files(files: list[Path]) -> ReadResult:
     """The trajectories of several files, in order; an id that two files share is an error (a trajectory would
-    be counted twice, and its split would no longer say where it was trained)."""
+    be counted twice, and its split would no longer say where it was trained). A file alone reads as
+    :func:`read_trajectories` reads it."""
     out, seen = ReadResult(), {}
     for f in files:
         read = read_trajectories(f)
         for traj in read.trajectories:
-            if traj.id in seen:
+            if seen.get(traj.id, f) != f:  # a repeat inside one file is the import's to skip, as it always was
                 raise TrajectoryError(f"trajectory {traj.id!r} is in both {seen[traj.id]} and {f}: training files "
                                       "must not share ids")
             seen[traj.id] = f

@@ -78,7 +78,8 @@ class Caller:
 
 async def caller(request: Request) -> Caller:
     """The routes' one dependency: the replica is composed (503 until it is) and the caller's key names its
-    tenant, before the body is read."""
+    tenant, before the handler runs and before the body model is validated (a body that is not JSON, or too
+    large, is refused first)."""
     ingress = serve.get_replica_context().servable_object  # this replica's Ingress (as Serve's own routes find it)
     replica = await ingress._ready()
     return Caller(replica, replica.tenant(request))
