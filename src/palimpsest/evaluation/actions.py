@@ -34,6 +34,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from palimpsest.experiments.stats import paired_test
 from palimpsest.models.encoder import MemoryEncoder
 from palimpsest.models.memory import MemoryRead
 from palimpsest.models.registry import read_bundle
@@ -293,8 +294,6 @@ def paired_against(rows: list[dict], arm: str, controls: list[str], alpha: float
     of that comparison and counted (``identical``).
     ``verdict``: ``lower`` / ``higher`` (the arm's KL, significant), ``no difference`` (the test could reject
     at this n and did not), ``no verdict`` (too few trajectories for any p-value to reach its level)."""
-    from palimpsest.experiments.stats import paired_test
-
     scored = {(r["policy"], r["trajectory"], r["t"]): r for r in rows
               if r.get("skipped") is None and not r.get("in_sample") and r.get("kl") is not None}
     level = alpha / max(len(controls), 1)
