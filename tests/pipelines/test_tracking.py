@@ -60,3 +60,29 @@ def test_an_ab_report_is_logged_with_its_fidelity_against_cost_plot(tmp_path, mo
 
     names = {a.path for a in mlflow.MlflowClient(tracking_uri=uri).list_artifacts(run_id)}
     assert {"ab_summary.json", "ab_report.md", "fidelity_vs_cost.png"} <= names
+
+
+def test_eval_memory_logs_its_paired_verdicts_with_the_run(tmp_path, monkeypatch):
+    """The primary result of eval-memory (the memory against each control, per trajectory) is part of its tracked
+    run: each control's mean and p-value as metrics, its verdict as a tag, all of it in the run's JSON."""
+    from palimpsest.pipelines.tracking import log_actions
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    control = {"n": 8, "mean": -0.05, "p": 0.004, "lo": -0.08, "hi": float("inf"), "significant": True,
+               "verdict": "lower", "alpha": 0.05 / 3, "boundaries": 16, "identical": 2}
+    result = {"policies": {"pace": {"kl": 0.3}, "pace+memory": {"kl": 0.25}}, "gap_closed": {"pace+memory": 0.17},
+              "reference": "pace", "budget": 2048, "held_out_only": True,
+              "data": {"file": "a.jsonl, b.jsonl", "sha256": "abc"},
+              "paired": {"arm": "pace+memory", "metric": "kl", "controls": {"pace+empty": control}}}
+    run_id = log_actions(result, {})
+
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path / '.palimpsest' / 'mlflow.db'}")
+    run = client.get_run(run_id)
+    assert run.data.metrics["paired.paceplusempty.p"] == 0.004
+    assert run.data.metrics["paired.paceplusempty.mean"] == -0.05
+    assert "paired.paceplusempty.hi" not in run.data.metrics  # an infinite bound is no metric
+    assert run.data.tags["paired.paceplusempty"] == "lower"
+    assert run.info.run_name == "eval-actions-a+b-2048"

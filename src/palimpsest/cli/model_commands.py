@@ -153,9 +153,11 @@ def _check_device(device: str) -> None:
 
 
 def _eval_actions_run(data, names, configs, budget, memory, include_train, max_target_tokens, window, seed, cache,
-                      ledger, embedder, tokenizer, mlflow, max_boundaries, reference, device="cpu"):
+                      ledger, embedder, tokenizer, mlflow, max_boundaries, reference, device="cpu", paired_base=None):
+    """``paired_base``: NAME of eval-memory's rows, whose NAME+memory is tested against each control (the result's
+    ``paired``, logged with the run)."""
     # deferred: loads torch
-    from palimpsest.evaluation.actions import Arm, TeacherCache, evaluate_actions, memory_arm
+    from palimpsest.evaluation.actions import Arm, TeacherCache, evaluate_actions, memory_arm, paired_against
     from palimpsest.models.actor import FrozenActor
     from palimpsest.training.teachers import actor_key
 
@@ -205,8 +207,13 @@ def _eval_actions_run(data, names, configs, budget, memory, include_train, max_t
                                    "teacher_cache": {"hits": teacher_cache.hits, "misses": teacher_cache.misses},
                                    "held_out_only": mem_arm is not None and not include_train,
                                    "skipped": [{"trajectory": s.trajectory, "reason": s.reason} for s in skipped]}
+    if paired_base is not None:
+        # the primary comparison, named before the run: the memory's KL against each control, per trajectory
+        controls = [paired_base, f"{paired_base}+empty", f"{paired_base}+other"]
+        out_json["paired"] = {"arm": f"{paired_base}+memory", "metric": "kl",
+                              "controls": paired_against(result.boundaries, f"{paired_base}+memory", controls,
+                                                         seed=seed)}
     if mlflow:
-
         out_json["mlflow_run_id"] = log_actions(out_json, {k: v.model_dump(mode="json") for k, v in configs.items()})
     return out_json, result
 
@@ -264,14 +271,8 @@ def eval_memory(
         names = [base, f"{base}+empty", f"{base}+memory", f"{base}+other"]
         out_json, result = _eval_actions_run(
             data, names, configs, budget, model, include_train, max_target_tokens, window, seed, cache, ledger,
-            embedder, tokenizer, mlflow, max_boundaries, base, device)
-        # deferred: loads torch
-        from palimpsest.evaluation.actions import paired_against
-
-        # the primary comparison, named before the run: the memory's KL against each control, per trajectory
-        paired = paired_against(result.boundaries, f"{base}+memory", [base, f"{base}+empty", f"{base}+other"],
-                                seed=seed)
-        out_json["paired"] = {"arm": f"{base}+memory", "metric": "kl", "controls": paired}
+            embedder, tokenizer, mlflow, max_boundaries, base, device, paired_base=base)
+        paired = out_json["paired"]["controls"]
     if as_json:
         sys.stdout.write(_json.dumps(out_json) + "\n")
         return

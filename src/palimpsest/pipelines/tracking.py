@@ -13,6 +13,7 @@ object store (``s3://bucket/palimpsest``); :func:`check` tells at start-up wheth
 
 from __future__ import annotations
 
+import math
 import os
 import urllib.error
 import urllib.request
@@ -57,7 +58,7 @@ def _flat(prefix: str, value: Any, out: dict[str, float]) -> None:
     if isinstance(value, dict):
         for k, v in value.items():
             _flat(f"{prefix}.{k}" if prefix else str(k), v, out)
-    elif isinstance(value, (int, float)) and not isinstance(value, bool) and value == value:
+    elif isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
         out[prefix.replace("+", "plus")] = float(value)
 
 
@@ -95,8 +96,12 @@ def log_actions(result: dict, configs: dict[str, dict]) -> str:
                            "budget": result["budget"], "reference": result["reference"],
                            "policies": ",".join(result["policies"]), "held_out_only": result["held_out_only"]})
         metrics: dict[str, float] = {}
-        _flat("", {"policies": result["policies"], "gap_closed": result["gap_closed"]}, metrics)
+        _flat("", {"policies": result["policies"], "gap_closed": result["gap_closed"],
+                   "paired": (result.get("paired") or {}).get("controls", {})}, metrics)
         mlflow.log_metrics(metrics)
+        if result.get("paired"):  # eval-memory's verdicts, as tags beside their p-values
+            for control, t in result["paired"]["controls"].items():
+                mlflow.set_tag(f"paired.{control}".replace("+", "plus"), t["verdict"])
         mlflow.log_dict(result, "eval_actions.json")
         for label, cfg in configs.items():
             mlflow.log_dict(cfg, f"policies/{label}.json")
