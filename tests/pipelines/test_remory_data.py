@@ -90,7 +90,8 @@ def test_the_data_builder_and_the_served_turn_hand_the_memory_identical_ids(tmp_
     from palimpsest.models.memory import MemoryRead
     from palimpsest.pipelines.trajectories import read_trajectories, to_record
     from palimpsest.platform import HashingEmbedder, Ledger, Runtime
-    from palimpsest.serving.turn.turn import TurnRequest, run_turn, turn_memory
+    from palimpsest.serving.turn.request import TurnRequest
+    from palimpsest.serving.turn.turn import Sized, run_turn, turn_memory
 
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps(traj("tr/serve", n=10, obs=30)) + "\n")
@@ -119,9 +120,8 @@ def test_the_data_builder_and_the_served_turn_hand_the_memory_identical_ids(tmp_
         return {"text": "ok", "token_ids": [1], "prompt_tokens": 1, "actor_ms": 0.0, "soft_tokens": 0,
                 "cached_tokens": 0}
 
-    req = TurnRequest(session_id=tr.id, policy=rt.policy(policy),
-                      budget=Budget(cfg.budget, cfg.max_target_tokens, cfg.soft_slots))
-    asyncio.run(run_turn(rt, req, generate, 0, memory_for))
+    sized = Sized(rt.policy(policy), Budget(cfg.budget, cfg.max_target_tokens, cfg.soft_slots))
+    asyncio.run(run_turn(rt, TurnRequest(tr.id), sized, generate, 0, memory_for))
     assert seen["memory"] == (row["memory"], row["summary"])
     assert (seen["context"], seen["bridge"]) == (row["context"], row["bridge"])
 

@@ -9,7 +9,8 @@ import pytest
 
 from palimpsest.platform import Ledger, Runtime
 from palimpsest.platform.compile.budget import Budget
-from palimpsest.serving.turn.turn import TurnRequest, compile_turn
+from palimpsest.serving.turn.request import TurnRequest
+from palimpsest.serving.turn.turn import Sized, compile_turn
 from tests.helpers import STEPS, TASK, per_turn, step
 
 
@@ -25,8 +26,8 @@ def test_a_planning_turn_waits_for_missing_keys_unless_told_not_to(tmp_path, wai
     rt = Runtime(Ledger(str(tmp_path / "l.db")))
     _session(rt, "s")
     assert rt.missing_keys("s") == 12
-    req = TurnRequest(session_id="s", policy=rt.policy(per_turn("pace")), budget=Budget(900, 16), keys_wait_s=wait)
-    ct, spent, fallback = asyncio.run(compile_turn(rt, req, None))
+    sized = Sized(rt.policy(per_turn("pace")), Budget(900, 16), keys_wait_s=wait)
+    ct, spent, fallback = asyncio.run(compile_turn(rt, TurnRequest("s"), sized, None))
     assert fallback is None
     if wait:
         assert ct.snapshot.has_key.all() and spent["keys_missing"] == 12 and rt.missing_keys("s") == 0
@@ -42,10 +43,10 @@ def test_an_append_only_turn_does_not_wait_and_a_boundary_does(tmp_path):
     rt.turn("s", pace, Budget(6000, 16))  # the epoch starts: everything fits, nothing planned
     action, obs = STEPS[0]
     rt.append("s", step(3, action, obs), enrich=False)
-    req = TurnRequest(session_id="s", policy=pace, budget=Budget(6000, 16), keys_wait_s=5.0)
-    ct, spent, _ = asyncio.run(compile_turn(rt, req, None))
+    req, sized = TurnRequest("s"), Sized(pace, Budget(6000, 16), keys_wait_s=5.0)
+    ct, spent, _ = asyncio.run(compile_turn(rt, req, sized, None))
     assert not ct.compacted and spent["keys_missing"] == 0 and rt.missing_keys("s") > 0
     for t in range(4, 40):  # past the high watermark: the next turn is a boundary
         rt.append("s", step(t, f"cat f{t}.py", "x = 1\n" * 60), enrich=False)
-    ct, spent, _ = asyncio.run(compile_turn(rt, req, None))
+    ct, spent, _ = asyncio.run(compile_turn(rt, req, sized, None))
     assert ct.compacted and spent["keys_missing"] > 0 and ct.snapshot.has_key.all()

@@ -27,8 +27,9 @@ from palimpsest.platform.types import Session, UnknownSessionError
 from palimpsest.serving.http import anthropic_protocol, openai_proxy, sessions
 from palimpsest.serving.http.errors import anthropic_error
 from palimpsest.serving.http.openai_protocol import parse_messages, plain
-from palimpsest.serving.http.schemas import ChatIn, TurnIn, valid_text
+from palimpsest.serving.http.schemas import ChatIn, valid_text
 from palimpsest.serving.http.server import ARM_HEADER, SESSION_HEADER, HTTPProblem, Tenant, stream_turn, unsent
+from palimpsest.serving.turn.request import TurnRequest
 
 
 def stop_reason(turn) -> str:
@@ -266,21 +267,21 @@ async def messages(replica, tenant: Tenant, request: Request):
     req, chat = await read(replica, request)
     ext = request.headers.get(SESSION_HEADER) or req.user_id or anthropic_protocol.history_session(req.chat["messages"])
     sid = await sessions.record_chat(replica, chat, tenant, ext, request)
-    turn_in = TurnIn(max_tokens=req.max_tokens, top_p=chat.top_p, stop=chat.stop, edits=req.edits,
-                     temperature=replica.cfg.actor.sampling_temperature(chat.temperature))
-    choice = chat.tool_choice if chat.tools else None
+    turn_req = TurnRequest(sid, max_tokens=req.max_tokens, top_p=chat.top_p, stop=chat.stop, edits=req.edits,
+                           temperature=replica.cfg.actor.sampling_temperature(chat.temperature),
+                           tool_choice=chat.tool_choice if chat.tools else None,
+                           parallel_tool_calls=chat.parallel_tool_calls, noted=req.noted)
     model = replica.actor_info["model"]
     if req.stream:  # what can be refused is refused before the 200 status line is sent
-        await replica.check_turn(sid, turn_in)
+        await replica.check_turn(turn_req)
         writer = MessagesEvents(model, lambda turn: openai_proxy.extension(ext, turn))
 
         def run(emit, started):
-            return replica.turn(sid, turn_in, choice, chat.parallel_tool_calls, emit=emit, noted=req.noted,
-                                started=started)
+            return replica.turn(turn_req, emit=emit, started=started)
 
         return StreamingResponse(stream_turn(run, writer, replica.gone, replica.cfg.turns.stream_ping_s),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    turn = await replica.turn(sid, turn_in, choice, chat.parallel_tool_calls, noted=req.noted)
+    turn = await replica.turn(turn_req)
     return message(turn, model, openai_proxy.extension(ext, turn))
 
 

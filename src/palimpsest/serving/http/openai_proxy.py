@@ -16,9 +16,10 @@ from fastapi.responses import StreamingResponse
 
 from palimpsest.serving.http import sessions
 from palimpsest.serving.http.errors import openai_error
-from palimpsest.serving.http.schemas import RECORDED, ChatIn, CompletionIn, TurnIn
+from palimpsest.serving.http.schemas import RECORDED, ChatIn, CompletionIn
 from palimpsest.serving.http.server import SESSION_HEADER, HTTPProblem, Tenant, _retriable_error, stream_turn, unsent
 from palimpsest.serving.models.embeds import decode_embeds
+from palimpsest.serving.turn.request import TurnRequest
 
 # -- the OpenAI wire format of a served turn  ------------------------------
 
@@ -136,20 +137,21 @@ async def chat_completions(replica, tenant: Tenant, body: ChatIn, request: Reque
     if body.user and body.user != ext:
         noted["user_named"] = body.user
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
-    turn_in = TurnIn(max_tokens=body.max_completion_tokens or body.max_tokens, seed=body.seed, top_p=body.top_p,
-                     stop=stop, temperature=replica.cfg.actor.sampling_temperature(body.temperature))
-    choice = body.tool_choice if body.tools else None
+    req = TurnRequest(sid, max_tokens=body.max_completion_tokens or body.max_tokens, seed=body.seed,
+                      top_p=body.top_p, stop=stop, temperature=replica.cfg.actor.sampling_temperature(body.temperature),
+                      tool_choice=body.tool_choice if body.tools else None,
+                      parallel_tool_calls=body.parallel_tool_calls, noted=noted)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": replica.actor_info["model"]}
     if body.stream:  # what can be refused is refused before the 200 status line is sent
-        await replica.check_turn(sid, turn_in)
+        await replica.check_turn(req)
         writer = ChunkWriter(head, ext, bool((body.stream_options or {}).get("include_usage")))
 
         def run(emit, started):
-            return replica.turn(sid, turn_in, choice, body.parallel_tool_calls, emit=emit, noted=noted)
+            return replica.turn(req, emit=emit)
 
         return StreamingResponse(stream_turn(run, writer, replica.gone), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
-    turn = await replica.turn(sid, turn_in, choice, body.parallel_tool_calls, noted=noted)
+    turn = await replica.turn(req)
     return completion(turn, head, ext)
 
 

@@ -33,8 +33,9 @@ from palimpsest.serving.http import responses_protocol, sessions
 from palimpsest.serving.http.errors import openai_error
 from palimpsest.serving.http.openai_proxy import extension
 from palimpsest.serving.http.responses_protocol import ResponsesRequest
-from palimpsest.serving.http.schemas import ChatIn, TurnIn, valid_text
+from palimpsest.serving.http.schemas import ChatIn, valid_text
 from palimpsest.serving.http.server import SESSION_HEADER, HTTPProblem, Tenant, stream_turn, unsent
+from palimpsest.serving.turn.request import TurnRequest
 
 
 def _id(prefix: str) -> str:
@@ -325,14 +326,14 @@ async def responses(replica, tenant: Tenant, request: Request):
         err = e.errors()[0]
         raise HTTPProblem(400, f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}") from None
     sid = await sessions.record_chat(replica, chat, tenant, ext, request)
-    turn_in = TurnIn(max_tokens=chat.max_tokens, top_p=chat.top_p, edits=req.edits,
-                     temperature=replica.cfg.actor.sampling_temperature(chat.temperature))
-    choice = chat.tool_choice if chat.tools else None
+    turn_req = TurnRequest(sid, max_tokens=chat.max_tokens, top_p=chat.top_p, edits=req.edits,
+                           temperature=replica.cfg.actor.sampling_temperature(chat.temperature),
+                           tool_choice=chat.tool_choice if chat.tools else None,
+                           parallel_tool_calls=chat.parallel_tool_calls, noted=req.noted)
     model, ids = replica.actor_info["model"], Ids()
 
     async def served(emit=None, started=None):
-        turn = await replica.turn(sid, turn_in, choice, chat.parallel_tool_calls, emit=emit, noted=req.noted,
-                                  started=started)
+        turn = await replica.turn(turn_req, emit=emit, started=started)
         if req.store:
             body = {"messages": req.input_messages, "output": [_assistant(turn)], "instructions": req.instructions}
             await asyncio.to_thread(replica.runtime.ledger.record_response, ids.response, sid,
@@ -340,7 +341,7 @@ async def responses(replica, tenant: Tenant, request: Request):
         return turn
 
     if req.stream:  # what can be refused is refused before the 200 status line is sent
-        await replica.check_turn(sid, turn_in)
+        await replica.check_turn(turn_req)
         writer = ResponsesEvents(req, ids, model, ext)
         return StreamingResponse(stream_turn(lambda emit, started: served(emit, started), writer, replica.gone,
                                              replica.cfg.turns.stream_ping_s),

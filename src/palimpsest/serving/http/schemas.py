@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from palimpsest.platform.compile.context_edits import ContextEdits
 from palimpsest.platform.types import Authority
+from palimpsest.serving.turn.request import TurnRequest
 
 MAX_INT = 2**53  # JSON numbers beyond this are not integers anywhere else either
 
@@ -82,6 +83,10 @@ class TurnIn(_In):
     edits: ContextEdits | None = Field(None, description="a context-management edit honoured by this turn's "
                                        "compaction (platform.compile.context_edits): trigger, clear_at_least, keep, "
                                        "exclude_tools")
+
+    def request(self, session_id: str) -> TurnRequest:
+        """The turn this body asks for, in the one type every route builds (``serving.turn.request``)."""
+        return TurnRequest(session_id, **self.model_dump(exclude={"edits"}), edits=self.edits)
 
 
 class TurnOut(BaseModel):

@@ -88,7 +88,7 @@ async def append(replica, tenant: Tenant, ext: str, body: StepIn) -> StepOut:
 
 
 async def turn(replica, tenant: Tenant, ext: str, body: TurnIn | None) -> TurnOut:
-    out = await replica.turn(tenant.internal(ext), body or TurnIn())
+    out = await replica.turn((body or TurnIn()).request(tenant.internal(ext)))
     return out.model_copy(update={"session_id": ext})
 
 

@@ -16,7 +16,7 @@ import hmac
 import logging
 import threading
 import time
-from typing import Any, Callable
+from typing import Callable
 
 from fastapi import Request
 
@@ -27,13 +27,14 @@ from palimpsest.platform.prompt.chat import MEMORY_READ_VERSION
 from palimpsest.platform.prompt.tokens import get_tokenizer
 from palimpsest.platform.types import ConfigError
 from palimpsest.serving.http import anthropic_protocol, server
-from palimpsest.serving.http.schemas import TurnIn, TurnOut
+from palimpsest.serving.http.schemas import TurnOut
 from palimpsest.serving.http.server import HTTPProblem, Tenant, _retriable_error
 from palimpsest.serving.metrics import Metrics
 from palimpsest.serving.models.summarizer import sent_ids
 from palimpsest.serving.serve_config import parse_serve_config
 from palimpsest.serving.turn.candidates import CandidateService, judge, judged_candidates
 from palimpsest.serving.turn.enrichment import Enrichment, HandleEmbedder
+from palimpsest.serving.turn.request import TurnRequest
 from palimpsest.serving.turn.router import Router
 from palimpsest.serving.turn.shadow import ShadowLane
 from palimpsest.serving.turn.turn import TurnService
@@ -264,21 +265,19 @@ class Replica:
 
     # -- the turn -------------------------------------------------------------------------------
 
-    async def turn(self, sid: str, body: TurnIn, tool_choice: Any = None, parallel_tool_calls: bool | None = None,
-                   emit=None, noted: dict | None = None, started=None) -> TurnOut:
+    async def turn(self, req: TurnRequest, emit=None, started=None) -> TurnOut:
         """The session's turn on its arm (``TurnService``); a replica that failed is a 503 to retry."""
-        session = await asyncio.to_thread(self.runtime.ledger.session, sid)
+        session = await asyncio.to_thread(self.runtime.ledger.session, req.session_id)
         try:
-            return await self.turns.serve(session, self.arm_of(session), body, tool_choice, parallel_tool_calls, emit,
-                                          noted, started)
+            return await self.turns.serve(session, self.arm_of(session), req, emit, started)
         except Exception as e:
             if _retriable_error(e):
                 raise HTTPProblem(503, f"a model replica is unavailable ({type(e).__name__}); retry shortly") from None
             raise
 
-    async def check_turn(self, sid: str, body: TurnIn) -> None:
+    async def check_turn(self, req: TurnRequest) -> None:
         """The checks of a turn's size that need no compile (a streamed turn runs them before its 200)."""
-        session = await asyncio.to_thread(self.runtime.ledger.session, sid)
-        pin = self.turns.resolve.pin(sid)  # a tenant's pinned budget is the one the turn will run at
-        self.turns.size(self.cfg.arm(self.arm_of(session)), self.turns.resolve.budget(pin, body.budget),
-                        body.max_tokens)
+        session = await asyncio.to_thread(self.runtime.ledger.session, req.session_id)
+        pin = self.turns.resolve.pin(req.session_id)  # a tenant's pinned budget is the one the turn will run at
+        self.turns.size(self.cfg.arm(self.arm_of(session)), self.turns.resolve.budget(pin, req.budget),
+                        req.max_tokens)

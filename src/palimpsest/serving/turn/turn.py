@@ -34,6 +34,7 @@ from palimpsest.platform.types import (
 )
 from palimpsest.serving.http.schemas import TurnOut
 from palimpsest.serving.http.tenancy import TurnPolicies
+from palimpsest.serving.turn.request import TurnRequest
 
 
 class Generate(Protocol):
@@ -60,20 +61,6 @@ class WaitClock(Protocol):
     def joined(self) -> int: ...
 
 
-@dataclass(frozen=True)
-class TurnRequest:
-    session_id: str
-    policy: Any
-    budget: Budget  # total, the reply's max_tokens, the soft positions reserved when the arm has memory
-    temperature: float | None = None
-    seed: int | None = None
-    sampling: dict = field(default_factory=dict)  # further sampling fields passed to the actor as they are
-    tools: list[dict] | None = None  # the session's declared function tools, for the actor's tool parser
-    tool_choice: Any = None  # auto, none, required or a named function
-    parallel_tool_calls: bool | None = None
-    keys_wait_s: float = 0.0  # a planning turn waits up to this long for missing step keys (turns.keys_wait_s)
-
-
 @dataclass
 class TurnResult:
     compiled: CompiledTurn
@@ -98,14 +85,25 @@ class TurnResult:
     stop_sequence: str | None = None  # the stop string that ended the reply, as the actor matched it
 
 
-async def compile_turn(rt: Runtime, req: TurnRequest,
+@dataclass(frozen=True)
+class Sized:
+    """What the server decided of a turn (``TurnService.size``): the arm's policy, the budget (total, the reply,
+    the soft positions reserved when the arm has memory), the declared tools when the actor parses tool calls, and
+    how long a planning turn waits for missing step keys (``turns.keys_wait_s``)."""
+    policy: Any
+    budget: Budget
+    tools: list[dict] | None = None
+    keys_wait_s: float = 0.0
+
+
+async def compile_turn(rt: Runtime, req: TurnRequest, sized: Sized,
                        clock: WaitClock | None) -> tuple[CompiledTurn, dict[str, float], str | None]:
     """Plan and compile in a worker thread (policies may block on the embedder); when the embedder is down
     the turn is planned as if no step had a key yet. Returns (turn, the embedder's part: ms waited, texts
     looked up, lookups that joined a priming request in flight, requests the plan sent itself; fallback).
 
     A turn that plans (a compaction boundary, or a policy that plans every turn) while some step has no key
-    yet first waits, up to ``req.keys_wait_s``, for the enrichment to write them (``Runtime.await_keys``): the
+    yet first waits, up to ``sized.keys_wait_s``, for the enrichment to write them (``Runtime.await_keys``): the
     plan is then the one every replica makes, not one of whichever keys existed at that moment. ``keys_ms``
     and ``keys_missing`` say what it waited for."""
     spent: dict[str, float] = {"ms": 0.0, "lookups": 0, "joined": 0, "requests": 0, "keys_ms": 0.0, "keys_missing": 0}
@@ -114,16 +112,16 @@ async def compile_turn(rt: Runtime, req: TurnRequest,
         if clock is not None:
             clock.reset_wait()
         try:
-            if keys and req.keys_wait_s > 0:
+            if keys and sized.keys_wait_s > 0:
                 missing = rt.missing_keys(req.session_id)
                 if missing:
-                    preview = rt.turn(req.session_id, req.policy, req.budget, None, False, keys)
+                    preview = rt.turn(req.session_id, sized.policy, sized.budget, None, False, keys)
                     if preview.compacted or preview.boundary is None:  # this turn plans: its keys matter
                         t0 = time.perf_counter()
-                        rt.await_keys(req.session_id, req.keys_wait_s)
+                        rt.await_keys(req.session_id, sized.keys_wait_s)
                         spent["keys_ms"] += (time.perf_counter() - t0) * 1000
                         spent["keys_missing"] = missing
-            return rt.turn(req.session_id, req.policy, req.budget, None, True, keys)
+            return rt.turn(req.session_id, sized.policy, sized.budget, None, True, keys)
         finally:  # a failed attempt's wait and requests count too (read in the thread that made them)
             if clock is not None:
                 for k, v in (("ms", clock.waited_ms), ("lookups", clock.lookups), ("joined", clock.joined),
@@ -185,7 +183,7 @@ async def _streamed(events: AsyncIterator[dict], gate: _Gate) -> dict:
     raise RuntimeError("the actor's stream ended without a result")
 
 
-async def run_turn(rt: Runtime, req: TurnRequest, generate: Generate, glimpse_limit: int,
+async def run_turn(rt: Runtime, req: TurnRequest, sized: Sized, generate: Generate, glimpse_limit: int,
                    memory_for: Callable[[CompiledTurn], Awaitable[Any]] | None = None, clock: WaitClock | None = None,
                    stream: Callable[[dict, Any], AsyncIterator[dict]] | None = None,
                    emit: Callable[[str], Awaitable[None]] | None = None,
@@ -194,16 +192,13 @@ async def run_turn(rt: Runtime, req: TurnRequest, generate: Generate, glimpse_li
     it is generated (a glimpse round inside the turn never is); the result is the same either way.
     ``started`` is told the compiled turn before the actor is first called (a stream's opening names its size)."""
     t_start = time.perf_counter()
-    ct, embed, fallback = await compile_turn(rt, req, clock)
+    ct, embed, fallback = await compile_turn(rt, req, sized, clock)
     plan_ms = (time.perf_counter() - t_start) * 1000
-    memory = await memory_for(ct) if (memory_for is not None and req.budget.soft) else None
+    memory = await memory_for(ct) if (memory_for is not None and sized.budget.soft) else None
     if started is not None:
         await started(ct)
-    request: dict[str, Any] = {**req.sampling, "max_tokens": req.budget.reply, "temperature": req.temperature,
-                               "seed": req.seed, "kind": "turn"}
-    if req.tools:
-        request.update(tools=req.tools, tool_choice=req.tool_choice, parallel_tool_calls=req.parallel_tool_calls)
-    room = req.budget.prompt
+    request = req.actor_fields(sized.budget.reply, sized.tools)
+    room = sized.budget.prompt
     messages = list(ct.prompt.messages)
     context, bridge = list(ct.prompt.context_ids), list(ct.prompt.bridge_ids)
     glimpsed: list[int] = []
@@ -291,16 +286,15 @@ class TurnService:
         soft = self.memory_info["models"][mem]["max_slots"] if mem is not None else 0
         return Budget(total, max_tokens or self.cfg.actor.max_tokens, soft), mem
 
-    async def serve(self, session, arm: str, body, tool_choice: Any = None, parallel_tool_calls: bool | None = None,
-                    emit: Callable[[str], Awaitable[None]] | None = None, noted: dict | None = None,
+    async def serve(self, session, arm: str, req: TurnRequest, emit: Callable[[str], Awaitable[None]] | None = None,
                     started: Callable[[dict], Awaitable[None]] | None = None):
-        """One turn of ``session`` (the ledger's) on ``arm`` (the router's choice; ``body``: a TurnIn). A failure
-        that is not the caller's is counted and recorded under the arm, then raised. ``noted``: request fields
+        """One turn of ``session`` (the ledger's ``req.session_id``) on ``arm`` (the router's choice). A failure
+        that is not the caller's is counted and recorded under the arm, then raised. ``req.noted``: request fields
         read that change nothing for this actor, recorded with the turn (``requested_<name>``)."""
         ledger, sid = self.runtime.ledger, session.id
         self.inflight += 1
         try:
-            return await self._serve(session, arm, body, tool_choice, parallel_tool_calls, emit, noted or {}, started)
+            return await self._serve(session, arm, req, emit, started)
         except Exception as e:
             self.metrics.errors.labels(arm=arm, kind=type(e).__name__).inc()
             if (isinstance(e, (UnknownSessionError, BudgetError, LedgerUnavailableError))
@@ -311,16 +305,13 @@ class TurnService:
         finally:
             self.inflight -= 1
 
-    async def _serve(self, session, arm: str, body, tool_choice, parallel_tool_calls, emit, noted: dict, started=None):
+    async def _serve(self, session, arm: str, req: TurnRequest, emit, started=None):
         sid = session.id
         pin = self.resolve.pin(sid)  # the tenant's pinned policy, budget and compaction mode, if any
-        budget, mem = self.size(self.cfg.arm(arm), self.resolve.budget(pin, body.budget), body.max_tokens)
-        policy = self.resolve.policy(arm, pin, body.edits, budget)
-        req = TurnRequest(session_id=sid, policy=policy, budget=budget, temperature=body.temperature, seed=body.seed,
-                          sampling={k: v for k, v in (("top_p", body.top_p), ("stop", body.stop)) if v is not None},
-                          tools=declared_tools(session.tools) if self.actor_info.get("tool_parser") else None,
-                          tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls,
-                          keys_wait_s=self.cfg.turns.keys_wait_s)
+        budget, mem = self.size(self.cfg.arm(arm), self.resolve.budget(pin, req.budget), req.max_tokens)
+        policy = self.resolve.policy(arm, pin, req.edits, budget)
+        sized = Sized(policy, budget, declared_tools(session.tools) if self.actor_info.get("tool_parser") else None,
+                      self.cfg.turns.keys_wait_s)
 
         reads: dict[int, Any] = {}  # the memory's read of the compiled turn, computed once
 
@@ -343,7 +334,7 @@ class TurnService:
                            "expected_cached": int((ct.cost or {}).get("cached", 0))})
 
         stream = (lambda r, m: self.actor.options(stream=True).generate_stream.remote(r, m)) if emit else None
-        res = await run_turn(self.runtime, req, self.actor.generate.remote, self.cfg.limits.glimpses_per_turn,
+        res = await run_turn(self.runtime, req, sized, self.actor.generate.remote, self.cfg.limits.glimpses_per_turn,
                              memory_for if mem is not None else None, clock=self.runtime.embedder,
                              stream=stream, emit=emit, started=opened if started is not None else None)
         if res.fallback:
@@ -356,12 +347,12 @@ class TurnService:
                   "reserve": ct.prompt.reserve, "generations": res.generations, "prompt_total": res.prompt_tokens_total,
                   "full_history_estimate": ct.plan.info.get("full_tokens_estimate", ct.prompt.tokens),
                   "cached_total": res.cached_tokens_total}
-        await asyncio.to_thread(self._record, sid, arm, ct, res, tokens, emit is not None, noted, tool_choice,
-                                TurnPolicies.recorded(pin, policy))
+        await asyncio.to_thread(self._record, sid, arm, ct, res, tokens, emit is not None, dict(req.noted),
+                                req.tool_choice, TurnPolicies.recorded(pin, policy))
         self.metrics.observe_turn(arm, tokens, res.latency, len(res.glimpses))
         if self.shadow is not None:
             self._offer(sid, arm, mem, ct, res, budget)
-        edit = None if body.edits is None else applied(body.edits, ct.plan, ct.snapshot, policy.cfg, budget.total,
+        edit = None if req.edits is None else applied(req.edits, ct.plan, ct.snapshot, policy.cfg, budget.total,
                                                        bool(ct.compacted), budget.total - budget.prompt)
         return TurnOut(session_id=sid, t=ct.t, arm=arm, action=res.text, finish_reason=res.finish_reason,
                        stop_sequence=res.stop_sequence, context_edit=edit,
