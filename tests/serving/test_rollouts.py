@@ -244,8 +244,8 @@ def test_a_candidate_is_judged_on_the_same_turn_and_nothing_of_it_is_recorded_as
     served for that turn (pace at the same total, less the soft positions, plus its span), scores both prompts
     against the same reference over the same reply, and records the pair under the turn's (session, t). The
     candidate has no served row, no audited turn, no boundary and no shadow row of its own."""
-    from palimpsest.serving.http.schemas import TurnIn
     from palimpsest.serving.metrics import Metrics
+    from palimpsest.serving.turn.request import TurnRequest
     from palimpsest.serving.turn.shadow import ShadowLane
     from palimpsest.serving.turn.turn import TurnService
 
@@ -268,7 +268,8 @@ def test_a_candidate_is_judged_on_the_same_turn_and_nothing_of_it_is_recorded_as
         service = CandidateService(rt.ledger, cfg, judged_candidates(cfg, MEMORY_INFO)[0], lambda stages: None)
         service.refresh()
         lane.candidates, lane.judge = service.active, functools.partial(judge, turns)
-        out = await turns.serve(rt.ledger.session(sid), "pace", TurnIn(budget=1200, max_tokens=8))
+        req = TurnRequest(sid, budget=1200, max_tokens=8, tool_choice="auto", noted={"metadata": '{"run": 1}'})
+        out = await turns.serve(rt.ledger.session(sid), "pace", req)
         before = {table: count(table) for table in ("audit", "boundaries", "served", "folds")}
         assert await lane.drained(60)
         return out, before, lane.state()
@@ -283,7 +284,10 @@ def test_a_candidate_is_judged_on_the_same_turn_and_nothing_of_it_is_recorded_as
     assert control["key"] is None and candidate["key"] == "default" and candidate["history"] > 0
     assert control["reply"] == candidate["reply"] == [5, 6, 7] and control["reference"] == candidate["reference"]
     assert pair["control_tokens"] == control["ids"] and pair["candidate_tokens"] > candidate["ids"]  # + soft
-    assert {r["arm"] for r in rt.ledger.served()} == {"pace"}
+    (served,) = rt.ledger.served()
+    assert served["arm"] == "pace" and served["budget"] == 1200
+    # what the request carried and the actor cannot honour is recorded with the turn it asked for
+    assert served["requested_metadata"] == '{"run": 1}' and served["tool_choice"] == '"auto"'
     assert rt.ledger.shadows() == []  # sampled for its candidate only (ab.shadow_rate 0): no `shadow` row
     assert state["paired"] == 1 and state["sampled"] == 0
     assert 'palimpsest_shadow_pairs_total{candidate="pace+memory",status="scored"} 1.0' in metrics.render()

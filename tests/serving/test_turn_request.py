@@ -44,6 +44,10 @@ def test_the_actor_is_sent_the_requests_own_fields_and_the_reply_the_budget_set(
     # no tools declared (or an actor without a tool parser): no tool fields, and unset sampling fields are not sent
     assert TurnRequest("s").actor_fields(16, None) == {"max_tokens": 16, "temperature": 0.0, "seed": None,
                                                        "kind": "turn"}
+    noted = {"metadata": "{}"}
+    one = TurnRequest("s", stop="END", noted=noted)
+    noted["user_named"] = "x"  # the route's dict changes after the request was built: the request does not
+    assert one.stop == ("END",) and one.noted == {"metadata": "{}"}
 
 
 def test_the_native_body_reads_into_the_same_request():

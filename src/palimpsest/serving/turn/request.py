@@ -28,9 +28,10 @@ class TurnRequest:
     parallel_tool_calls: bool | None = None
     noted: Mapping[str, str] = field(default_factory=dict)  # fields read that change nothing, recorded with the turn
 
-    def __post_init__(self) -> None:
-        if self.stop is not None and not isinstance(self.stop, tuple):
-            object.__setattr__(self, "stop", tuple(self.stop))
+    def __post_init__(self) -> None:  # the request's own copies: a caller's later change to its values is not seen
+        if self.stop is not None:
+            object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
+        object.__setattr__(self, "noted", dict(self.noted))
 
     def actor_fields(self, reply: int, tools: list[dict] | None) -> dict[str, Any]:
         """What the actor is sent of this request (beside the compiled ids): the reply's size as the budget set
