@@ -238,3 +238,30 @@ def test_json_mode_sends_whatever_libraries_print_to_stderr(capfd):
     got = capfd.readouterr()
     assert got.out == '{"ok": true}\n'
     assert "real_accelerator" in got.err and "a C library line" in got.err
+
+
+def _strict(text: str):
+    """JSON as a strict parser reads it: NaN and Infinity are not JSON."""
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_json_output_is_strict_json_a_figure_that_is_not_a_number_is_null(capsys):
+    """An eval with no verdict has no mean and no p-value: --json writes them as null, never NaN."""
+    import numpy as np
+
+    from palimpsest.cli.common import print_json
+
+    print_json({"mean": float("nan"), "hi": [float("inf"), 1.5], "p": {"x": -float("inf")}, "n": 0,
+                "kl": np.float32("nan"), "m": np.float32(0.5), "k": np.int64(3)}, default=float)
+    assert _strict(capsys.readouterr().out) == {"mean": None, "hi": [None, 1.5], "p": {"x": None}, "n": 0,
+                                                "kl": None, "m": 0.5, "k": 3}
+
+
+def test_every_json_flag_prints_through_the_one_strict_writer():
+    src = Path(__file__).resolve().parents[1] / "src" / "palimpsest" / "cli"
+    for path in src.glob("*.py"):
+        text = path.read_text()
+        for bad in ("print(json.dumps(", "sys.stdout.write(_json.dumps(", "sys.stdout.write(json.dumps("):
+            assert bad not in text, f"{path.name}: {bad} (use common.print_json)"

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import json
+import math
+import numbers
 import os
 import sys
 from pathlib import Path
@@ -89,6 +92,25 @@ def _json_stdout(active: bool):
         sys.stdout.flush()
         os.dup2(saved, 1)
         os.close(saved)
+
+
+def _finite(value):
+    """``value`` with every float that is not a number (NaN, an infinity) as None: JSON has no such numbers."""
+    if isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral):  # numpy's floats too
+        return float(value) if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def print_json(doc, indent: int | None = None, default=None) -> None:
+    """What ``--json`` prints: one strict JSON document on stdout (a figure with no value, such as the mean of no
+    pairs, is null), written as is, never through a console that would wrap it."""
+    text = json.dumps(_finite(doc), indent=indent, default=default, allow_nan=False)
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
 
 
 def _fail(message: str) -> None:

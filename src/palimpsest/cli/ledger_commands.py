@@ -3,7 +3,6 @@ side-by-side view."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
@@ -21,6 +20,7 @@ from palimpsest.cli.common import (
     _policy_config,
     err,
     out,
+    print_json,
     shared_dev_file,
 )
 from palimpsest.evaluation.replay import (
@@ -112,7 +112,7 @@ def render(
 
         history = p.tokens - p.prefix_tokens
         tools = tool_tokens(rt.ledger.tokenizer, sess)
-        print(json.dumps({
+        print_json({
             "session": session, "t": turn.t, "policy": turn.plan.policy, "config_hash": turn.plan.config_hash,
             "tokenizer": rt.ledger.tokenizer.name, "budget": budget, "max_tokens": reserve,
             "prompt_token_ids": p.ids, "prompt_text": p.text, "messages": list(p.messages),
@@ -129,7 +129,7 @@ def render(
             "plan": [{"t": e.t, "step_id": e.step_id, "resolution": e.resolution.label, "reason": e.reason,
                       "score": e.score, "messages": list(spans[e.t].messages) if e.t in spans else None}
                      for e in turn.plan.entries()],
-        }))
+        })
         return
     table = Table("t", "step", "resolution", "score", "reason", title=f"{policy} plan at t={turn.t}")
     for e in turn.plan.entries():

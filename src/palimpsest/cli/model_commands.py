@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Optional
 
@@ -23,6 +22,7 @@ from palimpsest.cli.common import (
     _json_stdout,
     err,
     out,
+    print_json,
 )
 from palimpsest.cli.replay_commands import _policy_set
 from palimpsest.models.assets import smollm2_dir, smollm2_tokenizer_dir
@@ -45,13 +45,11 @@ from palimpsest.training.train_config import load_train_config
 def train(config: Path = typer.Option(..., "--config", help="configs/train/<name>.yaml"),
           track: bool = typer.Option(True, "--mlflow/--no-mlflow", help="log and register in MLflow")) -> None:
     """Train the REMORY memory network on Ray Train + DeepSpeed (resumes a run of the same name)."""
-    import json as _json
-
 
     with _json_stdout(True):  # what Ray, DeepSpeed and the workers print goes to stderr
         summary = launch(load_train_config(config), track=track)
     # plain JSON on stdout: a console would wrap long lines (the checkpoint path) inside strings
-    sys.stdout.write(_json.dumps(summary, indent=2, default=str) + "\n")
+    print_json(summary, indent=2, default=str)
 
 
 def eval_actions(
@@ -81,7 +79,6 @@ def eval_actions(
     as_json: bool = typer.Option(False, "--json", help="print the result JSON to stdout and nothing else"),
 ) -> None:
     """Action fidelity: KL to the actor given the whole history, NLL of the recorded action, top-1 agreement."""
-    import json as _json
 
     Budget(budget)
     _check_device(device)
@@ -95,7 +92,7 @@ def eval_actions(
             data, names, configs, budget, memory, include_train, max_target_tokens, window, seed, cache, ledger,
             embedder, tokenizer, mlflow, max_boundaries, reference, device)
     if as_json:
-        sys.stdout.write(_json.dumps(out_json) + "\n")
+        print_json(out_json)
         return
     _actions_table(result)
 
@@ -244,7 +241,6 @@ def eval_memory(
     """eval-actions for one memory: POLICY (the memory's positions as text), POLICY+empty (its text alone),
     POLICY+memory and POLICY+other (another trajectory's memory in the same slot: a memory that ignores its input
     scores as well there), on held-out trajectories; gap_closed is relative to POLICY."""
-    import json as _json
 
     if budget is not None:
         Budget(budget)
@@ -274,13 +270,16 @@ def eval_memory(
             embedder, tokenizer, mlflow, max_boundaries, base, device, paired_base=base)
         paired = out_json["paired"]["controls"]
     if as_json:
-        sys.stdout.write(_json.dumps(out_json) + "\n")
+        print_json(out_json)
         return
     _actions_table(result)
     for control, t in paired.items():
+        left = f"{t['identical']} identical by construction left out"
+        if not t["n"]:  # nothing left to compare: no mean, no p-value
+            out.print(f"{base}+memory - {control}: no pair differs ({left}): {t['verdict']}", highlight=False)
+            continue
         out.print(f"{base}+memory - {control}: {t['mean']:+.4f} over {t['n']} trajectories ({t['boundaries']} "
-                  f"boundaries, {t['identical']} identical by construction left out), p {t['p']:.3g} at "
-                  f"{t['alpha']:.4f}: {t['verdict']}", highlight=False)
+                  f"boundaries, {left}), p {t['p']:.3g} at {t['alpha']:.4f}: {t['verdict']}", highlight=False)
 
 
 def eval_reconstruction(
@@ -300,7 +299,6 @@ def eval_reconstruction(
     """Does the memory carry its input? Spans of FILE's trajectories (none the memory trained on, unless --split
     says otherwise), each scored teacher-forced with no memory, with its own memory, and with another span's:
     NLL per token and accuracy, and the share of spans whose first tokens the actor writes back greedily."""
-    import json as _json
 
     _check_device(device)
     if split not in ("held-out", "train", "all"):
@@ -339,7 +337,7 @@ def eval_reconstruction(
                 "trajectories": len({p["trajectory"] for p in picked}), "split": split,
                 "held_out_only": split == "held-out", "seed": seed}
     if as_json:
-        sys.stdout.write(_json.dumps(doc) + "\n")
+        print_json(doc)
         return
     table = Table(title=f"reconstruction of {doc['spans']} spans of {tokens} ids "
                         f"({doc['slots_per_span']:.0f} soft tokens each), {ref}")

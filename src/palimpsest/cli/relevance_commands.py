@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import typer
 
-from palimpsest.cli.common import _json_stdout
+from palimpsest.cli.common import _json_stdout, print_json
 from palimpsest.training.relevance_trainer import launch, load_config
 
 
@@ -15,9 +14,8 @@ def train_relevance(config: Path = typer.Option(..., "--config", help="configs/r
                     track: bool = typer.Option(True, "--mlflow/--no-mlflow",
                                                help="log and register in MLflow")) -> None:
     """Train the relevance predictor on Ray Train (the fit half) and register it as palimpsest-relevance."""
-    import json as _json
 
     cfg = load_config(config)
     with _json_stdout(True):  # what Ray and the worker print goes to stderr
         summary = launch(cfg, track=track)
-    sys.stdout.write(_json.dumps(summary, indent=2, default=str) + "\n")
+    print_json(summary, indent=2, default=str)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Optional
 
@@ -16,6 +15,7 @@ from palimpsest.cli.common import (
     _budget,
     err,
     out,
+    print_json,
 )
 from palimpsest.evaluation.replay import run_replay, summary_markdown, write_outputs
 from palimpsest.evaluation.replay_report import write_report
@@ -106,7 +106,7 @@ def replay(
     for s in result.summary["skipped"]:
         err.print(f"[yellow]skipped:[/] {s['trajectory']}: {s['reason']}", highlight=False)
     if as_json:
-        sys.stdout.write(_json.dumps(result.summary) + "\n")
+        print_json(result.summary)
     else:
         out.print(summary_markdown(result.summary), markup=False, highlight=False)
         out.print(f"written to {out_dir}")

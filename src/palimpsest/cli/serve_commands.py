@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
@@ -12,6 +11,7 @@ from palimpsest.cli.common import (
     _existing,
     err,
     out,
+    print_json,
     shared_dev_file,
 )
 from palimpsest.demo import run_main_demo
@@ -92,7 +92,6 @@ def ab_report(
     rate, glimpses, errors; the smallest difference detectable at 80% power, and the paired comparison of
     trajectories run once per arm (sessions named ID@ARM)."""
 
-
     with Ledger(_existing(ledger)) as led:
         served = [r for r in led.served(since) if r["session_id"].startswith(prefix)]
         outcomes = [o for o in led.outcomes(since) if o["session_id"].startswith(prefix)]
@@ -104,7 +103,7 @@ def ab_report(
         run_id, uri = log_ab(summary, experiment, {"ledger": str(ledger), "since": since, "prefix": prefix}, md)
         summary["mlflow"] = {"run_id": run_id, "tracking_uri": uri}
     if as_json:
-        print(json.dumps(summary, default=float))
+        print_json(summary, default=float)
         return
     out.print(md, markup=False, highlight=False, soft_wrap=True)
     if track:
@@ -120,6 +119,6 @@ def ab_status(
     with Ledger(_existing(ledger)) as led:
         state = rollout_status(led)
     if as_json:
-        print(json.dumps(state, default=float))
+        print_json(state, default=float)
         return
     out.print(rollout_markdown(state), markup=False, highlight=False, soft_wrap=True)
