@@ -111,9 +111,9 @@ def test_the_data_builder_and_the_served_turn_hand_the_memory_identical_ids(tmp_
     mem_cfg = MemoryRead(max_history_tokens=cfg.memory_tokens, max_field_chars=cfg.max_observation_chars)
     seen: dict = {}
 
-    async def memory_for(ct):
+    async def memory_for(ct):  # an open gate: the turn is served with the span's room, as the row was built
         seen["memory"] = turn_memory(rt, ct, mem_cfg)
-        return None
+        return {"soft": [[0.0]] * cfg.soft_slots}
 
     async def generate(request, memory):
         seen["context"], seen["bridge"] = request["context"], request["bridge"]

@@ -236,7 +236,11 @@ class _Memory:
                                "reply": list(reply), "reference": len(reference)})
             return (0.75, 0.5) if key else (0.25, 0.75)
 
+        async def encode(key, sid, history, summary):
+            return {"soft": [[0.0]] * 4, "ms": 0.0, "cached": False}  # an open gate: a span of 4 positions
+
         self.score = type("H", (), {"remote": staticmethod(score)})()
+        self.encode = type("H", (), {"remote": staticmethod(encode)})()
 
 
 def test_a_candidate_is_judged_on_the_same_turn_and_nothing_of_it_is_recorded_as_served(tmp_path):

@@ -46,6 +46,10 @@ class Budget:
         """The most ids the prompt itself may have."""
         return self.total - self.reserve
 
+    def without_soft(self) -> "Budget":
+        """The same total and reply with no soft positions: a memory arm's turn where its memory sends nothing."""
+        return Budget(self.total, self.reply)
+
     def of_total(self, total: int) -> "Budget":
         """The same reserve under another total (a compaction's watermark)."""
         return Budget(total, self.reply, self.soft)

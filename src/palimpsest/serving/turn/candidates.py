@@ -139,14 +139,18 @@ async def judge(turns, c: Judged, s, reference: list[int], threads: int | None) 
     budget, mem = turns.size(armcfg, armcfg.budget or total, reply)
     policy = turns.policies[c.name]
 
-    def compiled():
+    def compiled(at):
         prev = None
         if compaction_of(policy) is not None:  # the epoch it would extend: its own key's last boundary, if any
-            prev = rt.boundary(s.session_id, epoch_key(policy.config_hash, budget), s.turn.t)
-        ct = rt.compile(s.turn.snapshot, policy, budget, boundary=prev)
-        return ct, (turn_memory(rt, ct, turns.read_spec(mem)) if mem else None)
+            prev = rt.boundary(s.session_id, epoch_key(policy.config_hash, at), s.turn.t)
+        ct = rt.compile(s.turn.snapshot, policy, at, boundary=prev)
+        return ct, (turn_memory(rt, ct, turns.read_spec(mem)) if mem and at.soft else None)
 
-    ct, read = await asyncio.to_thread(compiled)
+    ct, read = await asyncio.to_thread(compiled, budget)
+    if read is not None and not len((await turns.memory.encode.remote(mem, s.session_id, *read))["soft"]):
+        read = None  # its span gate is shut
+    if mem and read is None and budget.soft:  # it sends nothing: served as its policy alone (run_turn's rule)
+        ct, read = await asyncio.to_thread(compiled, budget.without_soft())
     p = ct.prompt
     ids = list(p.context_ids) + list(p.bridge_ids)
     soft = turns.soft_positions(mem, len(read[0])) if read else 0

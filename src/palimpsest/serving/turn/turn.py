@@ -11,8 +11,8 @@ is cut to what is left, so the bound holds on every generation of the turn.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
@@ -35,6 +35,7 @@ from palimpsest.platform.types import (
 from palimpsest.serving.http.schemas import TurnOut
 from palimpsest.serving.http.tenancy import TurnPolicies
 from palimpsest.serving.turn.request import TurnRequest
+from palimpsest.serving.turn.stream import StreamGate, streamed
 
 
 class Generate(Protocol):
@@ -83,6 +84,7 @@ class TurnResult:
     # plan sent itself (with priming on append the last two are 0)
     embed: dict[str, int] = field(default_factory=dict)
     stop_sequence: str | None = None  # the stop string that ended the reply, as the actor matched it
+    budget: Budget | None = None  # what the turn was compiled at (a memory that sent nothing: no soft positions)
 
 
 @dataclass(frozen=True)
@@ -96,8 +98,8 @@ class Sized:
     keys_wait_s: float = 0.0
 
 
-async def compile_turn(rt: Runtime, req: TurnRequest, sized: Sized,
-                       clock: WaitClock | None) -> tuple[CompiledTurn, dict[str, float], str | None]:
+async def compile_turn(rt: Runtime, req: TurnRequest, sized: Sized, clock: WaitClock | None,
+                       record: bool = True) -> tuple[CompiledTurn, dict[str, float], str | None]:
     """Plan and compile in a worker thread (policies may block on the embedder); when the embedder is down
     the turn is planned as if no step had a key yet. Returns (turn, the embedder's part: ms waited, texts
     looked up, lookups that joined a priming request in flight, requests the plan sent itself; fallback).
@@ -105,7 +107,7 @@ async def compile_turn(rt: Runtime, req: TurnRequest, sized: Sized,
     A turn that plans (a compaction boundary, or a policy that plans every turn) while some step has no key
     yet first waits, up to ``sized.keys_wait_s``, for the enrichment to write them (``Runtime.await_keys``): the
     plan is then the one every replica makes, not one of whichever keys existed at that moment. ``keys_ms``
-    and ``keys_missing`` say what it waited for."""
+    and ``keys_missing`` say what it waited for. ``record=False``: a preview, audited and stored nowhere."""
     spent: dict[str, float] = {"ms": 0.0, "lookups": 0, "joined": 0, "requests": 0, "keys_ms": 0.0, "keys_missing": 0}
 
     def plan(keys: bool):
@@ -121,7 +123,7 @@ async def compile_turn(rt: Runtime, req: TurnRequest, sized: Sized,
                         rt.await_keys(req.session_id, sized.keys_wait_s)
                         spent["keys_ms"] += (time.perf_counter() - t0) * 1000
                         spent["keys_missing"] = missing
-            return rt.turn(req.session_id, sized.policy, sized.budget, None, True, keys)
+            return rt.turn(req.session_id, sized.policy, sized.budget, None, record, keys)
         finally:  # a failed attempt's wait and requests count too (read in the thread that made them)
             if clock is not None:
                 for k, v in (("ms", clock.waited_ms), ("lookups", clock.lookups), ("joined", clock.joined),
@@ -140,47 +142,33 @@ def turn_memory(rt: Runtime, ct: CompiledTurn, spec: MemoryRead) -> tuple[list[i
     return memory_read(rt.ledger.tokenizer, ct, spec.max_field_chars, spec.max_history_tokens)
 
 
-_GLIMPSE_PREFIX = re.compile(r"^\s*#?\d{0,18}\s*(\)\s*)?$")
+def _slots(memory: Any) -> int:
+    """Soft positions of a span the memory sends (its ``soft``: S rows), 0 without one."""
+    return 0 if memory is None else len(memory["soft"])
 
 
-def could_be_glimpse(text: str) -> bool:
-    """Whether a reply that begins with ``text`` may still turn out to be a glimpse call."""
-    s = text.lstrip()
-    if len(s) <= len("glimpse("):
-        return "glimpse(".startswith(s)
-    return s.startswith("glimpse(") and bool(_GLIMPSE_PREFIX.match(s[len("glimpse("):]))
-
-
-class _Gate:
-    """What a streamed generation may show the client: nothing while the reply may still be a glimpse call
-    (answered inside the turn, never shown), everything once it cannot be."""
-
-    def __init__(self, emit: Callable[[str], Awaitable[None]], may_glimpse: bool):
-        self.emit, self.open, self.held, self.text = emit, not may_glimpse, [], ""
-
-    async def feed(self, delta: str, content: str | None) -> None:
-        self.text += delta
-        if not self.open and not could_be_glimpse(self.text):
-            await self.release()
-        if content:
-            if self.open:
-                await self.emit(content)
-            else:
-                self.held.append(content)
-
-    async def release(self) -> None:
-        self.open = True
-        for c in self.held:
-            await self.emit(c)
-        self.held = []
-
-
-async def _streamed(events: AsyncIterator[dict], gate: _Gate) -> dict:
-    async for ev in events:
-        if ev.get("done"):
-            return ev
-        await gate.feed(ev["delta"], ev.get("content"))
-    raise RuntimeError("the actor's stream ended without a result")
+async def _with_memory(rt: Runtime, req: TurnRequest, sized: Sized, clock: WaitClock | None,
+                       memory_for: Callable[[CompiledTurn], Awaitable[Any]]):
+    """A memory arm's turn. It is previewed with room for the soft span, and the span is read from what that
+    prompt left out. Where the memory sends nothing (the prompt left nothing out, or its span gate is shut) the
+    room goes back to the text: the turn is compiled, and recorded, as its policy alone serves it
+    (``Budget.without_soft``), so a memory that sends nothing costs the actor nothing. Where it sends a span the
+    turn is recorded at the preview's budget; if that prompt differs from the preview (another replica stored a
+    boundary between the two), the span is read again from it. Returns (turn, span or None, the sizes it was
+    compiled at, the embedder's part, fallback, ms spent on the memory)."""
+    preview, embed, fallback = await compile_turn(rt, req, sized, clock, record=False)
+    t0 = time.perf_counter()
+    memory = await memory_for(preview)
+    memory_ms = (time.perf_counter() - t0) * 1000
+    if memory is None:
+        sized = dataclasses.replace(sized, budget=sized.budget.without_soft())
+    ct, spent, fallback = await compile_turn(rt, req, sized, clock)
+    embed = {k: embed[k] + spent[k] for k in embed}
+    if memory is not None and list(ct.prompt.ids) != list(preview.prompt.ids):
+        t0 = time.perf_counter()
+        memory = await memory_for(ct)  # None here serves the recorded prompt with its room unused: a rare race
+        memory_ms += (time.perf_counter() - t0) * 1000
+    return ct, memory, sized, embed, fallback, memory_ms
 
 
 async def run_turn(rt: Runtime, req: TurnRequest, sized: Sized, generate: Generate, glimpse_limit: int,
@@ -190,13 +178,17 @@ async def run_turn(rt: Runtime, req: TurnRequest, sized: Sized, generate: Genera
                    started: Callable[[CompiledTurn], Awaitable[None]] | None = None) -> TurnResult:
     """One served turn. With ``stream`` and ``emit``, the final answer's content is handed to ``emit`` as
     it is generated (a glimpse round inside the turn never is); the result is the same either way.
-    ``started`` is told the compiled turn before the actor is first called (a stream's opening names its size)."""
+    ``started`` is told the compiled turn and its soft positions before the actor is first called (a stream's
+    opening names its size). ``memory_for(ct)``: the soft span the memory sends for a compiled turn, or None."""
     t_start = time.perf_counter()
-    ct, embed, fallback = await compile_turn(rt, req, sized, clock)
-    plan_ms = (time.perf_counter() - t_start) * 1000
-    memory = await memory_for(ct) if (memory_for is not None and sized.budget.soft) else None
+    memory, memory_ms = None, 0.0
+    if memory_for is not None and sized.budget.soft:
+        ct, memory, sized, embed, fallback, memory_ms = await _with_memory(rt, req, sized, clock, memory_for)
+    else:
+        ct, embed, fallback = await compile_turn(rt, req, sized, clock)
+    plan_ms = (time.perf_counter() - t_start) * 1000 - memory_ms
     if started is not None:
-        await started(ct)
+        await started(ct, _slots(memory))
     request = req.actor_fields(sized.budget.reply, sized.tools)
     room = sized.budget.prompt
     messages = list(ct.prompt.messages)
@@ -207,8 +199,8 @@ async def run_turn(rt: Runtime, req: TurnRequest, sized: Sized, generate: Genera
     gate = None
     while True:
         if stream is not None and emit is not None:
-            gate = _Gate(emit, may_glimpse=len(glimpsed) < glimpse_limit)
-            out = await _streamed(stream({**request, "context": context, "bridge": bridge, "messages": messages},
+            gate = StreamGate(emit, may_glimpse=len(glimpsed) < glimpse_limit)
+            out = await streamed(stream({**request, "context": context, "bridge": bridge, "messages": messages},
                                          memory), gate)
         else:
             out = await generate({**request, "context": context, "bridge": bridge, "messages": messages}, memory)
@@ -238,12 +230,12 @@ async def run_turn(rt: Runtime, req: TurnRequest, sized: Sized, generate: Genera
         prompt_tokens=out["prompt_tokens"], prompt_tokens_total=prompt_total, completion_tokens=completion,
         generations=generations,
         soft_tokens=out["soft_tokens"], cached_tokens=out["cached_tokens"], cached_tokens_total=cached_total,
-        latency={"plan": plan_ms, "embed": embed["ms"], "memory": float(out.get("memory_ms", 0.0)), "actor": actor_ms,
-                 "total": total_ms},
+        latency={"plan": plan_ms, "embed": embed["ms"], "memory": memory_ms + float(out.get("memory_ms", 0.0)),
+                 "actor": actor_ms, "total": total_ms},
         fallback=fallback, out=out, content=out.get("content", out["text"]),
         tool_calls=list(out.get("tool_calls") or []),
         embed={k: embed[k] for k in ("lookups", "joined", "requests", "keys_missing", "keys_ms")},
-        stop_sequence=out.get("stop_sequence"))
+        stop_sequence=out.get("stop_sequence"), budget=sized.budget)
 
 
 class TurnService:
@@ -313,25 +305,20 @@ class TurnService:
         sized = Sized(policy, budget, declared_tools(session.tools) if self.actor_info.get("tool_parser") else None,
                       self.cfg.turns.keys_wait_s)
 
-        reads: dict[int, Any] = {}  # the memory's read of the compiled turn, computed once
-
-        async def read_of(ct):
-            if id(ct) not in reads:
-                reads[id(ct)] = await asyncio.to_thread(turn_memory, self.runtime, ct, self.read_spec(mem))
-            return reads[id(ct)]
-
         async def memory_for(ct):
-            # A handle response, not awaited here: the soft span goes from the encoder to the actor directly.
-            read = await read_of(ct)
-            return None if read is None else self.memory.encode.remote(mem, sid, *read)
+            """The span memory ``mem`` sends for ``ct``, awaited (whether it sends one decides the prompt), or None:
+            the prompt left nothing out, or the span gate is shut (an empty span)."""
+            read = await asyncio.to_thread(turn_memory, self.runtime, ct, self.read_spec(mem))
+            if read is None:
+                return None
+            span = await self.memory.encode.remote(mem, sid, *read)
+            return span if len(span["soft"]) else None
 
-        async def opened(ct):
+        async def opened(ct, soft: int):
             """The size of the turn's first generation, before the actor is called (a stream's opening usage):
-            its ids, the soft positions the memory's read yields, and what the epoch expects the cache to hold."""
-            read = await read_of(ct) if mem else None
+            its ids, the soft positions of the span sent, and what the epoch expects the cache to hold."""
             ids = len(ct.prompt.context_ids) + len(ct.prompt.bridge_ids)
-            await started({"prompt": ids + (self.soft_positions(mem, len(read[0])) if read else 0),
-                           "expected_cached": int((ct.cost or {}).get("cached", 0))})
+            await started({"prompt": ids + soft, "expected_cached": int((ct.cost or {}).get("cached", 0))})
 
         stream = (lambda r, m: self.actor.options(stream=True).generate_stream.remote(r, m)) if emit else None
         res = await run_turn(self.runtime, req, sized, self.actor.generate.remote, self.cfg.limits.glimpses_per_turn,
@@ -352,8 +339,9 @@ class TurnService:
         self.metrics.observe_turn(arm, tokens, res.latency, len(res.glimpses))
         if self.shadow is not None:
             self._offer(sid, arm, mem, ct, res, budget)
-        edit = None if req.edits is None else applied(req.edits, ct.plan, ct.snapshot, policy.cfg, budget.total,
-                                                       bool(ct.compacted), budget.total - budget.prompt)
+        sent = res.budget or budget  # without the soft positions where the memory sent nothing
+        edit = None if req.edits is None else applied(req.edits, ct.plan, ct.snapshot, policy.cfg, sent.total,
+                                                       bool(ct.compacted), sent.total - sent.prompt)
         return TurnOut(session_id=sid, t=ct.t, arm=arm, action=res.text, finish_reason=res.finish_reason,
                        stop_sequence=res.stop_sequence, context_edit=edit,
                        plan=ct.plan.counts(), tokens=tokens, latency_ms=res.latency, glimpses=res.glimpses,
@@ -381,7 +369,9 @@ class TurnService:
     def _offer(self, sid: str, arm: str, mem: str | None, ct: CompiledTurn, res: TurnResult, budget=None) -> None:
         async def score(reference: list[int], reply: list[int], threads: int | None = None) -> tuple[float, float]:
             """Both prompts of the turn scored by the memory encoder's actor (a memory arm's span is cached)."""
-            read = await asyncio.to_thread(turn_memory, self.runtime, ct, self.read_spec(mem)) if mem else None
+            # the span only where the turn sent one (a memory that sent nothing was served its policy's prompt)
+            sent = mem and res.soft_tokens
+            read = await asyncio.to_thread(turn_memory, self.runtime, ct, self.read_spec(mem)) if sent else None
             p = ct.prompt
             return await self.memory.score.remote(mem if read else None, sid, *(read or ([], [])),
                                                   list(p.context_ids), list(p.bridge_ids), reply, reference, threads)
