@@ -187,9 +187,10 @@ def test_an_epoch_policy_is_scored_on_its_chain_as_served_with_boundary_and_appe
 
 
 def test_a_memory_that_carries_nothing_does_no_harm(tmp_path, actor_dir, data):
-    """The network as it starts (its span gate closed) sends no soft span: at every boundary its row is the text
-    alone, the same prompt and the same KL (tolerance 0) as ``NAME+empty``. The same network with the gate open
-    (its only difference) sends its span and moves the actor: the check can fail."""
+    """The network as it starts (its span gate closed) sends no soft span: at every boundary its row is the
+    policy's own, the same prompt and the same KL (tolerance 0) as ``NAME``, as serving gives the span's room back
+    to the text. ``NAME+empty`` keeps the room unused and differs where the room matters. The same network with
+    the gate open (its only difference) sends its span and moves the actor: the check can fail."""
     from palimpsest.evaluation.actions import MemoryArm
     from palimpsest.models.encoder import MemoryEncoder
     from palimpsest.models.memory import MemoryConfig, MemoryRead
@@ -201,24 +202,27 @@ def test_a_memory_that_carries_nothing_does_no_harm(tmp_path, actor_dir, data):
 
     def arm(gate_bias: float) -> MemoryArm:
         torch.manual_seed(0)
-        cfg = MemoryConfig(block_size=16, queries=4, max_slots=8, lora_rank=4, summary_layers=1, gate_bias=gate_bias)
-        return MemoryArm(MemoryEncoder(MemoryNetwork(cfg, actor), actor), MemoryRead(max_history_tokens=64))
+        cfg = MemoryConfig(block_size=16, queries=4, max_slots=64, lora_rank=4, summary_layers=1,
+                           gate_bias=gate_bias)  # 64 soft positions: room that changes the prompt at 1,000
+        return MemoryArm(MemoryEncoder(MemoryNetwork(cfg, actor), actor), MemoryRead(max_history_tokens=256))
 
     pace = parse_policy_config("pace")
     closed, opened = arm(-4.0), arm(4.0)  # the default starting logit, and an open gate
-    arms = [Arm("pace+empty", pace, closed, inject=False), Arm("pace+memory", pace, closed),
+    arms = [Arm("pace", pace), Arm("pace+empty", pace, closed, inject=False), Arm("pace+memory", pace, closed),
             Arm("pace+open", pace, opened)]
     res = evaluate_actions(rt, sessions, arms, 1000, actor, data_sha=file_sha256(data), actor_key=str(actor_dir),
                            window=2048, max_boundaries=6, max_target_tokens=12)
     rows = {(r["policy"], r["trajectory"], r["t"]): r for r in res.boundaries if r.get("skipped") is None}
     keys = [(s, t) for p, s, t in rows if p == "pace+empty"]
     assert len(keys) == 6
-    moved = 0
+    moved = roomier = 0
     for s, t in keys:
-        empty, mem, open_ = (rows[(p, s, t)] for p in ("pace+empty", "pace+memory", "pace+open"))
-        assert mem["soft"] == 0 and mem["positions"] == empty["positions"]
-        assert mem["kl"] == empty["kl"] and mem["nll"] == empty["nll"]  # no harm: exactly the text alone
+        own, empty, mem, open_ = (rows[(p, s, t)] for p in ("pace", "pace+empty", "pace+memory", "pace+open"))
+        assert mem["soft"] == 0 and mem["positions"] == own["positions"] and mem["text"] == own["text"]
+        assert mem["kl"] == own["kl"] and mem["nll"] == own["nll"]  # no harm: exactly the policy alone
+        roomier += own["positions"] > empty["positions"]
         moved += open_["soft"] > 0 and open_["kl"] != empty["kl"]
+    assert roomier > 0  # the room a shut gate gives back is text the actor sees
     assert moved > 0  # an open gate sends the span, and the actor reads it
 
 

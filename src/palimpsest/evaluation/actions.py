@@ -7,7 +7,8 @@ history, with the recorded next action, fits the actor's window):
 - each **student** is the actor given a policy's served prompt at the budget (the prompt serving sends:
   ``pipelines.replay_sessions.walk_turns`` compiles it with the served code). ``NAME+memory`` keeps room for the
   soft span of a memory model and puts it where serving puts it (before the recent raw turns), reading
-  what the prompt left out (``platform.prompt.chat.memory_read``, the call serving makes); ``NAME+empty`` is
+  what the prompt left out (``platform.prompt.chat.memory_read``, the call serving makes); where the memory
+  sends nothing (nothing left out, or its span gate shut) it is ``NAME``'s own prompt, as served; ``NAME+empty`` is
   the same prompt with the soft span left out (what the memory adds over its own text); plain ``NAME``
   spends those positions on text (the memory against the same positions of extra text);
 - each is scored on the recorded next action (step t's thought and action, its first
@@ -162,6 +163,9 @@ def evaluate_actions(rt, sessions, arms: list[Arm], budget: int, actor, *, data_
         for arm in arms:
             soft = arm.memory.slots if arm.memory else 0
             last = max(ts)
+            # where the memory sends nothing, serving gives its room back to the text: the policy's own prompts
+            plain = _plain_turns(rt, sess, arm.config, Budget(budget, max_target_tokens), ts) \
+                if arm.memory is not None and arm.inject else {}
             for rs, _snap, turn, _s in walk_turns(rt, sess, arm.config, Budget(budget, max_target_tokens, soft)):
                 if rs.t > last:
                     break
@@ -184,14 +188,20 @@ def evaluate_actions(rt, sessions, arms: list[Arm], budget: int, actor, *, data_
                         rows.append({**row, "skipped": "the prompt left nothing out: no memory at this turn"})
                         continue
                     reads.setdefault(sid, []).append(read)
-                    pending.append((arm, row, context, bridge, target, teachers[rs.t]))
+                    pending.append((arm, row, context, bridge, target, teachers[rs.t], plain[rs.t]))
                     continue
                 if arm.memory is not None and arm.inject:
                     read = arm.memory.read(tok, turn)
-                    if read is not None:
-                        mem = arm.memory.encode(read)
+                    mem = arm.memory.encode(read) if read is not None else None
+                    if mem is not None and mem.shape[0]:
                         parts.append(mem.to(parts[0].dtype))
                         n_soft = int(mem.shape[0])
+                    elif isinstance(plain[rs.t], BudgetError):
+                        rows.append({**row, "skipped": str(plain[rs.t])})
+                        continue
+                    else:  # it sends nothing: the policy's own prompt, as served
+                        context, bridge = list(plain[rs.t].prompt.context_ids), list(plain[rs.t].prompt.bridge_ids)
+                        parts = [actor.embed(torch.tensor(context, dtype=torch.long))]
                 if bridge:
                     parts.append(actor.embed(torch.tensor(bridge, dtype=torch.long)))
                 with torch.inference_mode():
@@ -214,14 +224,28 @@ def text_digest(context: list[int], bridge: list[int]) -> str:
     return hashlib.sha256(json.dumps([context, bridge]).encode()).hexdigest()[:16]
 
 
+def _plain_turns(rt, sess, config, budget: Budget, ts: dict[int, Any]) -> dict[int, Any]:
+    """The policy's own served turns (no soft positions) at the boundaries ``ts``: what a memory arm's turn is
+    where its memory sends nothing (``serving.turn.turn._with_memory``). Exact where the memory sent nothing at
+    every turn before; a turn that sent a span is served from the other chain, which this walk does not skip."""
+    out: dict[int, Any] = {}
+    for rs, _snap, turn, _s in walk_turns(rt, sess, config, budget):
+        if rs.t > max(ts):
+            break
+        if rs.t in ts:
+            out[rs.t] = turn
+    return out
+
+
 def _donor_rows(actor, pending: list, reads: dict[str, list]) -> list[dict]:
     """NAME+other: each boundary with the memory of another trajectory (the next one, in order, that has a read;
     its k-th read for this trajectory's k-th boundary) in the same slot: what a memory that ignores its input
-    would score. Without another trajectory the rows are skipped, and say so."""
+    would score. Where that memory sends nothing (its gate shut) the row is the policy's own prompt, as served.
+    Without another trajectory the rows are skipped, and say so."""
     donors = sorted(reads)
     seen: dict[str, int] = {}
     out = []
-    for arm, row, context, bridge, target, teacher in pending:
+    for arm, row, context, bridge, target, teacher, plain in pending:
         sid = row["trajectory"]
         others = [d for d in donors if d != sid]
         if not others:
@@ -230,9 +254,15 @@ def _donor_rows(actor, pending: list, reads: dict[str, list]) -> list[dict]:
         donor = next((d for d in others if d > sid), others[0])
         k = seen.get(sid, 0)
         seen[sid] = k + 1
-        parts = [actor.embed(torch.tensor(context, dtype=torch.long))]
         mem = arm.memory.encode(reads[donor][k % len(reads[donor])])
-        parts.append(mem.to(parts[0].dtype))
+        if not mem.shape[0]:
+            if isinstance(plain, BudgetError):
+                out.append({**row, "skipped": str(plain)})
+                continue
+            context, bridge = list(plain.prompt.context_ids), list(plain.prompt.bridge_ids)
+        parts = [actor.embed(torch.tensor(context, dtype=torch.long))]
+        if mem.shape[0]:
+            parts.append(mem.to(parts[0].dtype))
         if bridge:
             parts.append(actor.embed(torch.tensor(bridge, dtype=torch.long)))
         with torch.inference_mode():
