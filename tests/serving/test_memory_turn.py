@@ -51,7 +51,7 @@ def test_a_memory_that_sends_nothing_serves_the_policys_own_prompt(tmp_path):
     rt = _runtime(tmp_path / "mem.db")
     shut, res = _served(rt, SOFT, span=None)
     assert shut["ids"] == plain["ids"] and shut["memory"] is None and shut["opening_soft"] == 0
-    assert res.budget == Budget(TOTAL, REPLY) and res.compiled.prompt.reserve == REPLY
+    assert res.sized.budget == Budget(TOTAL, REPLY) and res.compiled.prompt.reserve == REPLY
     assert shut["read_from"] != plain["ids"]  # the span was read from a prompt with its room: the check can fail
     # the preview with room was neither audited nor stored: one turn recorded, at the budget it was served at
     assert rt.ledger.turns_recorded("s", res.compiled.plan.config_hash, TOTAL) == 1
@@ -62,4 +62,13 @@ def test_a_memory_that_sends_a_span_keeps_its_room_and_the_span_reaches_the_acto
     span = {"soft": [[0.0]] * 4}
     sent, res = _served(_runtime(tmp_path / "mem.db"), SOFT, span=span)
     assert sent["memory"] is span and sent["opening_soft"] == 4
-    assert sent["ids"] == sent["read_from"] != plain["ids"] and res.budget == Budget(TOTAL, REPLY, SOFT)
+    assert sent["ids"] == sent["read_from"] != plain["ids"] and res.sized.budget == Budget(TOTAL, REPLY, SOFT)
+
+
+def test_without_the_room_the_policy_is_the_one_for_that_budget():
+    """A request's context edit puts the budget's reserve in the policy's watermarks: a turn served without the
+    soft positions takes the policy resolved for that budget, not the one for the budget with the room."""
+    sized = Sized("with room", Budget(TOTAL, REPLY, SOFT), policy_at=lambda b: ("at", b.total, b.reserve))
+    plain = sized.without_soft()
+    assert plain.budget == Budget(TOTAL, REPLY) and plain.policy == ("at", TOTAL, REPLY)
+    assert Sized("p", Budget(TOTAL, REPLY, SOFT)).without_soft().policy == "p"  # no edit: the arm's own

@@ -147,7 +147,8 @@ def evaluate_actions(rt, sessions, arms: list[Arm], budget: int, actor, *, data_
     by_id = {s.session_id: s for s in sessions}
     rows: list[dict] = []
     reads: dict[str, list[tuple[list[int], list[int]]]] = {}  # each trajectory's memory reads, for NAME+other
-    pending: list[tuple[Arm, dict, list[int], list[int], Any, Teacher]] = []  # NAME+other rows: scored at the end
+    # NAME+other rows, scored at the end: (arm, row, context, bridge, target, teacher, the policy's own turn)
+    pending: list[tuple[Arm, dict, list[int], list[int], Any, Teacher, Any]] = []
     for sid, ts in wanted.items():
         sess = by_id[sid]
         # 2. The teacher at each boundary (cached).
@@ -200,6 +201,7 @@ def evaluate_actions(rt, sessions, arms: list[Arm], budget: int, actor, *, data_
                         rows.append({**row, "skipped": str(plain[rs.t])})
                         continue
                     else:  # it sends nothing: the policy's own prompt, as served
+                        row["turn"] = turn_kind(plain[rs.t])
                         context, bridge = list(plain[rs.t].prompt.context_ids), list(plain[rs.t].prompt.bridge_ids)
                         parts = [actor.embed(torch.tensor(context, dtype=torch.long))]
                 if bridge:
@@ -260,6 +262,7 @@ def _donor_rows(actor, pending: list, reads: dict[str, list]) -> list[dict]:
                 out.append({**row, "skipped": str(plain)})
                 continue
             context, bridge = list(plain.prompt.context_ids), list(plain.prompt.bridge_ids)
+            row = {**row, "turn": turn_kind(plain)}
         parts = [actor.embed(torch.tensor(context, dtype=torch.long))]
         if mem.shape[0]:
             parts.append(mem.to(parts[0].dtype))

@@ -261,7 +261,7 @@ class Runtime:
                 previews[session_id] = turn.plan.info["model_calls"]
         # the fold, the boundary and the audit of a turn are stored together or not at all
         with self.ledger.transaction():
-            if turn.plan.new_fold and turn.plan.fold is not None:
+            if turn.plan.new_fold and turn.plan.fold is not None and record:  # a preview's fold is worked out again
                 self.ledger.add_fold(session_id, turn.plan.config_hash, turn.plan.fold)
             if turn.compacted and turn.epoch_key is not None and at is None and record:  # a preview stores nothing
                 row, stored = self.ledger.add_boundary(session_id, turn.epoch_key, turn.boundary)

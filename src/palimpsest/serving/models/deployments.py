@@ -2,8 +2,8 @@
 ``memory_encoder.py``'s).
 
 Each wraps one model-side class (no HTTP here; the ingress is the only place that knows HTTP). Tensors
-travel between them through DeploymentHandles: the memory encoder's soft span goes straight into the
-actor call (the ingress passes the response along without awaiting it), so it never crosses the ingress.
+travel between them through DeploymentHandles: the ingress awaits the memory encoder's soft span (whether the
+memory sends one decides the turn's prompt: ``serving.turn.turn._with_memory``) and hands it to the actor call.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The memory encoder deployment: REMORY soft spans for compiled prompts, and the shadow lane's fidelity
-scoring on the same frozen actor (``models.encoder``, ``models.scorer``). Its soft span goes from here
-straight into the actor call (``deployments.py``): the ingress passes the response along unawaited."""
+scoring on the same frozen actor (``models.encoder``, ``models.scorer``). The ingress awaits its soft span (an
+empty one, a shut span gate, is no span: the turn is its policy's own) and hands it to the actor call."""
 
 from __future__ import annotations
 

@@ -220,7 +220,7 @@ class ShadowLane:
                 await asyncio.to_thread(self.runtime.ledger.record_shadow, s.session_id, s.turn.t, s.arm,
                                         "identical", reference=reference_label, tokens=len(s.reply))
         else:
-            # the soft span (a handle response, as on the turn) goes from the memory encoder to the actor directly;
+            # the memory encoder scores both prompts, the span (where the turn sent one) from its own cache;
             # ab.shadow_threads only while no turn is in flight (a lane that does not yield scores beside the turns)
             kl, top1 = await s.scorer(ref_ids, s.reply, None if self.busy() else self.cfg.shadow_threads)
             if s.regular:

@@ -84,7 +84,7 @@ class TurnResult:
     # plan sent itself (with priming on append the last two are 0)
     embed: dict[str, int] = field(default_factory=dict)
     stop_sequence: str | None = None  # the stop string that ended the reply, as the actor matched it
-    budget: Budget | None = None  # what the turn was compiled at (a memory that sent nothing: no soft positions)
+    sized: Sized | None = None  # what the turn was compiled at (a memory that sent nothing: no soft positions)
 
 
 @dataclass(frozen=True)
@@ -96,10 +96,18 @@ class Sized:
     budget: Budget
     tools: list[dict] | None = None
     keys_wait_s: float = 0.0
+    # the policy at another budget (a request's context edit puts the budget in its watermarks): where a memory
+    # sends nothing, the turn is its policy's at the budget without the soft positions
+    policy_at: Callable[[Budget], Any] | None = None
+
+    def without_soft(self) -> "Sized":
+        budget = self.budget.without_soft()
+        policy = self.policy_at(budget) if self.policy_at is not None else self.policy
+        return dataclasses.replace(self, budget=budget, policy=policy)
 
 
 async def compile_turn(rt: Runtime, req: TurnRequest, sized: Sized, clock: WaitClock | None,
-                       record: bool = True) -> tuple[CompiledTurn, dict[str, float], str | None]:
+                       record: bool = True, keys: bool = True) -> tuple[CompiledTurn, dict[str, float], str | None]:
     """Plan and compile in a worker thread (policies may block on the embedder); when the embedder is down
     the turn is planned as if no step had a key yet. Returns (turn, the embedder's part: ms waited, texts
     looked up, lookups that joined a priming request in flight, requests the plan sent itself; fallback).
@@ -107,7 +115,8 @@ async def compile_turn(rt: Runtime, req: TurnRequest, sized: Sized, clock: WaitC
     A turn that plans (a compaction boundary, or a policy that plans every turn) while some step has no key
     yet first waits, up to ``sized.keys_wait_s``, for the enrichment to write them (``Runtime.await_keys``): the
     plan is then the one every replica makes, not one of whichever keys existed at that moment. ``keys_ms``
-    and ``keys_missing`` say what it waited for. ``record=False``: a preview, audited and stored nowhere."""
+    and ``keys_missing`` say what it waited for. ``record=False``: a preview, audited and stored nowhere;
+    ``keys=False``: planned as if no key existed at once (the embedder already failed this turn)."""
     spent: dict[str, float] = {"ms": 0.0, "lookups": 0, "joined": 0, "requests": 0, "keys_ms": 0.0, "keys_missing": 0}
 
     def plan(keys: bool):
@@ -130,6 +139,8 @@ async def compile_turn(rt: Runtime, req: TurnRequest, sized: Sized, clock: WaitC
                              ("requests", clock.requests)):
                     spent[k] += v
 
+    if not keys:
+        return await asyncio.to_thread(plan, False), spent, "embedder"
     try:
         return await asyncio.to_thread(plan, True), spent, None
     except EmbedderUnavailable:
@@ -154,15 +165,17 @@ async def _with_memory(rt: Runtime, req: TurnRequest, sized: Sized, clock: WaitC
     room goes back to the text: the turn is compiled, and recorded, as its policy alone serves it
     (``Budget.without_soft``), so a memory that sends nothing costs the actor nothing. Where it sends a span the
     turn is recorded at the preview's budget; if that prompt differs from the preview (another replica stored a
-    boundary between the two), the span is read again from it. Returns (turn, span or None, the sizes it was
-    compiled at, the embedder's part, fallback, ms spent on the memory)."""
-    preview, embed, fallback = await compile_turn(rt, req, sized, clock, record=False)
+    boundary between the two), the span is read again from it. The preview waits for no missing key (the recorded
+    turn does, once), and an embedder that failed the preview is not asked again. Returns (turn, span or None, the
+    sizes it was compiled at, the embedder's part, fallback, ms spent on the memory)."""
+    preview, embed, fallback = await compile_turn(rt, req, dataclasses.replace(sized, keys_wait_s=0.0), clock,
+                                                  record=False)
     t0 = time.perf_counter()
     memory = await memory_for(preview)
     memory_ms = (time.perf_counter() - t0) * 1000
     if memory is None:
-        sized = dataclasses.replace(sized, budget=sized.budget.without_soft())
-    ct, spent, fallback = await compile_turn(rt, req, sized, clock)
+        sized = sized.without_soft()
+    ct, spent, fallback = await compile_turn(rt, req, sized, clock, keys=fallback is None)
     embed = {k: embed[k] + spent[k] for k in embed}
     if memory is not None and list(ct.prompt.ids) != list(preview.prompt.ids):
         t0 = time.perf_counter()
@@ -175,7 +188,7 @@ async def run_turn(rt: Runtime, req: TurnRequest, sized: Sized, generate: Genera
                    memory_for: Callable[[CompiledTurn], Awaitable[Any]] | None = None, clock: WaitClock | None = None,
                    stream: Callable[[dict, Any], AsyncIterator[dict]] | None = None,
                    emit: Callable[[str], Awaitable[None]] | None = None,
-                   started: Callable[[CompiledTurn], Awaitable[None]] | None = None) -> TurnResult:
+                   started: Callable[[CompiledTurn, int], Awaitable[None]] | None = None) -> TurnResult:
     """One served turn. With ``stream`` and ``emit``, the final answer's content is handed to ``emit`` as
     it is generated (a glimpse round inside the turn never is); the result is the same either way.
     ``started`` is told the compiled turn and its soft positions before the actor is first called (a stream's
@@ -230,12 +243,12 @@ async def run_turn(rt: Runtime, req: TurnRequest, sized: Sized, generate: Genera
         prompt_tokens=out["prompt_tokens"], prompt_tokens_total=prompt_total, completion_tokens=completion,
         generations=generations,
         soft_tokens=out["soft_tokens"], cached_tokens=out["cached_tokens"], cached_tokens_total=cached_total,
-        latency={"plan": plan_ms, "embed": embed["ms"], "memory": memory_ms + float(out.get("memory_ms", 0.0)),
+        latency={"plan": plan_ms, "embed": embed["ms"], "memory": memory_ms or float(out.get("memory_ms", 0.0)),
                  "actor": actor_ms, "total": total_ms},
         fallback=fallback, out=out, content=out.get("content", out["text"]),
         tool_calls=list(out.get("tool_calls") or []),
         embed={k: embed[k] for k in ("lookups", "joined", "requests", "keys_missing", "keys_ms")},
-        stop_sequence=out.get("stop_sequence"), budget=sized.budget)
+        stop_sequence=out.get("stop_sequence"), sized=sized)
 
 
 class TurnService:
@@ -303,7 +316,7 @@ class TurnService:
         budget, mem = self.size(self.cfg.arm(arm), self.resolve.budget(pin, req.budget), req.max_tokens)
         policy = self.resolve.policy(arm, pin, req.edits, budget)
         sized = Sized(policy, budget, declared_tools(session.tools) if self.actor_info.get("tool_parser") else None,
-                      self.cfg.turns.keys_wait_s)
+                      self.cfg.turns.keys_wait_s, lambda at: self.resolve.policy(arm, pin, req.edits, at))
 
         async def memory_for(ct):
             """The span memory ``mem`` sends for ``ct``, awaited (whether it sends one decides the prompt), or None:
@@ -328,20 +341,20 @@ class TurnService:
             self.metrics.fallbacks.labels(arm=arm, kind=res.fallback).inc()
             if self.enqueue is not None:
                 self.enqueue(sid)
-        ct = res.compiled
+        ct, sent = res.compiled, res.sized or sized  # sent: without the soft positions where the memory sent nothing
         tokens = {"context": ct.prompt.tokens, "prefix": ct.prompt.prefix_tokens, "soft": res.soft_tokens,
                   "prompt": res.prompt_tokens, "completion": res.completion_tokens, "cached": res.cached_tokens,
                   "reserve": ct.prompt.reserve, "generations": res.generations, "prompt_total": res.prompt_tokens_total,
                   "full_history_estimate": ct.plan.info.get("full_tokens_estimate", ct.prompt.tokens),
                   "cached_total": res.cached_tokens_total}
         await asyncio.to_thread(self._record, sid, arm, ct, res, tokens, emit is not None, dict(req.noted),
-                                req.tool_choice, TurnPolicies.recorded(pin, policy))
+                                req.tool_choice, TurnPolicies.recorded(pin, sent.policy))
         self.metrics.observe_turn(arm, tokens, res.latency, len(res.glimpses))
         if self.shadow is not None:
-            self._offer(sid, arm, mem, ct, res, budget)
-        sent = res.budget or budget  # without the soft positions where the memory sent nothing
-        edit = None if req.edits is None else applied(req.edits, ct.plan, ct.snapshot, policy.cfg, sent.total,
-                                                       bool(ct.compacted), sent.total - sent.prompt)
+            self._offer(sid, arm, mem, ct, res, sent.budget)
+        edit = None if req.edits is None else applied(req.edits, ct.plan, ct.snapshot, sent.policy.cfg,
+                                                       sent.budget.total, bool(ct.compacted),
+                                                       sent.budget.total - sent.budget.prompt)
         return TurnOut(session_id=sid, t=ct.t, arm=arm, action=res.text, finish_reason=res.finish_reason,
                        stop_sequence=res.stop_sequence, context_edit=edit,
                        plan=ct.plan.counts(), tokens=tokens, latency_ms=res.latency, glimpses=res.glimpses,
