@@ -7,7 +7,8 @@ registered memory's slot, scored by `palimpsest eval-memory` on the trajectories
         [--span-gate on|off] [--out FILE]
 
 ``--span-gate off`` is the network without its span gate (what every bundle was before the gate); ``on`` (the
-default of a new network) starts with the gate closed, so its rows should be the text alone exactly.
+default of a new network) starts with the gate closed, so it sends nothing and its rows are the policy's own
+prompt exactly (the span's room goes back to the text).
 
 The untrained bundle copies the registered bundle's record (its held-out split, its reads, its budget and policy),
 so the rows are the same boundaries as the registered memory's eval-memory. Rows: POLICY (the span's positions as
